@@ -1,0 +1,48 @@
+/* Small wrappers over OpenSSL libcrypto: hashes, HMAC, random tokens and
+ * constant-time comparison, with the lengths idem uses. */
+#ifndef IDEM_CRYPTO_H
+#define IDEM_CRYPTO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "idem/error.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define IDEM_SHA256_LEN 32
+#define IDEM_SHA256_HEX_LEN 65
+
+/* Writes the SHA-256 of `len` bytes at `data` to `out` (32 bytes).
+ * Returns IDEM_OK or IDEM_ECRYPTO. */
+IDEM_WARN_UNUSED int idem_sha256(const void *data, size_t len,
+                                 unsigned char out[IDEM_SHA256_LEN]);
+
+/* Writes HMAC-SHA256(key, data) to `out` (32 bytes). Returns IDEM_OK or
+ * IDEM_ECRYPTO. */
+IDEM_WARN_UNUSED int idem_hmac_sha256(const void *key, size_t key_len,
+                                      const void *data, size_t len,
+                                      unsigned char out[IDEM_SHA256_LEN]);
+
+/* Fills `buf` with `len` bytes from the CSPRNG. Returns IDEM_OK or
+ * IDEM_ECRYPTO (the buffer must then not be used). */
+IDEM_WARN_UNUSED int idem_random_bytes(void *buf, size_t len);
+
+/* Writes `nchars` random characters from [0-9a-z] followed by a NUL to
+ * `out` (which holds nchars + 1 bytes). Each character carries 5 bits of
+ * entropy. Returns IDEM_OK or IDEM_ECRYPTO. */
+IDEM_WARN_UNUSED int idem_random_token(char *out, size_t nchars);
+
+/* Writes the lowercase hex of `len` bytes to `out` (2 * len + 1 bytes). */
+void idem_hex(const unsigned char *bytes, size_t len, char *out);
+
+/* Compares `len` bytes in time independent of their contents; returns 1
+ * when equal, 0 otherwise. */
+int idem_ct_equal(const void *a, const void *b, size_t len);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

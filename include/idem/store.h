@@ -1,0 +1,210 @@
+/* The store interface: where idempotency records, the resources they
+ * created, tenants and outbox rows live. Each backend (SQLite, PostgreSQL)
+ * fills in a table of functions; callers only use the idem_store_*()
+ * wrappers below, so a new backend needs no change in callers.
+ *
+ * Every call is safe from many threads at once. Calls that write return
+ * only after their transaction is durable. */
+#ifndef IDEM_STORE_H
+#define IDEM_STORE_H
+
+#include <stdint.h>
+
+#include "idem/error.h"
+#include "idem/record.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct idem_store idem_store_t;
+
+/* A resource created by an operation (a payment, an order): the effect
+ * that is written in the same transaction as its record. Borrowed. */
+typedef struct idem_resource {
+  const char *kind;         /* "payment", "order" */
+  const char *id;           /* "pay_...", unique across kinds */
+  const char *status;       /* "pending", "succeeded", "created", ... */
+  const char *body;         /* the resource as a JSON object */
+  const char *provider_ref; /* may be NULL */
+} idem_resource_t;
+
+/* How a record ends (or pauses): its new state and the response replays
+ * will get, plus the resource's new status and body. Borrowed. */
+typedef struct idem_outcome {
+  idem_state_t state;      /* COMPLETED, PENDING or FAILED */
+  int status;              /* HTTP status to replay */
+  const char *body;        /* response body to replay (JSON object) */
+  const char *location;    /* may be NULL */
+  const char *resource_id; /* may be NULL: keep the record's */
+  const char *resource_status; /* NULL: leave the resource alone */
+  const char *resource_body;   /* NULL: keep the resource's body */
+  const char *provider_ref;    /* NULL: keep */
+} idem_outcome_t;
+
+/* One reservation. The resource, outbox row and outcome are optional; what
+ * is given is written in the one transaction that wins the key. */
+typedef struct idem_reserve {
+  idem_scope_t scope;
+  const char *fingerprint;
+  const char *correlation_id;
+  int64_t now_ms;
+  int64_t lease_ms; /* how long a processing owner keeps the record */
+  int64_t ttl_ms;   /* lifetime of completed and failed records */
+  const idem_resource_t *resource; /* inserted when the key is won */
+  int enqueue_outbox;              /* with resource: add an outbox row */
+  const idem_outcome_t *outcome;   /* complete at once (single-step ops) */
+} idem_reserve_t;
+
+typedef enum idem_reserve_result {
+  IDEM_RESERVE_WON = 1, /* the key is ours; the record is new (or taken over) */
+  IDEM_RESERVE_EXISTS   /* another request holds the key; see the record */
+} idem_reserve_result_t;
+
+/* Completion of a record this request owns. */
+typedef struct idem_complete {
+  idem_scope_t scope;
+  const char *owner_token;
+  int64_t now_ms;
+  int64_t ttl_ms;
+  idem_outcome_t outcome;
+} idem_complete_t;
+
+typedef struct idem_tenant {
+  int64_t id;
+  char name[65];
+  char key_lookup[33];
+  unsigned char key_hash[32];
+  int disabled;
+  int64_t created_at;
+} idem_tenant_t;
+
+typedef struct idem_store_options {
+  int pool_size;       /* connections kept for concurrent callers; 0: default */
+  int busy_timeout_ms; /* wait for another process's lock; 0: default */
+} idem_store_options_t;
+
+/* The table of functions a backend provides. Wrappers document them. */
+typedef struct idem_store_methods {
+  int version; /* 1 */
+  const char *name;
+  void (*close)(idem_store_t *);
+  int (*migrate)(idem_store_t *);
+  int (*ping)(idem_store_t *);
+  int (*reserve)(idem_store_t *, const idem_reserve_t *, idem_record_t *,
+                 idem_reserve_result_t *);
+  int (*complete)(idem_store_t *, const idem_complete_t *);
+  int (*lookup)(idem_store_t *, const idem_scope_t *, int64_t now_ms,
+                idem_record_t *);
+  int (*resource_get)(idem_store_t *, int64_t tenant_id, const char *kind,
+                      const char *id, char **body);
+  int (*tenant_create)(idem_store_t *, idem_tenant_t *);
+  int (*tenant_find)(idem_store_t *, const char *key_lookup, idem_tenant_t *);
+  int (*meta_get_or_put)(idem_store_t *, const char *name, const char *value,
+                         char **out);
+  int (*sweep)(idem_store_t *, int64_t now_ms, int batch, int *deleted);
+  int (*count)(idem_store_t *, const char *what, int64_t tenant_id, int64_t *n);
+} idem_store_methods_t;
+
+/* Opens the store named by `url`: "postgresql://..." or "postgres://..."
+ * selects PostgreSQL, anything else is a SQLite file path. `opts` may be
+ * NULL. Does not create the schema (see idem_store_migrate()). On success
+ * `*out` owns the store (close with idem_store_close()); on failure `*out`
+ * is NULL and idem_store_last_error() says why. */
+IDEM_WARN_UNUSED int idem_store_open(const char *url,
+                                     const idem_store_options_t *opts,
+                                     idem_store_t **out);
+
+/* Closes the store and frees it. Callers must have finished all calls. */
+void idem_store_close(idem_store_t *store);
+
+/* The backend's name ("sqlite", "postgresql"). */
+const char *idem_store_backend(const idem_store_t *store);
+
+/* Creates or upgrades the schema to this program's version. Idempotent.
+ * Returns IDEM_ESCHEMA if the database is newer than this program. */
+IDEM_WARN_UNUSED int idem_store_migrate(idem_store_t *store);
+
+/* Returns IDEM_OK when the store answers a trivial query. */
+IDEM_WARN_UNUSED int idem_store_ping(idem_store_t *store);
+
+/* Reserves `req->scope` in one atomic statement backed by the unique
+ * constraint (never select-then-insert). A key with no record, an expired
+ * record, or a failed record with the same fingerprint is won: `*result` is
+ * IDEM_RESERVE_WON and `out` is the new processing record with its owner
+ * token (or, with `req->outcome`, the completed record), and the resource,
+ * outbox row and outcome are committed in the same transaction. Otherwise
+ * `*result` is IDEM_RESERVE_EXISTS, `out` is the record that holds the key,
+ * and nothing was written. `out` must be reset by the caller either way. */
+IDEM_WARN_UNUSED int idem_store_reserve(idem_store_t *store,
+                                        const idem_reserve_t *req,
+                                        idem_record_t *out,
+                                        idem_reserve_result_t *result);
+
+/* Moves a processing record to `c->outcome` (and updates its resource, and
+ * removes its outbox row unless the outcome is pending) in one transaction,
+ * only if `c->owner_token` still owns it. Returns IDEM_ELOST when it does
+ * not (nothing written). Wakes requests waiting on the record. */
+IDEM_WARN_UNUSED int idem_store_complete(idem_store_t *store,
+                                         const idem_complete_t *c);
+
+/* Reads the live record of `scope` into `out` (reset it after). Returns
+ * IDEM_ENOTFOUND when there is none or it expired at `now_ms`. */
+IDEM_WARN_UNUSED int idem_store_lookup(idem_store_t *store,
+                                       const idem_scope_t *scope,
+                                       int64_t now_ms, idem_record_t *out);
+
+/* Returns a ticket to pass to idem_store_wait(). Take it before reading the
+ * record you intend to wait on, so a completion in between is not missed. */
+uint64_t idem_store_watch(idem_store_t *store, const idem_scope_t *scope);
+
+/* Sleeps until a record that hashes like `scope` changed since `ticket`, or
+ * `timeout_ms` passed. Returns IDEM_OK (re-read the record; it may be
+ * unchanged) or IDEM_ETIMEDOUT. Holds no lock of the store while asleep. */
+int idem_store_wait(idem_store_t *store, const idem_scope_t *scope,
+                    uint64_t ticket, int64_t timeout_ms);
+
+/* Reads a tenant's resource of `kind` by id; `*body` gets a malloc'd JSON
+ * document the caller frees. IDEM_ENOTFOUND for an unknown id or one of
+ * another tenant. */
+IDEM_WARN_UNUSED int idem_store_resource_get(idem_store_t *store,
+                                             int64_t tenant_id,
+                                             const char *kind, const char *id,
+                                             char **body);
+
+/* Inserts a tenant from `t` (name, key_lookup, key_hash, created_at) and
+ * sets `t->id`. IDEM_EEXIST when the name is taken. */
+IDEM_WARN_UNUSED int idem_store_tenant_create(idem_store_t *store,
+                                              idem_tenant_t *t);
+
+/* Finds the tenant whose API key has lookup part `key_lookup`.
+ * IDEM_ENOTFOUND when none. */
+IDEM_WARN_UNUSED int idem_store_tenant_find(idem_store_t *store,
+                                            const char *key_lookup,
+                                            idem_tenant_t *out);
+
+/* Stores `value` under `name` unless a value is there already, then reads
+ * the value that won into `*out` (malloc'd; caller frees). Safe when many
+ * processes race on first start. */
+IDEM_WARN_UNUSED int idem_store_meta_get_or_put(idem_store_t *store,
+                                                const char *name,
+                                                const char *value, char **out);
+
+/* Deletes up to `batch` completed or failed records that expired at
+ * `now_ms` (never pending or processing ones); `*deleted` gets the count. */
+IDEM_WARN_UNUSED int idem_store_sweep(idem_store_t *store, int64_t now_ms,
+                                      int batch, int *deleted);
+
+/* Counts rows for tests and tools: `what` is "records", "processing",
+ * "pending", "outbox", "payments" or "orders"; `tenant_id` 0 means all. */
+IDEM_WARN_UNUSED int idem_store_count(idem_store_t *store, const char *what,
+                                      int64_t tenant_id, int64_t *n);
+
+/* The last backend error message seen by this thread, for logs only:
+ * it may hold SQL or library text and must never reach an HTTP body. */
+const char *idem_store_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,31 @@
+/* Internal: wake-ups for requests waiting on an in-flight key. Keys hash to
+ * one of a fixed number of stripes; each stripe has a generation counter
+ * and a condition variable, so a completion wakes its waiters at once
+ * without a global lock (a collision only costs a spurious re-read). */
+#ifndef IDEM_LIB_WAITSET_H
+#define IDEM_LIB_WAITSET_H
+
+#include <stdint.h>
+
+#include "idem/record.h"
+
+typedef struct idem__waitset idem__waitset_t;
+
+/* Returns a new wait set, or NULL when out of memory. */
+idem__waitset_t *idem__waitset_new(void);
+
+/* Frees the set. No thread may be waiting. */
+void idem__waitset_free(idem__waitset_t *ws);
+
+/* The current generation of `scope`'s stripe. */
+uint64_t idem__waitset_ticket(idem__waitset_t *ws, const idem_scope_t *scope);
+
+/* Waits until the stripe's generation differs from `ticket` or `timeout_ms`
+ * passed; returns IDEM_OK or IDEM_ETIMEDOUT. */
+int idem__waitset_wait(idem__waitset_t *ws, const idem_scope_t *scope,
+                       uint64_t ticket, int64_t timeout_ms);
+
+/* Advances `scope`'s stripe and wakes everyone waiting on it. */
+void idem__waitset_wake(idem__waitset_t *ws, const idem_scope_t *scope);
+
+#endif

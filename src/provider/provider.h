@@ -1,0 +1,53 @@
+/* The payment provider seen from idemd: charge an amount under a provider
+ * idempotency key and learn the outcome. The built-in sandbox implements it
+ * in process; an HTTP client can implement the same table. */
+#ifndef IDEM_PROVIDER_H
+#define IDEM_PROVIDER_H
+
+#include <stdint.h>
+
+#include "idem/record.h"
+
+typedef enum idem_charge_outcome {
+  IDEM_CHARGE_SUCCEEDED = 1, /* the provider accepted the charge */
+  IDEM_CHARGE_DECLINED,      /* the provider refused it; definite */
+  IDEM_CHARGE_UNKNOWN,       /* sent, but no definite answer (timeout, 5xx) */
+  IDEM_CHARGE_NOT_SENT       /* nothing reached the provider; safe to retry */
+} idem_charge_outcome_t;
+
+typedef struct idem_charge {
+  const char *provider_key; /* stable for the payment: every retry reuses it */
+  int64_t amount;
+  const char *currency;
+} idem_charge_t;
+
+typedef struct idem_charge_result {
+  idem_charge_outcome_t outcome;
+  char reference[IDEM_REF_MAX + 1]; /* the provider's id for the charge */
+} idem_charge_result_t;
+
+typedef struct idem_provider idem_provider_t;
+
+struct idem_provider {
+  const char *name;
+  /* Charges `c` once per provider key, ever; fills `out`. Never fails
+   * otherwise: a transport problem is an outcome. */
+  void (*charge)(idem_provider_t *, const idem_charge_t *c,
+                 idem_charge_result_t *out);
+  void (*close)(idem_provider_t *);
+};
+
+/* Behaviour of the sandbox; amounts of 0 are never matched. */
+typedef struct idem_sandbox_options {
+  int64_t delay_ms;           /* added before every answer */
+  int64_t decline_amount;     /* declined */
+  int64_t uncertain_amount;   /* charged, but the answer is lost */
+  int64_t unavailable_amount; /* never reaches the provider */
+} idem_sandbox_options_t;
+
+/* Creates the in-process sandbox: it accepts every charge after
+ * `opts->delay_ms` except the amounts `opts` names. Returns NULL when out
+ * of memory. Free with provider->close(). */
+idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts);
+
+#endif

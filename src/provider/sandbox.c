@@ -1,0 +1,62 @@
+/* The sandbox provider: instant (or delayed) in-process charges, so idemd
+ * runs with no external service. References are derived from the provider
+ * key, so a repeated key names the same charge, as a real provider would. */
+#include "provider/provider.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "idem/crypto.h"
+
+typedef struct sandbox {
+  idem_provider_t base;
+  idem_sandbox_options_t opts;
+} sandbox_t;
+
+static void sandbox_charge(idem_provider_t *p, const idem_charge_t *c,
+                           idem_charge_result_t *out) {
+  sandbox_t *sb = (sandbox_t *)p;
+  unsigned char digest[IDEM_SHA256_LEN];
+  char hex[IDEM_SHA256_HEX_LEN];
+
+  int64_t delay = sb->opts.delay_ms;
+
+  out->reference[0] = '\0';
+  if (c->amount == sb->opts.unavailable_amount) {
+    out->outcome = IDEM_CHARGE_NOT_SENT;
+    return;
+  }
+  if (delay > 0) {
+    struct timespec ts = {delay / 1000, (delay % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0)
+      ;
+  }
+  if (idem_sha256(c->provider_key, strlen(c->provider_key), digest) != IDEM_OK) {
+    out->outcome = IDEM_CHARGE_NOT_SENT;
+    out->reference[0] = '\0';
+    return;
+  }
+  idem_hex(digest, 12, hex);
+  snprintf(out->reference, sizeof out->reference, "ch_sandbox_%s", hex);
+  if (c->amount == sb->opts.uncertain_amount)
+    out->outcome = IDEM_CHARGE_UNKNOWN;
+  else if (c->amount == sb->opts.decline_amount)
+    out->outcome = IDEM_CHARGE_DECLINED;
+  else
+    out->outcome = IDEM_CHARGE_SUCCEEDED;
+}
+
+static void sandbox_close(idem_provider_t *p) { free(p); }
+
+idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts) {
+  sandbox_t *sb = calloc(1, sizeof *sb);
+  if (sb == NULL)
+    return NULL;
+  sb->base.name = "sandbox";
+  sb->base.charge = sandbox_charge;
+  sb->base.close = sandbox_close;
+  sb->opts = *opts;
+  return &sb->base;
+}

@@ -1,0 +1,176 @@
+/* idemd's commands: opening the store the same way for each, serving with
+ * a clean shutdown on SIGTERM/SIGINT, and the administrative commands. */
+#include "server/commands.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idem/clock.h"
+#include "idem/crypto.h"
+#include "server/auth.h"
+#include "server/log.h"
+#include "server/server.h"
+
+/* Opens and migrates the store named by the configuration. Store messages
+ * go to stderr here: this is the operator's terminal, not an HTTP body. */
+static idem_store_t *open_store(const idemd_config_t *cfg) {
+  idem_store_t *store = NULL;
+  int rc = idem_store_open(cfg->db, NULL, &store);
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: cannot open database: %s (%s)\n", idem_strerror(rc),
+            idem_store_last_error());
+    return NULL;
+  }
+  rc = idem_store_migrate(store);
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: cannot migrate database: %s (%s)\n",
+            idem_strerror(rc), idem_store_last_error());
+    idem_store_close(store);
+    return NULL;
+  }
+  return store;
+}
+
+/* The HMAC key for key ids in logs: generated on first start and kept in
+ * the database, so every instance and restart derives the same ids. */
+static int load_log_secret(idemd_server_t *srv) {
+  unsigned char raw[32];
+  char hex[65];
+  char *secret = NULL;
+  int rc;
+
+  if (idem_random_bytes(raw, sizeof raw) != IDEM_OK)
+    return IDEM_ECRYPTO;
+  idem_hex(raw, sizeof raw, hex);
+  rc = idem_store_meta_get_or_put(srv->store, "log_key_secret", hex, &secret);
+  if (rc != IDEM_OK)
+    return rc;
+  rc = idem_sha256(secret, strlen(secret), srv->log_secret);
+  free(secret);
+  return rc;
+}
+
+int idemd_cmd_serve(const idemd_config_t *cfg) {
+  static idemd_server_t srv; /* big (metrics), lives for the process */
+  char listen[128], port[16];
+  sigset_t stop;
+  int sig = 0, rc;
+
+  srv.cfg = *cfg;
+  if (strcmp(cfg->provider, "sandbox") != 0) {
+    fprintf(stderr, "idemd: unsupported provider '%s' (this build has: sandbox)\n",
+            cfg->provider);
+    return 2;
+  }
+  if ((srv.store = open_store(cfg)) == NULL)
+    return 1;
+  if ((rc = load_log_secret(&srv)) != IDEM_OK) {
+    fprintf(stderr, "idemd: cannot load the log secret: %s\n", idem_strerror(rc));
+    idem_store_close(srv.store);
+    return 1;
+  }
+  idem_sandbox_options_t sandbox = {
+      .delay_ms = cfg->sandbox_delay_ms,
+      .decline_amount = cfg->sandbox_decline_amount,
+      .uncertain_amount = cfg->sandbox_uncertain_amount,
+      .unavailable_amount = cfg->sandbox_unavailable_amount,
+  };
+  srv.provider = idem_sandbox_new(&sandbox);
+  if (srv.provider == NULL) {
+    idem_store_close(srv.store);
+    return 1;
+  }
+
+  /* Block the stop signals before MHD starts its threads, so they inherit
+   * the mask and only this thread receives them (in sigwait). */
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &stop, NULL);
+  signal(SIGPIPE, SIG_IGN);
+
+  if (idemd_http_start(&srv) != 0) {
+    srv.provider->close(srv.provider);
+    idem_store_close(srv.store);
+    return 1;
+  }
+  snprintf(listen, sizeof listen, "%s:%d", cfg->listen_host, cfg->listen_port);
+  snprintf(port, sizeof port, "%d", cfg->threads);
+  idemd_log_event("info", "listening", "listen", listen, "store",
+                  idem_store_backend(srv.store), "provider", srv.provider->name,
+                  "threads", port, NULL);
+
+  sigwait(&stop, &sig);
+  idemd_log_event("info", "shutting down", "signal",
+                  sig == SIGTERM ? "SIGTERM" : "SIGINT", NULL);
+  idemd_http_stop(&srv);
+  srv.provider->close(srv.provider);
+  idem_store_close(srv.store);
+  idemd_log_event("info", "stopped", NULL);
+  return 0;
+}
+
+int idemd_cmd_tenant_create(const idemd_config_t *cfg, const char *name) {
+  char key[IDEMD_API_KEY_MAX + 1];
+  idem_tenant_t t;
+  idem_store_t *store;
+  int rc;
+
+  rc = idemd_api_key_new(name, &t, key);
+  if (rc == IDEM_EINVAL) {
+    fprintf(stderr, "idemd: a tenant name is 1 to 64 of A-Z a-z 0-9 . _ -\n");
+    return 2;
+  }
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: cannot generate a key: %s\n", idem_strerror(rc));
+    return 1;
+  }
+  if ((store = open_store(cfg)) == NULL)
+    return 1;
+  rc = idem_store_tenant_create(store, &t);
+  idem_store_close(store);
+  if (rc == IDEM_EEXIST) {
+    fprintf(stderr, "idemd: tenant '%s' already exists\n", name);
+    return 1;
+  }
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: cannot create tenant: %s (%s)\n", idem_strerror(rc),
+            idem_store_last_error());
+    return 1;
+  }
+  printf("%s\n", key);
+  return 0;
+}
+
+int idemd_cmd_migrate(const idemd_config_t *cfg) {
+  idem_store_t *store = open_store(cfg);
+  if (store == NULL)
+    return 1;
+  idem_store_close(store);
+  fprintf(stderr, "idemd: schema is up to date\n");
+  return 0;
+}
+
+int idemd_cmd_sweep(const idemd_config_t *cfg) {
+  idem_store_t *store = open_store(cfg);
+  long long total = 0;
+  int deleted, rc;
+
+  if (store == NULL)
+    return 1;
+  do {
+    rc = idem_store_sweep(store, idem_now_ms(), 1000, &deleted);
+    total += deleted;
+  } while (rc == IDEM_OK && deleted > 0);
+  idem_store_close(store);
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: sweep failed: %s (%s)\n", idem_strerror(rc),
+            idem_store_last_error());
+    return 1;
+  }
+  printf("%lld\n", total);
+  return 0;
+}

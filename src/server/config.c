@@ -1,0 +1,202 @@
+/* Flags and IDEMD_* variables for idemd, with validation at start-up so a
+ * bad value is a clear error rather than a crash later. */
+#include "server/config.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idem/record.h"
+
+enum kind { K_LISTEN, K_TEXT, K_INT, K_DURATION };
+
+struct option {
+  const char *flag;
+  const char *env;
+  enum kind kind;
+  size_t offset;
+  size_t size;
+  long long min, max; /* for K_INT and K_DURATION (ms) */
+  const char *def;
+  const char *help;
+};
+
+#define OFF(f) offsetof(idemd_config_t, f), sizeof(((idemd_config_t *)0)->f)
+
+static const struct option options[] = {
+    {"--listen", "IDEMD_LISTEN", K_LISTEN, OFF(listen_host), 0, 0,
+     "127.0.0.1:8080", "address and port to listen on"},
+    {"--db", "IDEMD_DB", K_TEXT, OFF(db), 0, 0, "./idem.db",
+     "SQLite file (or postgresql:// URL)"},
+    {"--provider", "IDEMD_PROVIDER", K_TEXT, OFF(provider), 0, 0, "sandbox",
+     "payment provider: sandbox"},
+    {"--threads", "IDEMD_THREADS", K_INT, OFF(threads), 1, 1024, "16",
+     "HTTP worker threads"},
+    {"--inflight-wait", "IDEMD_INFLIGHT_WAIT", K_DURATION, OFF(inflight_wait_ms),
+     0, 600000, "5s", "how long a duplicate waits for its in-flight original"},
+    {"--key-ttl", "IDEMD_KEY_TTL", K_DURATION, OFF(key_ttl_ms), 1,
+     (long long)365 * 86400 * 1000, "24h",
+     "how long completed and failed keys are remembered"},
+    {"--lease", "IDEMD_LEASE", K_DURATION, OFF(lease_ms), 100, 86400000, "30s",
+     "how long a worker owns a processing record"},
+    {"--sandbox-delay", "IDEMD_SANDBOX_DELAY", K_DURATION,
+     OFF(sandbox_delay_ms), 0, 600000, "0", "added latency of the sandbox provider"},
+    {"--sandbox-decline-amount", "IDEMD_SANDBOX_DECLINE_AMOUNT", K_INT,
+     OFF(sandbox_decline_amount), 0, 9007199254740991LL, "0",
+     "the sandbox declines payments of this amount (0: none)"},
+    {"--sandbox-uncertain-amount", "IDEMD_SANDBOX_UNCERTAIN_AMOUNT", K_INT,
+     OFF(sandbox_uncertain_amount), 0, 9007199254740991LL, "0",
+     "the sandbox charges this amount but its answer is lost (0: none)"},
+    {"--sandbox-unavailable-amount", "IDEMD_SANDBOX_UNAVAILABLE_AMOUNT", K_INT,
+     OFF(sandbox_unavailable_amount), 0, 9007199254740991LL, "0",
+     "the sandbox is unreachable for this amount (0: none)"},
+};
+
+#define NOPTIONS (sizeof options / sizeof *options)
+
+int idemd_parse_duration(const char *s, int64_t *ms) {
+  char *end;
+  long long v;
+  long long mult = 1000;
+
+  if (s == NULL || *s < '0' || *s > '9')
+    return -1;
+  errno = 0;
+  v = strtoll(s, &end, 10);
+  if (errno != 0 || v < 0)
+    return -1;
+  if (*end == '\0' || strcmp(end, "s") == 0)
+    mult = 1000;
+  else if (strcmp(end, "ms") == 0)
+    mult = 1;
+  else if (strcmp(end, "m") == 0)
+    mult = 60000;
+  else if (strcmp(end, "h") == 0)
+    mult = 3600000;
+  else
+    return -1;
+  if (v > LLONG_MAX / mult)
+    return -1;
+  *ms = v * mult;
+  return 0;
+}
+
+static int set_listen(idemd_config_t *cfg, const char *v) {
+  const char *colon = strrchr(v, ':');
+  char *end;
+  long port;
+  size_t hostlen;
+
+  if (colon == NULL || colon == v)
+    return -1;
+  hostlen = (size_t)(colon - v);
+  if (hostlen >= sizeof cfg->listen_host)
+    return -1;
+  errno = 0;
+  port = strtol(colon + 1, &end, 10);
+  if (errno || *end || colon[1] == '\0' || port < 0 || port > 65535)
+    return -1;
+  memcpy(cfg->listen_host, v, hostlen);
+  cfg->listen_host[hostlen] = '\0';
+  cfg->listen_port = (int)port;
+  return 0;
+}
+
+static int set_option(idemd_config_t *cfg, const struct option *o, const char *v) {
+  char *field = (char *)cfg + o->offset;
+  switch (o->kind) {
+  case K_LISTEN:
+    return set_listen(cfg, v);
+  case K_TEXT:
+    if (v[0] == '\0')
+      return -1;
+    return idem_copy(field, o->size, v);
+  case K_INT: {
+    char *end;
+    long long n;
+    errno = 0;
+    n = strtoll(v, &end, 10);
+    if (errno || *end || v[0] == '\0' || n < o->min || n > o->max)
+      return -1;
+    if (o->size == sizeof(int))
+      *(int *)field = (int)n;
+    else
+      *(int64_t *)field = n;
+    return 0;
+  }
+  case K_DURATION: {
+    int64_t ms;
+    if (idemd_parse_duration(v, &ms) != 0 || ms < o->min || ms > o->max)
+      return -1;
+    *(int64_t *)field = ms;
+    return 0;
+  }
+  }
+  return -1;
+}
+
+void idemd_config_defaults(idemd_config_t *cfg) {
+  memset(cfg, 0, sizeof *cfg);
+  for (size_t i = 0; i < NOPTIONS; i++)
+    (void)set_option(cfg, &options[i], options[i].def);
+}
+
+static int bad_value(FILE *err, const char *name, const char *v) {
+  fprintf(err, "idemd: invalid value for %s: '%s' (see idemd --help)\n", name, v);
+  return -1;
+}
+
+int idemd_config_parse(idemd_config_t *cfg, int argc, char **argv, FILE *err) {
+  int i;
+
+  for (size_t k = 0; k < NOPTIONS; k++) {
+    const char *v = getenv(options[k].env);
+    if (v && set_option(cfg, &options[k], v) != 0)
+      return bad_value(err, options[k].env, v);
+  }
+  for (i = 0; i < argc; i++) {
+    const char *arg = argv[i];
+    const struct option *o = NULL;
+    const char *v = NULL;
+    size_t n;
+
+    if (strncmp(arg, "--", 2) != 0)
+      break;
+    for (size_t k = 0; k < NOPTIONS && !o; k++) {
+      n = strlen(options[k].flag);
+      if (strncmp(arg, options[k].flag, n) == 0 && (arg[n] == '\0' || arg[n] == '=')) {
+        o = &options[k];
+        v = arg[n] == '=' ? arg + n + 1 : NULL;
+      }
+    }
+    if (o == NULL) {
+      fprintf(err, "idemd: unknown option '%s' (see idemd --help)\n", arg);
+      return -1;
+    }
+    if (v == NULL) {
+      if (i + 1 >= argc) {
+        fprintf(err, "idemd: option %s needs a value\n", o->flag);
+        return -1;
+      }
+      v = argv[++i];
+    }
+    if (set_option(cfg, o, v) != 0)
+      return bad_value(err, o->flag, v);
+  }
+  return i;
+}
+
+void idemd_config_usage(FILE *out) {
+  fprintf(out,
+          "usage: idemd [serve] [options]\n"
+          "       idemd tenant create NAME [--db ...]\n"
+          "       idemd migrate [--db ...]\n"
+          "       idemd sweep [--db ...]\n"
+          "       idemd --help | --version\n\n"
+          "options (each also read from its environment variable):\n");
+  for (size_t i = 0; i < NOPTIONS; i++)
+    fprintf(out, "  %-26s %-30s %s (default: %s)\n", options[i].flag,
+            options[i].env, options[i].help, options[i].def);
+  fprintf(out, "\nDurations take a unit: 500ms, 5s, 10m, 24h (no unit: seconds).\n");
+}

@@ -1,0 +1,40 @@
+/* idemd's configuration: every setting has a flag, an IDEMD_* environment
+ * variable and a default that runs with no flags at all. */
+#ifndef IDEMD_CONFIG_H
+#define IDEMD_CONFIG_H
+
+#include <stdint.h>
+#include <stdio.h>
+
+typedef struct idemd_config {
+  char listen_host[64];
+  int listen_port;
+  char db[1024];
+  char provider[256];
+  int threads;
+  int64_t inflight_wait_ms; /* bound on waiting for an in-flight duplicate */
+  int64_t key_ttl_ms;       /* lifetime of completed and failed records */
+  int64_t lease_ms;         /* how long a processing owner holds its record */
+  int64_t sandbox_delay_ms; /* the sandbox provider's added latency */
+  int64_t sandbox_decline_amount;     /* declined (402); 0: none */
+  int64_t sandbox_uncertain_amount;   /* charged, answer lost (pending) */
+  int64_t sandbox_unavailable_amount; /* provider unreachable (failed) */
+} idemd_config_t;
+
+/* Fills `cfg` with the defaults. */
+void idemd_config_defaults(idemd_config_t *cfg);
+
+/* Applies IDEMD_* environment variables, then the flags in argv[0..argc)
+ * (flags win). Unknown flags and invalid values are errors: a message
+ * naming the flag goes to `err` and the result is -1. Returns the number of
+ * arguments consumed (positional arguments stop the scan) on success. */
+int idemd_config_parse(idemd_config_t *cfg, int argc, char **argv, FILE *err);
+
+/* Parses a duration: a number with an optional unit ms, s, m or h (no unit
+ * means seconds). Returns 0 and sets `*ms`, or -1. */
+int idemd_parse_duration(const char *s, int64_t *ms);
+
+/* Prints the flags, their variables and defaults. */
+void idemd_config_usage(FILE *out);
+
+#endif

@@ -1,0 +1,29 @@
+/* The idempotent request flow shared by every creating route: find or
+ * reserve the key, execute once, complete, and answer; or replay, report a
+ * mismatch, wait (bounded) for an in-flight original, or report pending.
+ * The rows of the SPEC section 2 table live here and nowhere else. */
+#ifndef IDEMD_FLOW_H
+#define IDEMD_FLOW_H
+
+#include "server/server.h"
+
+typedef struct idemd_effect {
+  const char *operation;   /* "create_payment" */
+  const char *fingerprint; /* of the validated command */
+  const idem_resource_t *resource; /* written when the key is won */
+  int enqueue_outbox;
+  /* Single-step operations: the final outcome, written in the same
+   * transaction as the reservation. */
+  const idem_outcome_t *outcome;
+  /* Multi-step operations: called once the key is won, outside any
+   * transaction; fills `out`, whose strings must stay valid until
+   * idemd_flow_run() returns. */
+  void (*execute)(void *ctx, const idem_record_t *rec, idem_outcome_t *out);
+  void *ctx;
+} idemd_effect_t;
+
+/* Runs `e` for request `r` (authenticated, key parsed) and sends the
+ * answer. Exactly one of `e->outcome` and `e->execute` is set. */
+enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e);
+
+#endif

@@ -1,0 +1,333 @@
+/* The HTTP layer of idemd on libmicrohttpd: routing and the checks of SPEC
+ * section 3 in their order (404, 405, 401, 413, 415, 400 key, 400 body,
+ * then the route's own 422), body reading under a cap, and the log line
+ * and metrics once each answer is sent. */
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/socket.h>
+
+#include "idem/clock.h"
+#include "idem/crypto.h"
+#include "idem/key.h"
+#include "server/auth.h"
+#include "server/log.h"
+#include "server/reply.h"
+#include "server/validate.h"
+
+/* Past the cap we keep reading (and dropping) a little so the client can
+ * read its 413; beyond this we just close the connection. */
+#define DISCARD_LIMIT (1024 * 1024)
+
+struct route_def {
+  const char *prefix; /* exact path, or prefix of "/{id}" routes */
+  int has_id;
+  const char *method;
+  const char *allow;
+  idemd_route_t route;
+  idemd_op_t op;
+  int needs_auth;
+};
+
+static const struct route_def routes[] = {
+    {"/payments", 0, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT, 1},
+    {"/payments/", 1, "GET", "GET, HEAD", ROUTE_PAYMENT, OP_GET_PAYMENT, 1},
+    {"/orders", 0, "POST", "POST", ROUTE_ORDERS, OP_CREATE_ORDER, 1},
+    {"/orders/", 1, "GET", "GET, HEAD", ROUTE_ORDER, OP_GET_ORDER, 1},
+    {"/healthz", 0, "GET", "GET, HEAD", ROUTE_HEALTHZ, OP_HEALTHZ, 0},
+    {"/metrics", 0, "GET", "GET, HEAD", ROUTE_METRICS, OP_METRICS, 0},
+};
+
+static const struct route_def *match_route(const char *url, char *id, size_t idcap) {
+  for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
+    const struct route_def *d = &routes[i];
+    size_t n = strlen(d->prefix);
+    if (!d->has_id) {
+      if (strcmp(url, d->prefix) == 0)
+        return d;
+      continue;
+    }
+    if (strncmp(url, d->prefix, n) == 0) {
+      const char *rest = url + n;
+      size_t len = strlen(rest);
+      /* An id is 1 to 63 of [A-Za-z0-9_]; anything else names nothing. */
+      if (len == 0 || len >= idcap ||
+          strspn(rest, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                       "0123456789_") != len)
+        return NULL;
+      memcpy(id, rest, len + 1);
+      return d;
+    }
+  }
+  return NULL;
+}
+
+static int method_allowed(const struct route_def *d, const char *method) {
+  if (strcmp(method, d->method) == 0)
+    return 1;
+  return strcmp(d->method, "GET") == 0 && strcmp(method, "HEAD") == 0;
+}
+
+static void set_request_id(idemd_request_t *r) {
+  const char *given = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "X-Request-Id");
+  if (given) {
+    size_t n = strlen(given);
+    if (n >= 1 && n <= 64 &&
+        strspn(given, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                      "0123456789._:-") == n) {
+      memcpy(r->request_id, given, n + 1);
+      return;
+    }
+  }
+  memcpy(r->request_id, "req_", 4);
+  if (idem_random_token(r->request_id + 4, 20) != IDEM_OK)
+    idem_copy(r->request_id, sizeof r->request_id, "req_unknown");
+}
+
+/* Copies the path for logs with anything but visible ASCII replaced. */
+static void set_path(idemd_request_t *r, const char *url) {
+  size_t i;
+  for (i = 0; url[i] && i < sizeof r->path - 1; i++) {
+    unsigned char c = (unsigned char)url[i];
+    r->path[i] = c >= 0x21 && c <= 0x7e ? (char)c : '?';
+  }
+  r->path[i] = '\0';
+}
+
+static int is_json_media_type(const char *ct) {
+  size_t n = strlen("application/json");
+  if (ct == NULL)
+    return 0;
+  while (*ct == ' ' || *ct == '\t')
+    ct++;
+  if (strncasecmp(ct, "application/json", n) != 0)
+    return 0;
+  ct += n;
+  while (*ct == ' ' || *ct == '\t')
+    ct++;
+  return *ct == '\0' || *ct == ';';
+}
+
+static enum MHD_Result serve_healthz(idemd_request_t *r) {
+  r->outcome = OUTCOME_READ;
+  if (idem_store_ping(r->srv->store) != IDEM_OK) {
+    atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
+    r->outcome = OUTCOME_ERROR;
+    return idemd_reply_error(r, 503, "the store is unreachable", NULL);
+  }
+  return idemd_reply(r, 200, "{\"status\":\"ok\"}", 15, NULL);
+}
+
+static enum MHD_Result serve_metrics(idemd_request_t *r) {
+  idemd_reply_headers_t h = {.content_type = "text/plain; version=0.0.4; charset=utf-8"};
+  int64_t pending = -1, processing = -1;
+  enum MHD_Result ret;
+  char *text;
+
+  if (idem_store_count(r->srv->store, "pending", 0, &pending) != IDEM_OK ||
+      idem_store_count(r->srv->store, "processing", 0, &processing) != IDEM_OK)
+    atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
+  text = idemd_metrics_render(&r->srv->metrics, pending, processing);
+  if (text == NULL)
+    return idemd_reply_error(r, 500, "internal error", NULL);
+  r->outcome = OUTCOME_READ;
+  ret = idemd_reply(r, 200, text, strlen(text), &h);
+  free(text);
+  return ret;
+}
+
+/* The checks that need the whole body, then the route's handler. */
+static enum MHD_Result serve_create(idemd_request_t *r) {
+  const char *ct, *raw;
+  json_t *body = NULL;
+  const char *msg = NULL;
+  int lossy = 0, rc;
+  enum MHD_Result ret;
+
+  r->outcome = OUTCOME_INVALID;
+  if (r->body_too_large)
+    return idemd_reply_error(r, 413, "request body is larger than 64 KiB", NULL);
+  ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
+  if (!is_json_media_type(ct))
+    return idemd_reply_error(r, 415, "Content-Type must be application/json", NULL);
+  raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
+  rc = idem_key_parse(raw, raw ? strlen(raw) : 0, r->key, NULL);
+  if (rc != IDEM_OK)
+    return idemd_reply_error(r, 400, idem_strerror(rc), NULL);
+  idemd_key_id(r, idemd_op_name(r->op));
+  if (idemd_parse_body(r->body, r->body_len, &body, &lossy, &msg) != 0)
+    return idemd_reply_error(r, 400, msg, NULL);
+  ret = r->route == ROUTE_PAYMENTS ? idemd_payments_create(r, body, lossy)
+                                   : idemd_orders_create(r, body, lossy);
+  json_decref(body);
+  return ret;
+}
+
+static enum MHD_Result dispatch(idemd_request_t *r) {
+  switch (r->route) {
+  case ROUTE_HEALTHZ:
+    return serve_healthz(r);
+  case ROUTE_METRICS:
+    return serve_metrics(r);
+  case ROUTE_PAYMENT:
+    return idemd_payments_get(r);
+  case ROUTE_ORDER:
+    return idemd_orders_get(r);
+  case ROUTE_PAYMENTS:
+  case ROUTE_ORDERS:
+    return serve_create(r);
+  default:
+    return idemd_reply_error(r, 404, "not found", NULL);
+  }
+}
+
+/* First call for a request: headers only. Answers at once when the path,
+ * method, credentials or declared length already decide. */
+static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
+  const struct route_def *d;
+  const char *len;
+  int rc;
+
+  set_path(r, url);
+  set_request_id(r);
+  d = match_route(url, r->resource_id, sizeof r->resource_id);
+  if (d == NULL) {
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_error(r, 404, "not found", NULL);
+  }
+  r->route = d->route;
+  r->op = d->op;
+  if (!method_allowed(d, r->method)) {
+    idemd_reply_headers_t h = {.allow = d->allow};
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_error(r, 405, "method not allowed", &h);
+  }
+  if (d->needs_auth) {
+    rc = idemd_authenticate(r->srv->store,
+                            MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                                        MHD_HTTP_HEADER_AUTHORIZATION),
+                            &r->tenant);
+    if (rc == IDEM_ENOTFOUND) {
+      idemd_reply_headers_t h = {.www_authenticate = 1};
+      r->outcome = OUTCOME_INVALID;
+      return idemd_reply_error(r, 401, "missing or invalid API key", &h);
+    }
+    if (rc != IDEM_OK)
+      return idemd_reply_store_error(r, rc);
+    r->authenticated = 1;
+  }
+  len = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+  if (len && strtoull(len, NULL, 10) > IDEMD_MAX_BODY &&
+      (r->route == ROUTE_PAYMENTS || r->route == ROUTE_ORDERS)) {
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_error(r, 413, "request body is larger than 64 KiB", NULL);
+  }
+  return MHD_YES;
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
+                                  const char *url, const char *method,
+                                  const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **con_cls) {
+  idemd_server_t *srv = cls;
+  idemd_request_t *r = *con_cls;
+
+  (void)version;
+  if (r == NULL) {
+    r = calloc(1, sizeof *r);
+    if (r == NULL)
+      return MHD_NO;
+    r->srv = srv;
+    r->conn = conn;
+    r->method = method;
+    r->start_us = idem_mono_us();
+    *con_cls = r;
+    return on_headers(r, url);
+  }
+  if (*upload_data_size > 0) {
+    size_t n = *upload_data_size;
+    *upload_data_size = 0;
+    r->body_seen += n;
+    if (r->responded)
+      return MHD_YES;
+    if (r->body_len + n > IDEMD_MAX_BODY) {
+      r->body_too_large = 1;
+      free(r->body);
+      r->body = NULL;
+      r->body_len = 0;
+      return r->body_seen > DISCARD_LIMIT ? MHD_NO : MHD_YES;
+    }
+    if (r->body_too_large)
+      return MHD_YES;
+    if (r->body == NULL && (r->body = malloc(IDEMD_MAX_BODY + 1)) == NULL)
+      return MHD_NO;
+    memcpy(r->body + r->body_len, upload_data, n);
+    r->body_len += n;
+    r->body[r->body_len] = '\0';
+    return MHD_YES;
+  }
+  if (r->responded)
+    return MHD_YES;
+  return dispatch(r);
+}
+
+static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
+                         enum MHD_RequestTerminationCode toe) {
+  idemd_server_t *srv = cls;
+  idemd_request_t *r = *con_cls;
+  (void)conn;
+  if (r == NULL)
+    return;
+  if (!r->responded)
+    r->outcome = r->outcome ? r->outcome : OUTCOME_ERROR;
+  if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK && r->status == 0)
+    r->status = 0;
+  idemd_metrics_request(&srv->metrics, r->op, r->outcome, idem_mono_us() - r->start_us);
+  idemd_log_request(r);
+  free(r->body);
+  free(r);
+  *con_cls = NULL;
+}
+
+int idemd_http_start(idemd_server_t *srv) {
+  struct addrinfo hints = {0}, *ai = NULL;
+  char port[8];
+  int rc;
+
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
+  snprintf(port, sizeof port, "%d", srv->cfg.listen_port);
+  rc = getaddrinfo(srv->cfg.listen_host, port, &hints, &ai);
+  if (rc != 0 || ai == NULL) {
+    fprintf(stderr, "idemd: cannot resolve listen address '%s'\n", srv->cfg.listen_host);
+    return -1;
+  }
+  srv->daemon = MHD_start_daemon(
+      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL |
+          (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0),
+      0, NULL, NULL, on_request, srv,
+      MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+      MHD_OPTION_THREAD_POOL_SIZE, (unsigned int)srv->cfg.threads,
+      MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
+      MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)30,
+      MHD_OPTION_CONNECTION_LIMIT, (unsigned int)4096,
+      MHD_OPTION_END);
+  freeaddrinfo(ai);
+  if (srv->daemon == NULL) {
+    fprintf(stderr, "idemd: cannot listen on %s:%d\n", srv->cfg.listen_host,
+            srv->cfg.listen_port);
+    return -1;
+  }
+  return 0;
+}
+
+void idemd_http_stop(idemd_server_t *srv) {
+  if (srv->daemon) {
+    MHD_stop_daemon(srv->daemon);
+    srv->daemon = NULL;
+  }
+}

@@ -1,0 +1,60 @@
+/* Request counters and latency histogram, as relaxed atomics: no lock on
+ * the request path. Rendered in the Prometheus text format. */
+#ifndef IDEMD_METRICS_H
+#define IDEMD_METRICS_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+typedef enum idemd_op {
+  OP_NONE = 0,
+  OP_CREATE_PAYMENT,
+  OP_CREATE_ORDER,
+  OP_GET_PAYMENT,
+  OP_GET_ORDER,
+  OP_HEALTHZ,
+  OP_METRICS,
+  OP_COUNT_
+} idemd_op_t;
+
+typedef enum idemd_outcome {
+  OUTCOME_NONE = 0,
+  OUTCOME_NEW,       /* executed for the first time */
+  OUTCOME_REPLAY,    /* answered from the stored response */
+  OUTCOME_MISMATCH,  /* key reused with a different request */
+  OUTCOME_IN_FLIGHT, /* original still processing at the wait bound */
+  OUTCOME_PENDING,   /* the provider's answer is not known yet */
+  OUTCOME_INVALID,   /* rejected before anything was stored */
+  OUTCOME_READ,      /* a read (GET) */
+  OUTCOME_ERROR,     /* the server or its store failed */
+  OUTCOME_COUNT_
+} idemd_outcome_t;
+
+#define IDEMD_LATENCY_BUCKETS 12
+
+typedef struct idemd_metrics {
+  atomic_uint_fast64_t requests[OP_COUNT_][OUTCOME_COUNT_];
+  atomic_uint_fast64_t latency_buckets[IDEMD_LATENCY_BUCKETS]; /* cumulative on render */
+  atomic_uint_fast64_t latency_count;
+  atomic_uint_fast64_t latency_sum_us;
+  atomic_uint_fast64_t store_errors;
+  atomic_uint_fast64_t inflight_timeouts;
+} idemd_metrics_t;
+
+/* "create_payment", ... ; "none" for OP_NONE. */
+const char *idemd_op_name(idemd_op_t op);
+
+/* "new", "replay", ... ; "none" for OUTCOME_NONE. */
+const char *idemd_outcome_name(idemd_outcome_t outcome);
+
+/* Counts one finished request. */
+void idemd_metrics_request(idemd_metrics_t *m, idemd_op_t op,
+                           idemd_outcome_t outcome, int64_t latency_us);
+
+/* Renders all metrics, with `pending` records and the age of the oldest
+ * (-1 when unknown) as gauges. Returns a malloc'd text the caller frees,
+ * or NULL when out of memory. */
+char *idemd_metrics_render(idemd_metrics_t *m, int64_t pending,
+                           int64_t processing);
+
+#endif

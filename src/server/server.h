@@ -1,0 +1,81 @@
+/* idemd's shared state: the server (configuration, store, provider,
+ * secrets, metrics) and the per-request context the HTTP layer hands to
+ * route handlers. */
+#ifndef IDEMD_SERVER_H
+#define IDEMD_SERVER_H
+
+#include <jansson.h>
+#include <microhttpd.h>
+#include <stdint.h>
+
+#include "idem/store.h"
+#include "provider/provider.h"
+#include "server/config.h"
+#include "server/metrics.h"
+
+#define IDEMD_MAX_BODY (64 * 1024)
+
+typedef struct idemd_server {
+  idemd_config_t cfg;
+  idem_store_t *store;
+  idem_provider_t *provider;
+  unsigned char log_secret[32]; /* HMAC key for key ids in logs */
+  struct MHD_Daemon *daemon;
+  idemd_metrics_t metrics;
+} idemd_server_t;
+
+typedef enum idemd_route {
+  ROUTE_NONE = 0,
+  ROUTE_PAYMENTS,  /* POST /payments */
+  ROUTE_PAYMENT,   /* GET /payments/{id} */
+  ROUTE_ORDERS,    /* POST /orders */
+  ROUTE_ORDER,     /* GET /orders/{id} */
+  ROUTE_HEALTHZ,
+  ROUTE_METRICS
+} idemd_route_t;
+
+/* One HTTP request, from its headers to the log line after its answer. */
+typedef struct idemd_request {
+  idemd_server_t *srv;
+  struct MHD_Connection *conn;
+  idemd_route_t route;
+  const char *method;
+  char path[256];
+  char resource_id[64]; /* {id} of GET routes */
+  char request_id[65];
+  int64_t start_us;
+
+  char *body; /* at most IDEMD_MAX_BODY bytes, NUL-terminated */
+  size_t body_len;
+  size_t body_seen; /* all upload bytes, kept or not */
+  int body_too_large;
+
+  idem_tenant_t tenant;
+  int authenticated;
+  char key[IDEM_KEY_MAX + 1];
+  char key_id[17]; /* HMAC-derived id of the key, for logs */
+
+  /* What the log line and metrics report. */
+  idemd_op_t op;
+  idemd_outcome_t outcome;
+  int status;
+  int responded;
+} idemd_request_t;
+
+/* Route handlers. Each sends exactly one reply and returns the result of
+ * queueing it. `body` is the validated-as-object request body. */
+enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body,
+                                      int lossy);
+enum MHD_Result idemd_payments_get(idemd_request_t *r);
+enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body,
+                                    int lossy);
+enum MHD_Result idemd_orders_get(idemd_request_t *r);
+
+/* Starts serving `srv` (whose store and provider are open). Returns 0, or
+ * -1 with a message on stderr. */
+int idemd_http_start(idemd_server_t *srv);
+
+/* Stops accepting, finishes requests in flight, stops the workers. */
+void idemd_http_stop(idemd_server_t *srv);
+
+#endif

@@ -1,0 +1,366 @@
+/* Body parsing and field validation for payments and orders. Every rule
+ * that rejects input names the field and a stable code; the canonical
+ * command keeps only what the operation means, with defaults applied. */
+#include "server/validate.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+static int depth_ok(const json_t *v, int depth) {
+  if (depth > IDEMD_MAX_DEPTH)
+    return 0;
+  if (json_is_object(v)) {
+    const char *k;
+    json_t *child;
+    json_object_foreach((json_t *)v, k, child) {
+      if (!depth_ok(child, depth + 1))
+        return 0;
+    }
+  } else if (json_is_array(v)) {
+    size_t i;
+    json_t *child;
+    json_array_foreach(v, i, child) {
+      if (!depth_ok(child, depth + 1))
+        return 0;
+    }
+  }
+  return 1;
+}
+
+int idemd_parse_body(const char *body, size_t len, json_t **out, int *lossy,
+                     const char **msg) {
+  json_error_t err;
+  json_t *v;
+
+  *out = NULL;
+  *lossy = 0;
+  if (len == 0) {
+    *msg = "request body must be a JSON object";
+    return -1;
+  }
+  v = json_loadb(body, len, JSON_REJECT_DUPLICATES, &err);
+  if (v == NULL && json_error_code(&err) == json_error_numeric_overflow) {
+    /* An integer too big for the parser: read it as a real so the field
+     * can be named in a 422 instead of a bare 400. */
+    v = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_INT_AS_REAL, &err);
+    *lossy = 1;
+  }
+  if (v == NULL) {
+    switch (json_error_code(&err)) {
+    case json_error_duplicate_key:
+      *msg = "request body has a duplicate key";
+      break;
+    case json_error_invalid_utf8:
+      *msg = "request body is not valid UTF-8";
+      break;
+    case json_error_null_character:
+    case json_error_null_byte_in_key:
+      *msg = "request body contains a NUL character";
+      break;
+    case json_error_stack_overflow:
+      *msg = "request body nests deeper than 32 levels";
+      break;
+    default:
+      *msg = "request body is not valid JSON";
+    }
+    return -1;
+  }
+  if (!json_is_object(v)) {
+    json_decref(v);
+    *msg = "request body must be a JSON object";
+    return -1;
+  }
+  if (!depth_ok(v, 1)) {
+    json_decref(v);
+    *msg = "request body nests deeper than 32 levels";
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+static void add_error(json_t *errors, const char *field, const char *code,
+                      const char *message) {
+  json_array_append_new(errors, json_pack("{s:s, s:s, s:s}", "field", field,
+                                          "message", message, "code", code));
+}
+
+static int visible_ascii(const char *s, size_t len) {
+  for (size_t i = 0; i < len; i++)
+    if ((unsigned char)s[i] < 0x21 || (unsigned char)s[i] > 0x7e)
+      return 0;
+  return 1;
+}
+
+/* A positive integer in minor units: a JSON integer or a string of digits,
+ * from 1 to 2^53 - 1. Returns 0 and sets `*out`, or adds an error. */
+static int positive_int(const json_t *v, int lossy, const char *field,
+                        json_t *errors, int64_t *out) {
+  if (json_is_integer(v)) {
+    json_int_t n = json_integer_value(v);
+    if (n <= 0) {
+      add_error(errors, field, "not_positive", "must be a positive integer");
+      return -1;
+    }
+    if (n > IDEMD_MAX_SAFE_INT) {
+      add_error(errors, field, "too_large", "must be at most 9007199254740991");
+      return -1;
+    }
+    *out = n;
+    return 0;
+  }
+  if (json_is_string(v)) {
+    const char *s = json_string_value(v);
+    size_t len = json_string_length(v);
+    int64_t n = 0;
+    if (len == 0 || strspn(s, "0123456789") != len) {
+      add_error(errors, field, "not_integer",
+                "must be a positive integer or a string of digits");
+      return -1;
+    }
+    for (size_t i = 0; i < len; i++) {
+      n = n * 10 + (s[i] - '0');
+      if (n > IDEMD_MAX_SAFE_INT) {
+        add_error(errors, field, "too_large", "must be at most 9007199254740991");
+        return -1;
+      }
+    }
+    if (n == 0) {
+      add_error(errors, field, "not_positive", "must be a positive integer");
+      return -1;
+    }
+    *out = n;
+    return 0;
+  }
+  if (json_is_real(v)) {
+    double d = json_real_value(v);
+    if (lossy && d == floor(d) && d > (double)IDEMD_MAX_SAFE_INT) {
+      add_error(errors, field, "too_large", "must be at most 9007199254740991");
+      return -1;
+    }
+    if (lossy && d == floor(d) && d < 1) {
+      add_error(errors, field, "not_positive", "must be a positive integer");
+      return -1;
+    }
+    if (lossy && d == floor(d)) {
+      /* Another field overflowed, so every integer was read as a real and
+       * 1 cannot be told from 1.0 here; the request fails on that field. */
+      *out = (int64_t)d;
+      return 0;
+    }
+    add_error(errors, field, "not_integer", "must be an integer, without a fraction or exponent");
+    return -1;
+  }
+  add_error(errors, field, "invalid_type",
+            "must be a positive integer or a string of digits");
+  return -1;
+}
+
+/* An identifier: a string of 1 to `max` visible ASCII characters. */
+static int identifier(const json_t *v, const char *field, size_t max,
+                      json_t *errors) {
+  char message[80];
+  if (!json_is_string(v)) {
+    add_error(errors, field, "invalid_type", "must be a string");
+    return -1;
+  }
+  if (json_string_length(v) == 0) {
+    add_error(errors, field, "empty", "must not be empty");
+    return -1;
+  }
+  if (json_string_length(v) > max) {
+    snprintf(message, sizeof message, "must be at most %zu characters", max);
+    add_error(errors, field, "too_long", message);
+    return -1;
+  }
+  if (!visible_ascii(json_string_value(v), json_string_length(v))) {
+    add_error(errors, field, "invalid_format",
+              "must be visible ASCII characters, without spaces");
+    return -1;
+  }
+  return 0;
+}
+
+/* `currency`: three upper-case letters; absent or null means BRL. */
+static const char *currency(const json_t *obj, json_t *errors) {
+  const json_t *v = json_object_get(obj, "currency");
+  const char *s;
+  if (v == NULL || json_is_null(v))
+    return "BRL";
+  if (!json_is_string(v)) {
+    add_error(errors, "currency", "invalid_type", "must be a string");
+    return NULL;
+  }
+  s = json_string_value(v);
+  if (json_string_length(v) != 3 || strspn(s, "ABCDEFGHIJKLMNOPQRSTUVWXYZ") != 3) {
+    add_error(errors, "currency", "invalid_format",
+              "must be three upper-case letters (ISO 4217)");
+    return NULL;
+  }
+  return s;
+}
+
+/* Adds an error for each key of `obj` that is not in `allowed`. */
+static void unknown_fields(const json_t *obj, const char *const *allowed,
+                           const char *prefix, json_t *errors) {
+  const char *k;
+  json_t *v;
+  json_object_foreach((json_t *)obj, k, v) {
+    int known = 0;
+    char field[300];
+    for (const char *const *a = allowed; *a && !known; a++)
+      known = strcmp(*a, k) == 0;
+    if (known)
+      continue;
+    snprintf(field, sizeof field, "%s%.256s", prefix, k);
+    add_error(errors, field, "unknown_field", "is not a known field");
+  }
+}
+
+static int finish(json_t *cmd, json_t *errors, json_t **cmd_out,
+                  json_t **errors_out) {
+  if (json_array_size(errors) > 0 || cmd == NULL) {
+    json_decref(cmd);
+    *cmd_out = NULL;
+    *errors_out = errors;
+    return -1;
+  }
+  json_decref(errors);
+  *cmd_out = cmd;
+  *errors_out = NULL;
+  return 0;
+}
+
+int idemd_validate_payment(const json_t *body, int lossy, json_t **cmd_out,
+                           json_t **errors_out) {
+  static const char *const allowed[] = {"amount", "currency", "order_id", NULL};
+  json_t *errors = json_array();
+  json_t *cmd = NULL;
+  const json_t *v;
+  const char *cur;
+  int64_t amount = 0;
+  int ok = 1;
+
+  v = json_object_get(body, "amount");
+  if (v == NULL || json_is_null(v)) {
+    add_error(errors, "amount", "required", "is required");
+    ok = 0;
+  } else if (positive_int(v, lossy, "amount", errors, &amount) != 0) {
+    ok = 0;
+  }
+  cur = currency(body, errors);
+  ok = ok && cur != NULL;
+  v = json_object_get(body, "order_id");
+  if (v != NULL && !json_is_null(v) && identifier(v, "order_id", 255, errors) != 0)
+    ok = 0;
+  unknown_fields(body, allowed, "", errors);
+
+  if (ok && json_array_size(errors) == 0) {
+    cmd = json_pack("{s:I, s:s}", "amount", (json_int_t)amount, "currency", cur);
+    if (cmd && v != NULL && !json_is_null(v))
+      json_object_set_new(cmd, "order_id", json_string(json_string_value(v)));
+  }
+  return finish(cmd, errors, cmd_out, errors_out);
+}
+
+int idemd_validate_order(const json_t *body, int lossy, json_t **cmd_out,
+                         json_t **errors_out, int64_t *total_out) {
+  static const char *const allowed[] = {"customer_id", "items", "currency", NULL};
+  static const char *const item_allowed[] = {"sku", "quantity", "unit_price", NULL};
+  json_t *errors = json_array();
+  json_t *items = json_array();
+  json_t *cmd = NULL;
+  const json_t *customer, *list, *it;
+  const char *cur;
+  int64_t total = 0;
+  int ok = 1, overflow = 0;
+  size_t i;
+
+  customer = json_object_get(body, "customer_id");
+  if (customer == NULL || json_is_null(customer)) {
+    add_error(errors, "customer_id", "required", "is required");
+    ok = 0;
+  } else if (identifier(customer, "customer_id", 255, errors) != 0) {
+    ok = 0;
+  }
+
+  list = json_object_get(body, "items");
+  if (list == NULL || json_is_null(list)) {
+    add_error(errors, "items", "required", "is required");
+    ok = 0;
+  } else if (!json_is_array(list)) {
+    add_error(errors, "items", "invalid_type", "must be an array of items");
+    ok = 0;
+  } else if (json_array_size(list) == 0) {
+    add_error(errors, "items", "empty", "must hold at least one item");
+    ok = 0;
+  } else if (json_array_size(list) > IDEMD_MAX_ITEMS) {
+    add_error(errors, "items", "too_many", "must hold at most 100 items");
+    ok = 0;
+  } else {
+    json_array_foreach(list, i, it) {
+      char field[64], prefix[32];
+      int64_t qty = 0, price = 0, line;
+      const json_t *sku;
+      int item_ok = 1;
+
+      snprintf(prefix, sizeof prefix, "items[%zu].", i);
+      if (!json_is_object(it)) {
+        snprintf(field, sizeof field, "items[%zu]", i);
+        add_error(errors, field, "invalid_type", "must be an object");
+        ok = 0;
+        continue;
+      }
+      sku = json_object_get(it, "sku");
+      snprintf(field, sizeof field, "%ssku", prefix);
+      if (sku == NULL || json_is_null(sku)) {
+        add_error(errors, field, "required", "is required");
+        item_ok = 0;
+      } else if (identifier(sku, field, 64, errors) != 0) {
+        item_ok = 0;
+      }
+      snprintf(field, sizeof field, "%squantity", prefix);
+      if (json_object_get(it, "quantity") == NULL) {
+        add_error(errors, field, "required", "is required");
+        item_ok = 0;
+      } else if (positive_int(json_object_get(it, "quantity"), lossy, field, errors, &qty) != 0) {
+        item_ok = 0;
+      }
+      snprintf(field, sizeof field, "%sunit_price", prefix);
+      if (json_object_get(it, "unit_price") == NULL) {
+        add_error(errors, field, "required", "is required");
+        item_ok = 0;
+      } else if (positive_int(json_object_get(it, "unit_price"), lossy, field, errors, &price) != 0) {
+        item_ok = 0;
+      }
+      unknown_fields(it, item_allowed, prefix, errors);
+      if (!item_ok) {
+        ok = 0;
+        continue;
+      }
+      if (__builtin_mul_overflow(qty, price, &line) || line > IDEMD_MAX_SAFE_INT ||
+          __builtin_add_overflow(total, line, &total) || total > IDEMD_MAX_SAFE_INT)
+        overflow = 1;
+      json_array_append_new(items, json_pack("{s:s, s:I, s:I}", "sku",
+                                             json_string_value(sku), "quantity",
+                                             (json_int_t)qty, "unit_price",
+                                             (json_int_t)price));
+    }
+  }
+  if (ok && overflow) {
+    add_error(errors, "items", "too_large",
+              "the order total must be at most 9007199254740991");
+    ok = 0;
+  }
+  cur = currency(body, errors);
+  ok = ok && cur != NULL;
+  unknown_fields(body, allowed, "", errors);
+
+  if (ok && json_array_size(errors) == 0)
+    cmd = json_pack("{s:s, s:O, s:s}", "customer_id", json_string_value(customer),
+                    "items", items, "currency", cur);
+  json_decref(items);
+  *total_out = cmd ? total : 0;
+  return finish(cmd, errors, cmd_out, errors_out);
+}

@@ -1,0 +1,37 @@
+/* Request bodies of idemd: parsing into a JSON object (400 rules of SPEC
+ * section 3) and validation of each command (422 rules), producing the
+ * canonical command whose fingerprint names the request. No HTTP here. */
+#ifndef IDEMD_VALIDATE_H
+#define IDEMD_VALIDATE_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define IDEMD_MAX_DEPTH 32
+#define IDEMD_MAX_SAFE_INT 9007199254740991LL /* 2^53 - 1 */
+#define IDEMD_MAX_ITEMS 100
+
+/* Parses `len` bytes at `body` as one JSON object: no duplicate keys,
+ * valid UTF-8, nesting at most IDEMD_MAX_DEPTH. On success returns 0,
+ * `*out` owns the object (json_decref it) and `*lossy` tells whether an
+ * integer beyond the parser's range was read as a real (validators then
+ * report it as too large). On failure returns -1, `*out` is NULL and
+ * `*msg` is a static text fit for a 400 body. */
+int idemd_parse_body(const char *body, size_t len, json_t **out, int *lossy,
+                     const char **msg);
+
+/* Validates a payment command `{"amount", "currency", "order_id"}`. On
+ * success returns 0 and `*cmd` owns the canonical command (amount as an
+ * integer, currency defaulted to "BRL", order_id only when given). On
+ * failure returns -1 and `*errors` owns a JSON array of
+ * {"field","message","code"} in field order; `*cmd` is NULL. */
+int idemd_validate_payment(const json_t *body, int lossy, json_t **cmd,
+                           json_t **errors);
+
+/* Validates an order command `{"customer_id", "items", "currency"}` the same
+ * way; on success also sets `*total` (sum of quantity * unit_price). */
+int idemd_validate_order(const json_t *body, int lossy, json_t **cmd,
+                         json_t **errors, int64_t *total);
+
+#endif

@@ -1,0 +1,905 @@
+/* The SQLite store: one database file in WAL mode, durable commits
+ * (synchronous=FULL), versioned migrations, and a pool of connections with
+ * their statements prepared once.
+ *
+ * Concurrency: readers use their own pooled connection and never block.
+ * Writers take `write_lock` around their (short) transaction: SQLite admits
+ * one writer at a time anyway, and queueing on a mutex is fairer and far
+ * cheaper than every thread spinning in SQLite's busy handler. Other
+ * processes (idemd tenant create while a server runs) are handled by the
+ * busy timeout plus a bounded retry. */
+#include "store_impl.h"
+
+#include <pthread.h>
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idem/crypto.h"
+
+enum stmt_id {
+  ST_BEGIN,
+  ST_COMMIT,
+  ST_ROLLBACK,
+  ST_RESERVE,
+  ST_READ_RECORD,
+  ST_INSERT_RESOURCE,
+  ST_INSERT_OUTBOX,
+  ST_COMPLETE,
+  ST_UPDATE_RESOURCE,
+  ST_DELETE_OUTBOX,
+  ST_RESOURCE_GET,
+  ST_TENANT_CREATE,
+  ST_TENANT_FIND,
+  ST_META_PUT,
+  ST_META_GET,
+  ST_SWEEP,
+  ST_PING,
+  ST_COUNT_
+};
+
+#define RECORD_COLUMNS                                                        \
+  "tenant_id, operation, key, fingerprint, state, response_status, "          \
+  "response_body, location, resource_id, provider_ref, correlation_id, "      \
+  "owner_token, lease_expires_at, created_at, updated_at, expires_at"
+
+#define SCOPE_MATCH "tenant_id = ?1 AND operation = ?2 AND key = ?3"
+
+static const char *const stmt_sql[ST_COUNT_] = {
+    [ST_BEGIN] = "BEGIN IMMEDIATE",
+    [ST_COMMIT] = "COMMIT",
+    [ST_ROLLBACK] = "ROLLBACK",
+    /* The one atomic reservation: the unique constraint picks the owner. An
+     * expired record, or a failed one retried with the same request, is
+     * taken over in the same statement. */
+    [ST_RESERVE] =
+        "INSERT INTO idempotency_records (tenant_id, operation, key, "
+        "fingerprint, state, correlation_id, owner_token, lease_expires_at, "
+        "created_at, updated_at, expires_at, resource_id) "
+        "VALUES (?1, ?2, ?3, ?4, 'processing', ?5, ?6, ?7, ?8, ?8, NULL, ?9) "
+        "ON CONFLICT (tenant_id, operation, key) DO UPDATE SET "
+        "fingerprint = excluded.fingerprint, state = 'processing', "
+        "response_status = NULL, response_body = NULL, location = NULL, "
+        "resource_id = excluded.resource_id, provider_ref = NULL, "
+        "correlation_id = excluded.correlation_id, "
+        "owner_token = excluded.owner_token, "
+        "lease_expires_at = excluded.lease_expires_at, "
+        "created_at = excluded.created_at, updated_at = excluded.updated_at, "
+        "expires_at = NULL "
+        "WHERE (idempotency_records.state IN ('completed', 'failed') "
+        "AND idempotency_records.expires_at <= excluded.created_at) "
+        "OR (idempotency_records.state = 'failed' "
+        "AND idempotency_records.fingerprint = excluded.fingerprint)",
+    [ST_READ_RECORD] = "SELECT " RECORD_COLUMNS
+                       " FROM idempotency_records WHERE " SCOPE_MATCH,
+    [ST_INSERT_RESOURCE] =
+        "INSERT INTO resources (id, tenant_id, kind, status, body, "
+        "provider_ref, created_at, updated_at) "
+        "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
+    [ST_INSERT_OUTBOX] =
+        "INSERT INTO outbox (resource_id, tenant_id, operation, key, "
+        "created_at, attempts, next_attempt_at) "
+        "VALUES (?1, ?2, ?3, ?4, ?5, 0, ?5)",
+    [ST_COMPLETE] =
+        "UPDATE idempotency_records SET state = ?4, response_status = ?5, "
+        "response_body = ?6, location = ?7, "
+        "resource_id = COALESCE(?8, resource_id), "
+        "provider_ref = COALESCE(?9, provider_ref), owner_token = NULL, "
+        "lease_expires_at = NULL, updated_at = ?10, expires_at = ?11 "
+        "WHERE " SCOPE_MATCH " AND state = 'processing' AND owner_token = ?12",
+    [ST_UPDATE_RESOURCE] =
+        "UPDATE resources SET status = COALESCE(?4, status), "
+        "body = COALESCE(?5, body), provider_ref = COALESCE(?6, provider_ref), "
+        "updated_at = ?7 WHERE id = (SELECT resource_id FROM "
+        "idempotency_records WHERE " SCOPE_MATCH ")",
+    [ST_DELETE_OUTBOX] = "DELETE FROM outbox WHERE resource_id = (SELECT "
+                         "resource_id FROM idempotency_records WHERE " SCOPE_MATCH ")",
+    [ST_RESOURCE_GET] = "SELECT body FROM resources WHERE id = ?1 AND "
+                        "tenant_id = ?2 AND kind = ?3",
+    [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
+                         "disabled, created_at) VALUES (?1, ?2, ?3, 0, ?4)",
+    [ST_TENANT_FIND] = "SELECT id, name, key_lookup, key_hash, disabled, "
+                       "created_at FROM tenants WHERE key_lookup = ?1",
+    [ST_META_PUT] = "INSERT INTO meta (name, value) VALUES (?1, ?2) "
+                    "ON CONFLICT (name) DO NOTHING",
+    [ST_META_GET] = "SELECT value FROM meta WHERE name = ?1",
+    [ST_SWEEP] = "DELETE FROM idempotency_records WHERE rowid IN (SELECT "
+                 "rowid FROM idempotency_records WHERE expires_at <= ?1 AND "
+                 "state IN ('completed', 'failed') LIMIT ?2)",
+    [ST_PING] = "SELECT count(*) FROM meta",
+};
+
+/* Schema versions, applied in order; PRAGMA user_version is the count
+ * applied. Never edit a released entry: add a new one. */
+static const char *const migrations[] = {
+    /* 1: records, resources, outbox, tenants, meta. */
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL) "
+    "WITHOUT ROWID;"
+    "CREATE TABLE tenants ("
+    " id INTEGER PRIMARY KEY,"
+    " name TEXT NOT NULL UNIQUE,"
+    " key_lookup TEXT NOT NULL UNIQUE,"
+    " key_hash BLOB NOT NULL,"
+    " disabled INTEGER NOT NULL DEFAULT 0,"
+    " created_at INTEGER NOT NULL);"
+    "CREATE TABLE idempotency_records ("
+    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " fingerprint TEXT NOT NULL,"
+    " state TEXT NOT NULL CHECK (state IN ('processing', 'completed', "
+    "'failed', 'pending')),"
+    " response_status INTEGER,"
+    " response_body TEXT,"
+    " location TEXT,"
+    " resource_id TEXT,"
+    " provider_ref TEXT,"
+    " correlation_id TEXT NOT NULL,"
+    " owner_token TEXT,"
+    " lease_expires_at INTEGER,"
+    " created_at INTEGER NOT NULL,"
+    " updated_at INTEGER NOT NULL,"
+    " expires_at INTEGER,"
+    " UNIQUE (tenant_id, operation, key));"
+    "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
+    "WHERE expires_at IS NOT NULL;"
+    "CREATE INDEX records_open ON idempotency_records (state, updated_at) "
+    "WHERE state IN ('processing', 'pending');"
+    "CREATE TABLE resources ("
+    " id TEXT PRIMARY KEY,"
+    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
+    " kind TEXT NOT NULL,"
+    " status TEXT NOT NULL,"
+    " body TEXT NOT NULL,"
+    " provider_ref TEXT,"
+    " created_at INTEGER NOT NULL,"
+    " updated_at INTEGER NOT NULL);"
+    "CREATE INDEX resources_by_status ON resources (kind, status);"
+    "CREATE TABLE outbox ("
+    " resource_id TEXT PRIMARY KEY REFERENCES resources (id),"
+    " tenant_id INTEGER NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " created_at INTEGER NOT NULL,"
+    " attempts INTEGER NOT NULL DEFAULT 0,"
+    " next_attempt_at INTEGER NOT NULL);"
+    /* Read-only views for operators: the business tables by kind. */
+    "CREATE VIEW payments AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.amount') AS amount,"
+    " json_extract(body, '$.currency') AS currency,"
+    " json_extract(body, '$.order_id') AS order_id,"
+    " provider_ref, created_at, updated_at FROM resources"
+    " WHERE kind = 'payment';"
+    "CREATE VIEW orders AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.customer_id') AS customer_id,"
+    " json_extract(body, '$.total') AS total,"
+    " json_extract(body, '$.currency') AS currency,"
+    " created_at, updated_at FROM resources WHERE kind = 'order';",
+};
+
+#define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
+#define BUSY_RETRIES 50
+
+struct conn {
+  sqlite3 *db;
+  sqlite3_stmt *st[ST_COUNT_];
+  struct conn *next;
+};
+
+typedef struct sqlite_store {
+  struct idem_store base;
+  char *path;
+  int busy_timeout_ms;
+  pthread_mutex_t pool_lock;
+  struct conn *free_conns;
+  pthread_mutex_t write_lock;
+} sqlite_store_t;
+
+static const idem_store_methods_t sqlite_methods;
+
+/* Maps a SQLite result code to an idem error, keeping the message. */
+static int fail(sqlite3 *db, int rc, const char *what) {
+  idem__store_set_error("sqlite %s: %s (%d)", what,
+                        db ? sqlite3_errmsg(db) : sqlite3_errstr(rc), rc);
+  switch (rc & 0xff) {
+  case SQLITE_NOMEM:
+    return IDEM_ENOMEM;
+  case SQLITE_CONSTRAINT:
+    return IDEM_EEXIST;
+  default:
+    return IDEM_ESTORE;
+  }
+}
+
+static void conn_free(struct conn *c) {
+  if (c == NULL)
+    return;
+  for (int i = 0; i < ST_COUNT_; i++)
+    sqlite3_finalize(c->st[i]);
+  sqlite3_close_v2(c->db);
+  free(c);
+}
+
+static int exec(sqlite3 *db, const char *sql) {
+  char *msg = NULL;
+  int rc = sqlite3_exec(db, sql, NULL, NULL, &msg);
+  if (rc != SQLITE_OK) {
+    idem__store_set_error("sqlite exec: %s (%d)", msg ? msg : sqlite3_errstr(rc), rc);
+    sqlite3_free(msg);
+    return rc;
+  }
+  return SQLITE_OK;
+}
+
+static int conn_new(sqlite_store_t *s, struct conn **out) {
+  struct conn *c = calloc(1, sizeof *c);
+  int rc;
+
+  *out = NULL;
+  if (c == NULL)
+    return IDEM_ENOMEM;
+  rc = sqlite3_open_v2(s->path, &c->db,
+                       SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE |
+                           SQLITE_OPEN_NOMUTEX,
+                       NULL);
+  if (rc != SQLITE_OK) {
+    rc = fail(c->db, rc, "open");
+    conn_free(c);
+    return rc;
+  }
+  sqlite3_extended_result_codes(c->db, 1);
+  sqlite3_busy_timeout(c->db, s->busy_timeout_ms);
+  /* WAL lets readers run beside the writer; FULL syncs the WAL on every
+   * commit, so an acknowledged write survives power loss. */
+  if (exec(c->db, "PRAGMA journal_mode = WAL") != SQLITE_OK ||
+      exec(c->db, "PRAGMA synchronous = FULL") != SQLITE_OK ||
+      exec(c->db, "PRAGMA foreign_keys = ON") != SQLITE_OK) {
+    conn_free(c);
+    return IDEM_ESTORE;
+  }
+  *out = c;
+  return IDEM_OK;
+}
+
+static int conn_get(sqlite_store_t *s, struct conn **out) {
+  pthread_mutex_lock(&s->pool_lock);
+  *out = s->free_conns;
+  if (*out)
+    s->free_conns = (*out)->next;
+  pthread_mutex_unlock(&s->pool_lock);
+  if (*out)
+    return IDEM_OK;
+  return conn_new(s, out);
+}
+
+static void conn_put(sqlite_store_t *s, struct conn *c) {
+  pthread_mutex_lock(&s->pool_lock);
+  c->next = s->free_conns;
+  s->free_conns = c;
+  pthread_mutex_unlock(&s->pool_lock);
+}
+
+/* Returns the prepared statement `id` of `c`, reset and unbound. */
+static sqlite3_stmt *stmt(struct conn *c, enum stmt_id id) {
+  if (c->st[id] == NULL) {
+    int rc = sqlite3_prepare_v3(c->db, stmt_sql[id], -1,
+                                SQLITE_PREPARE_PERSISTENT, &c->st[id], NULL);
+    if (rc != SQLITE_OK) {
+      fail(c->db, rc, "prepare");
+      c->st[id] = NULL;
+      return NULL;
+    }
+  } else {
+    sqlite3_reset(c->st[id]);
+    sqlite3_clear_bindings(c->st[id]);
+  }
+  return c->st[id];
+}
+
+/* Steps a statement that returns no rows to completion, then resets it. */
+static int run(struct conn *c, sqlite3_stmt *st, const char *what) {
+  int rc = sqlite3_step(st);
+  sqlite3_reset(st);
+  if (rc != SQLITE_DONE && rc != SQLITE_ROW)
+    return fail(c->db, rc, what);
+  return IDEM_OK;
+}
+
+static void bind_text(sqlite3_stmt *st, int i, const char *v) {
+  if (v)
+    sqlite3_bind_text(st, i, v, -1, SQLITE_STATIC);
+  else
+    sqlite3_bind_null(st, i);
+}
+
+static void bind_scope(sqlite3_stmt *st, const idem_scope_t *sc) {
+  sqlite3_bind_int64(st, 1, sc->tenant_id);
+  bind_text(st, 2, sc->operation);
+  bind_text(st, 3, sc->key);
+}
+
+static const char *col_text(sqlite3_stmt *st, int i) {
+  const unsigned char *t = sqlite3_column_text(st, i);
+  return t ? (const char *)t : "";
+}
+
+/* Begins a write transaction: the process's write lock, then SQLite's.
+ * BEGIN IMMEDIATE can still meet another process's writer; the busy
+ * timeout waits for it and we retry a bounded number of times. */
+static int write_begin(sqlite_store_t *s, struct conn *c) {
+  int rc = SQLITE_BUSY;
+  pthread_mutex_lock(&s->write_lock);
+  for (int i = 0; i < BUSY_RETRIES; i++) {
+    sqlite3_stmt *st = stmt(c, ST_BEGIN);
+    if (st == NULL)
+      break;
+    rc = sqlite3_step(st);
+    sqlite3_reset(st);
+    if (rc == SQLITE_DONE)
+      return IDEM_OK;
+    if ((rc & 0xff) != SQLITE_BUSY && (rc & 0xff) != SQLITE_LOCKED)
+      break;
+  }
+  pthread_mutex_unlock(&s->write_lock);
+  return fail(c->db, rc, "begin");
+}
+
+static int write_end(sqlite_store_t *s, struct conn *c, int ok) {
+  int rc = IDEM_OK;
+  if (ok) {
+    sqlite3_stmt *st = stmt(c, ST_COMMIT);
+    int src = st ? sqlite3_step(st) : SQLITE_ERROR;
+    if (st)
+      sqlite3_reset(st);
+    if (src != SQLITE_DONE) {
+      rc = fail(c->db, src, "commit");
+      ok = 0;
+    }
+  }
+  if (!ok && sqlite3_get_autocommit(c->db) == 0) {
+    sqlite3_stmt *st = stmt(c, ST_ROLLBACK);
+    if (st) {
+      sqlite3_step(st);
+      sqlite3_reset(st);
+    }
+  }
+  pthread_mutex_unlock(&s->write_lock);
+  return rc;
+}
+
+static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *out) {
+  sqlite3_stmt *st = stmt(c, ST_READ_RECORD);
+  int rc;
+  if (st == NULL)
+    return IDEM_ESTORE;
+  bind_scope(st, sc);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_DONE) {
+    sqlite3_reset(st);
+    return IDEM_ENOTFOUND;
+  }
+  if (rc != SQLITE_ROW) {
+    sqlite3_reset(st);
+    return fail(c->db, rc, "read record");
+  }
+  idem_record_reset(out);
+  out->tenant_id = sqlite3_column_int64(st, 0);
+  idem_copy(out->operation, sizeof out->operation, col_text(st, 1));
+  idem_copy(out->key, sizeof out->key, col_text(st, 2));
+  idem_copy(out->fingerprint, sizeof out->fingerprint, col_text(st, 3));
+  out->state = idem_state_parse(col_text(st, 4));
+  out->response_status = sqlite3_column_int(st, 5);
+  if (sqlite3_column_type(st, 6) != SQLITE_NULL) {
+    out->response_body = strdup(col_text(st, 6));
+    if (out->response_body == NULL) {
+      sqlite3_reset(st);
+      return IDEM_ENOMEM;
+    }
+  }
+  idem_copy(out->location, sizeof out->location, col_text(st, 7));
+  idem_copy(out->resource_id, sizeof out->resource_id, col_text(st, 8));
+  idem_copy(out->provider_ref, sizeof out->provider_ref, col_text(st, 9));
+  idem_copy(out->correlation_id, sizeof out->correlation_id, col_text(st, 10));
+  idem_copy(out->owner_token, sizeof out->owner_token, col_text(st, 11));
+  out->lease_expires_at = sqlite3_column_int64(st, 12);
+  out->created_at = sqlite3_column_int64(st, 13);
+  out->updated_at = sqlite3_column_int64(st, 14);
+  out->expires_at = sqlite3_column_int64(st, 15);
+  sqlite3_reset(st);
+  return IDEM_OK;
+}
+
+/* Applies an outcome to a record owned by `owner` (inside a write
+ * transaction). IDEM_ELOST when the owner no longer holds it. */
+static int apply_outcome(struct conn *c, const idem_scope_t *sc,
+                         const char *owner, const idem_outcome_t *o,
+                         int64_t now_ms, int64_t ttl_ms) {
+  sqlite3_stmt *st = stmt(c, ST_COMPLETE);
+  int rc;
+
+  if (st == NULL)
+    return IDEM_ESTORE;
+  bind_scope(st, sc);
+  bind_text(st, 4, idem_state_name(o->state));
+  sqlite3_bind_int(st, 5, o->status);
+  bind_text(st, 6, o->body);
+  bind_text(st, 7, o->location);
+  bind_text(st, 8, o->resource_id);
+  bind_text(st, 9, o->provider_ref);
+  sqlite3_bind_int64(st, 10, now_ms);
+  if (o->state == IDEM_STATE_PENDING)
+    sqlite3_bind_null(st, 11); /* unknown outcomes never expire */
+  else
+    sqlite3_bind_int64(st, 11, now_ms + ttl_ms);
+  bind_text(st, 12, owner);
+  if ((rc = run(c, st, "complete")) != IDEM_OK)
+    return rc;
+  if (sqlite3_changes(c->db) != 1)
+    return IDEM_ELOST;
+
+  if (o->resource_status || o->resource_body || o->provider_ref) {
+    st = stmt(c, ST_UPDATE_RESOURCE);
+    if (st == NULL)
+      return IDEM_ESTORE;
+    bind_scope(st, sc);
+    bind_text(st, 4, o->resource_status);
+    bind_text(st, 5, o->resource_body);
+    bind_text(st, 6, o->provider_ref);
+    sqlite3_bind_int64(st, 7, now_ms);
+    if ((rc = run(c, st, "update resource")) != IDEM_OK)
+      return rc;
+  }
+  if (o->state != IDEM_STATE_PENDING) {
+    st = stmt(c, ST_DELETE_OUTBOX);
+    if (st == NULL)
+      return IDEM_ESTORE;
+    bind_scope(st, sc);
+    if ((rc = run(c, st, "delete outbox")) != IDEM_OK)
+      return rc;
+  }
+  return IDEM_OK;
+}
+
+/* The body of a reservation, inside a write transaction. */
+static int reserve_tx(struct conn *c, const idem_reserve_t *req,
+                      const char *owner, idem_record_t *out,
+                      idem_reserve_result_t *result) {
+  const idem_resource_t *res = req->resource;
+  sqlite3_stmt *st = stmt(c, ST_RESERVE);
+  int rc;
+
+  if (st == NULL)
+    return IDEM_ESTORE;
+  bind_scope(st, &req->scope);
+  bind_text(st, 4, req->fingerprint);
+  bind_text(st, 5, req->correlation_id);
+  bind_text(st, 6, owner);
+  sqlite3_bind_int64(st, 7, req->now_ms + req->lease_ms);
+  sqlite3_bind_int64(st, 8, req->now_ms);
+  bind_text(st, 9, res ? res->id : NULL);
+  if ((rc = run(c, st, "reserve")) != IDEM_OK)
+    return rc;
+
+  if (sqlite3_changes(c->db) == 0) {
+    *result = IDEM_RESERVE_EXISTS;
+    return read_record(c, &req->scope, out);
+  }
+  *result = IDEM_RESERVE_WON;
+
+  if (res) {
+    st = stmt(c, ST_INSERT_RESOURCE);
+    if (st == NULL)
+      return IDEM_ESTORE;
+    bind_text(st, 1, res->id);
+    sqlite3_bind_int64(st, 2, req->scope.tenant_id);
+    bind_text(st, 3, res->kind);
+    bind_text(st, 4, res->status);
+    bind_text(st, 5, res->body);
+    bind_text(st, 6, res->provider_ref);
+    sqlite3_bind_int64(st, 7, req->now_ms);
+    if ((rc = run(c, st, "insert resource")) != IDEM_OK)
+      return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
+    if (req->enqueue_outbox) {
+      st = stmt(c, ST_INSERT_OUTBOX);
+      if (st == NULL)
+        return IDEM_ESTORE;
+      bind_text(st, 1, res->id);
+      sqlite3_bind_int64(st, 2, req->scope.tenant_id);
+      bind_text(st, 3, req->scope.operation);
+      bind_text(st, 4, req->scope.key);
+      sqlite3_bind_int64(st, 5, req->now_ms);
+      if ((rc = run(c, st, "insert outbox")) != IDEM_OK)
+        return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
+    }
+  }
+  if (req->outcome) {
+    rc = apply_outcome(c, &req->scope, owner, req->outcome, req->now_ms,
+                       req->ttl_ms);
+    if (rc != IDEM_OK)
+      return rc == IDEM_ELOST ? IDEM_ESTORE : rc;
+  }
+  return read_record(c, &req->scope, out);
+}
+
+static int sq_reserve(idem_store_t *base, const idem_reserve_t *req,
+                      idem_record_t *out, idem_reserve_result_t *result) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  char owner[IDEM_TOKEN_MAX + 1];
+  struct conn *c;
+  int rc;
+
+  if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
+    return IDEM_ECRYPTO;
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) == IDEM_OK) {
+    rc = reserve_tx(c, req, owner, out, result);
+    int end = write_end(s, c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  if (rc != IDEM_OK)
+    idem_record_reset(out);
+  return rc;
+}
+
+static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) == IDEM_OK) {
+    rc = apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome,
+                       cp->now_ms, cp->ttl_ms);
+    int end = write_end(s, c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
+static int sq_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
+                     idem_record_t *out) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = read_record(c, sc, out);
+  conn_put(s, c);
+  if (rc == IDEM_OK && out->expires_at != 0 && out->expires_at <= now_ms &&
+      (out->state == IDEM_STATE_COMPLETED || out->state == IDEM_STATE_FAILED)) {
+    idem_record_reset(out);
+    rc = IDEM_ENOTFOUND;
+  }
+  return rc;
+}
+
+static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
+                           const char *kind, const char *id, char **body) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((st = stmt(c, ST_RESOURCE_GET)) == NULL) {
+    conn_put(s, c);
+    return IDEM_ESTORE;
+  }
+  bind_text(st, 1, id);
+  sqlite3_bind_int64(st, 2, tenant_id);
+  bind_text(st, 3, kind);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW) {
+    *body = strdup(col_text(st, 0));
+    rc = *body ? IDEM_OK : IDEM_ENOMEM;
+  } else if (rc == SQLITE_DONE) {
+    rc = IDEM_ENOTFOUND;
+  } else {
+    rc = fail(c->db, rc, "resource get");
+  }
+  sqlite3_reset(st);
+  conn_put(s, c);
+  return rc;
+}
+
+static int sq_tenant_create(idem_store_t *base, idem_tenant_t *t) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) == IDEM_OK) {
+    if ((st = stmt(c, ST_TENANT_CREATE)) == NULL) {
+      rc = IDEM_ESTORE;
+    } else {
+      bind_text(st, 1, t->name);
+      bind_text(st, 2, t->key_lookup);
+      sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
+      sqlite3_bind_int64(st, 4, t->created_at);
+      rc = run(c, st, "tenant create");
+      if (rc == IDEM_OK)
+        t->id = sqlite3_last_insert_rowid(c->db);
+    }
+    int end = write_end(s, c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
+static int sq_tenant_find(idem_store_t *base, const char *lookup,
+                          idem_tenant_t *out) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc;
+
+  memset(out, 0, sizeof *out);
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((st = stmt(c, ST_TENANT_FIND)) == NULL) {
+    conn_put(s, c);
+    return IDEM_ESTORE;
+  }
+  bind_text(st, 1, lookup);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW) {
+    out->id = sqlite3_column_int64(st, 0);
+    idem_copy(out->name, sizeof out->name, col_text(st, 1));
+    idem_copy(out->key_lookup, sizeof out->key_lookup, col_text(st, 2));
+    if (sqlite3_column_bytes(st, 3) == (int)sizeof out->key_hash)
+      memcpy(out->key_hash, sqlite3_column_blob(st, 3), sizeof out->key_hash);
+    out->disabled = sqlite3_column_int(st, 4);
+    out->created_at = sqlite3_column_int64(st, 5);
+    rc = IDEM_OK;
+  } else if (rc == SQLITE_DONE) {
+    rc = IDEM_ENOTFOUND;
+  } else {
+    rc = fail(c->db, rc, "tenant find");
+  }
+  sqlite3_reset(st);
+  conn_put(s, c);
+  return rc;
+}
+
+static int sq_meta_get_or_put(idem_store_t *base, const char *name,
+                              const char *value, char **out) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) == IDEM_OK) {
+    if ((st = stmt(c, ST_META_PUT)) == NULL) {
+      rc = IDEM_ESTORE;
+    } else {
+      bind_text(st, 1, name);
+      bind_text(st, 2, value);
+      rc = run(c, st, "meta put");
+    }
+    if (rc == IDEM_OK) {
+      if ((st = stmt(c, ST_META_GET)) == NULL) {
+        rc = IDEM_ESTORE;
+      } else {
+        bind_text(st, 1, name);
+        int src = sqlite3_step(st);
+        if (src == SQLITE_ROW) {
+          *out = strdup(col_text(st, 0));
+          rc = *out ? IDEM_OK : IDEM_ENOMEM;
+        } else {
+          rc = fail(c->db, src, "meta get");
+        }
+        sqlite3_reset(st);
+      }
+    }
+    int end = write_end(s, c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  if (rc != IDEM_OK) {
+    free(*out);
+    *out = NULL;
+  }
+  return rc;
+}
+
+static int sq_sweep(idem_store_t *base, int64_t now_ms, int batch, int *deleted) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) == IDEM_OK) {
+    if ((st = stmt(c, ST_SWEEP)) == NULL) {
+      rc = IDEM_ESTORE;
+    } else {
+      sqlite3_bind_int64(st, 1, now_ms);
+      sqlite3_bind_int(st, 2, batch);
+      rc = run(c, st, "sweep");
+      if (rc == IDEM_OK)
+        *deleted = sqlite3_changes(c->db);
+    }
+    int end = write_end(s, c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
+static int sq_count(idem_store_t *base, const char *what, int64_t tenant_id,
+                    int64_t *n) {
+  static const struct {
+    const char *what, *sql;
+  } queries[] = {
+      {"records", "SELECT count(*) FROM idempotency_records WHERE (?1 = 0 OR tenant_id = ?1)"},
+      {"processing", "SELECT count(*) FROM idempotency_records WHERE state = 'processing' AND (?1 = 0 OR tenant_id = ?1)"},
+      {"pending", "SELECT count(*) FROM idempotency_records WHERE state = 'pending' AND (?1 = 0 OR tenant_id = ?1)"},
+      {"outbox", "SELECT count(*) FROM outbox WHERE (?1 = 0 OR tenant_id = ?1)"},
+      {"payments", "SELECT count(*) FROM resources WHERE kind = 'payment' AND (?1 = 0 OR tenant_id = ?1)"},
+      {"orders", "SELECT count(*) FROM resources WHERE kind = 'order' AND (?1 = 0 OR tenant_id = ?1)"},
+  };
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  const char *sql = NULL;
+  sqlite3_stmt *st = NULL;
+  struct conn *c;
+  int rc;
+
+  for (size_t i = 0; i < sizeof queries / sizeof *queries; i++)
+    if (strcmp(queries[i].what, what) == 0)
+      sql = queries[i].sql;
+  if (sql == NULL)
+    return IDEM_EINVAL;
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = sqlite3_prepare_v2(c->db, sql, -1, &st, NULL);
+  if (rc == SQLITE_OK) {
+    sqlite3_bind_int64(st, 1, tenant_id);
+    rc = sqlite3_step(st);
+    if (rc == SQLITE_ROW) {
+      *n = sqlite3_column_int64(st, 0);
+      rc = IDEM_OK;
+    } else {
+      rc = fail(c->db, rc, "count");
+    }
+  } else {
+    rc = fail(c->db, rc, "count");
+  }
+  sqlite3_finalize(st);
+  conn_put(s, c);
+  return rc;
+}
+
+static int sq_ping(idem_store_t *base) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((st = stmt(c, ST_PING)) == NULL) {
+    conn_put(s, c);
+    return IDEM_ESTORE;
+  }
+  rc = sqlite3_step(st);
+  rc = rc == SQLITE_ROW ? IDEM_OK : fail(c->db, rc, "ping");
+  sqlite3_reset(st);
+  conn_put(s, c);
+  return rc;
+}
+
+static int sq_migrate(idem_store_t *base) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st = NULL;
+  int rc, version = 0;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) != IDEM_OK) {
+    conn_put(s, c);
+    return rc;
+  }
+  if (sqlite3_prepare_v2(c->db, "PRAGMA user_version", -1, &st, NULL) == SQLITE_OK &&
+      sqlite3_step(st) == SQLITE_ROW)
+    version = sqlite3_column_int(st, 0);
+  else
+    rc = fail(c->db, sqlite3_errcode(c->db), "read schema version");
+  sqlite3_finalize(st);
+
+  if (rc == IDEM_OK && version > SCHEMA_VERSION) {
+    idem__store_set_error("schema version %d is newer than this program's %d",
+                          version, SCHEMA_VERSION);
+    rc = IDEM_ESCHEMA;
+  }
+  for (int v = version; rc == IDEM_OK && v < SCHEMA_VERSION; v++) {
+    char pragma[64];
+    snprintf(pragma, sizeof pragma, "PRAGMA user_version = %d", v + 1);
+    if (exec(c->db, migrations[v]) != SQLITE_OK || exec(c->db, pragma) != SQLITE_OK)
+      rc = IDEM_ESTORE;
+  }
+  int end = write_end(s, c, rc == IDEM_OK);
+  if (rc == IDEM_OK)
+    rc = end;
+  /* Statements prepared before the schema existed are stale: drop them. */
+  for (int i = 0; i < ST_COUNT_; i++) {
+    sqlite3_finalize(c->st[i]);
+    c->st[i] = NULL;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
+static void sq_close(idem_store_t *base) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c = s->free_conns;
+  while (c) {
+    struct conn *next = c->next;
+    conn_free(c);
+    c = next;
+  }
+  pthread_mutex_destroy(&s->pool_lock);
+  pthread_mutex_destroy(&s->write_lock);
+  free(s->path);
+  free(s);
+}
+
+int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
+                      idem_store_t **out) {
+  sqlite_store_t *s = calloc(1, sizeof *s);
+  struct conn *c;
+  int rc;
+
+  *out = NULL;
+  if (s == NULL || (s->path = strdup(path)) == NULL) {
+    free(s);
+    return IDEM_ENOMEM;
+  }
+  s->base.methods = &sqlite_methods;
+  s->busy_timeout_ms = opts->busy_timeout_ms > 0 ? opts->busy_timeout_ms : 5000;
+  pthread_mutex_init(&s->pool_lock, NULL);
+  pthread_mutex_init(&s->write_lock, NULL);
+  /* Open one connection now so a bad path fails here, not on a request. */
+  if ((rc = conn_new(s, &c)) != IDEM_OK) {
+    sq_close(&s->base);
+    return rc;
+  }
+  conn_put(s, c);
+  *out = &s->base;
+  return IDEM_OK;
+}
+
+static const idem_store_methods_t sqlite_methods = {
+    .version = 1,
+    .name = "sqlite",
+    .close = sq_close,
+    .migrate = sq_migrate,
+    .ping = sq_ping,
+    .reserve = sq_reserve,
+    .complete = sq_complete,
+    .lookup = sq_lookup,
+    .resource_get = sq_resource_get,
+    .tenant_create = sq_tenant_create,
+    .tenant_find = sq_tenant_find,
+    .meta_get_or_put = sq_meta_get_or_put,
+    .sweep = sq_sweep,
+    .count = sq_count,
+};

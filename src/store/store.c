@@ -1,0 +1,147 @@
+/* The store wrappers: argument checks, backend dispatch, wake-ups. Faults
+ * can be injected here for tests without touching backends. */
+#include "store_impl.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static __thread char last_error[512];
+
+void idem__store_set_error(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(last_error, sizeof last_error, fmt, ap);
+  va_end(ap);
+}
+
+const char *idem_store_last_error(void) { return last_error; }
+
+void idem__store_notify(idem_store_t *store, const idem_scope_t *scope) {
+  idem__waitset_wake(store->waits, scope);
+}
+
+static int is_postgres_url(const char *url) {
+  return strncmp(url, "postgresql://", 13) == 0 ||
+         strncmp(url, "postgres://", 11) == 0;
+}
+
+int idem_store_open(const char *url, const idem_store_options_t *opts,
+                    idem_store_t **out) {
+  idem_store_options_t defaults = {0};
+  idem_store_t *s = NULL;
+  int rc;
+
+  *out = NULL;
+  if (url == NULL || url[0] == '\0') {
+    idem__store_set_error("empty database location");
+    return IDEM_EINVAL;
+  }
+  if (opts == NULL)
+    opts = &defaults;
+  if (is_postgres_url(url)) {
+    idem__store_set_error("this build has no PostgreSQL store");
+    return IDEM_EINVAL;
+  }
+  rc = idem__sqlite_open(url, opts, &s);
+  if (rc != IDEM_OK)
+    return rc;
+  s->waits = idem__waitset_new();
+  if (s->waits == NULL) {
+    s->methods->close(s);
+    return IDEM_ENOMEM;
+  }
+  *out = s;
+  return IDEM_OK;
+}
+
+void idem_store_close(idem_store_t *store) {
+  idem__waitset_t *ws;
+  if (store == NULL)
+    return;
+  ws = store->waits;
+  store->methods->close(store);
+  idem__waitset_free(ws);
+}
+
+const char *idem_store_backend(const idem_store_t *store) {
+  return store->methods->name;
+}
+
+int idem_store_migrate(idem_store_t *store) { return store->methods->migrate(store); }
+
+int idem_store_ping(idem_store_t *store) { return store->methods->ping(store); }
+
+int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
+                       idem_record_t *out, idem_reserve_result_t *result) {
+  if (req->scope.operation == NULL || req->scope.key == NULL ||
+      req->fingerprint == NULL || req->correlation_id == NULL)
+    return IDEM_EINVAL;
+  if (strlen(req->scope.operation) > IDEM_OPERATION_MAX ||
+      strlen(req->scope.key) > IDEM_KEY_MAX)
+    return IDEM_EINVAL;
+  return store->methods->reserve(store, req, out, result);
+}
+
+int idem_store_complete(idem_store_t *store, const idem_complete_t *c) {
+  int rc;
+  if (c->owner_token == NULL || c->owner_token[0] == '\0')
+    return IDEM_EINVAL;
+  if (c->outcome.state != IDEM_STATE_COMPLETED &&
+      c->outcome.state != IDEM_STATE_PENDING &&
+      c->outcome.state != IDEM_STATE_FAILED)
+    return IDEM_EINVAL;
+  rc = store->methods->complete(store, c);
+  if (rc == IDEM_OK)
+    idem__store_notify(store, &c->scope);
+  return rc;
+}
+
+int idem_store_lookup(idem_store_t *store, const idem_scope_t *scope,
+                      int64_t now_ms, idem_record_t *out) {
+  return store->methods->lookup(store, scope, now_ms, out);
+}
+
+uint64_t idem_store_watch(idem_store_t *store, const idem_scope_t *scope) {
+  return idem__waitset_ticket(store->waits, scope);
+}
+
+int idem_store_wait(idem_store_t *store, const idem_scope_t *scope,
+                    uint64_t ticket, int64_t timeout_ms) {
+  return idem__waitset_wait(store->waits, scope, ticket, timeout_ms);
+}
+
+int idem_store_resource_get(idem_store_t *store, int64_t tenant_id,
+                            const char *kind, const char *id, char **body) {
+  *body = NULL;
+  return store->methods->resource_get(store, tenant_id, kind, id, body);
+}
+
+int idem_store_tenant_create(idem_store_t *store, idem_tenant_t *t) {
+  return store->methods->tenant_create(store, t);
+}
+
+int idem_store_tenant_find(idem_store_t *store, const char *key_lookup,
+                           idem_tenant_t *out) {
+  return store->methods->tenant_find(store, key_lookup, out);
+}
+
+int idem_store_meta_get_or_put(idem_store_t *store, const char *name,
+                               const char *value, char **out) {
+  *out = NULL;
+  return store->methods->meta_get_or_put(store, name, value, out);
+}
+
+int idem_store_sweep(idem_store_t *store, int64_t now_ms, int batch,
+                     int *deleted) {
+  *deleted = 0;
+  if (batch <= 0)
+    return IDEM_EINVAL;
+  return store->methods->sweep(store, now_ms, batch, deleted);
+}
+
+int idem_store_count(idem_store_t *store, const char *what, int64_t tenant_id,
+                     int64_t *n) {
+  *n = 0;
+  return store->methods->count(store, what, tenant_id, n);
+}

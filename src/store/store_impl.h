@@ -1,0 +1,27 @@
+/* Internal: what every store backend shares. A backend's handle embeds
+ * struct idem_store first and points it at its table of functions. */
+#ifndef IDEM_STORE_IMPL_H
+#define IDEM_STORE_IMPL_H
+
+#include "idem/store.h"
+#include "../lib/waitset.h"
+
+struct idem_store {
+  const idem_store_methods_t *methods;
+  idem__waitset_t *waits;
+};
+
+/* Records `fmt` as this thread's last store error (for logs). */
+void idem__store_set_error(const char *fmt, ...)
+    __attribute__((format(printf, 1, 2)));
+
+/* Wakes the in-process waiters of `scope`. Backends call it after a commit
+ * that changed a record others may be waiting on. */
+void idem__store_notify(idem_store_t *store, const idem_scope_t *scope);
+
+/* Backends' constructors. On success they fill `*out` with a handle whose
+ * base is initialised (methods set; waits is set by idem_store_open). */
+int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
+                      idem_store_t **out);
+
+#endif
