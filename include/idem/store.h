@@ -89,6 +89,7 @@ typedef struct idem_store_methods {
   int version; /* 1 */
   const char *name;
   void (*close)(idem_store_t *);
+  int (*start)(idem_store_t *); /* optional: background work, after open */
   int (*migrate)(idem_store_t *);
   int (*ping)(idem_store_t *);
   int (*reserve)(idem_store_t *, const idem_reserve_t *, idem_record_t *,

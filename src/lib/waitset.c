@@ -104,3 +104,12 @@ void idem__waitset_wake(idem__waitset_t *ws, const idem_scope_t *scope) {
   pthread_cond_broadcast(&st->cond);
   pthread_mutex_unlock(&st->lock);
 }
+
+void idem__waitset_wake_all(idem__waitset_t *ws) {
+  for (int i = 0; i < STRIPES; i++) {
+    pthread_mutex_lock(&ws->s[i].lock);
+    ws->s[i].gen++;
+    pthread_cond_broadcast(&ws->s[i].cond);
+    pthread_mutex_unlock(&ws->s[i].lock);
+  }
+}

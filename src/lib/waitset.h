@@ -28,4 +28,7 @@ int idem__waitset_wait(idem__waitset_t *ws, const idem_scope_t *scope,
 /* Advances `scope`'s stripe and wakes everyone waiting on it. */
 void idem__waitset_wake(idem__waitset_t *ws, const idem_scope_t *scope);
 
+/* Wakes every waiter of every stripe (after lost notifications). */
+void idem__waitset_wake_all(idem__waitset_t *ws);
+
 #endif

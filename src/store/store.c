@@ -39,17 +39,18 @@ int idem_store_open(const char *url, const idem_store_options_t *opts,
   }
   if (opts == NULL)
     opts = &defaults;
-  if (is_postgres_url(url)) {
-    idem__store_set_error("this build has no PostgreSQL store");
-    return IDEM_EINVAL;
-  }
-  rc = idem__sqlite_open(url, opts, &s);
+  rc = is_postgres_url(url) ? idem__postgres_open(url, opts, &s)
+                             : idem__sqlite_open(url, opts, &s);
   if (rc != IDEM_OK)
     return rc;
   s->waits = idem__waitset_new();
   if (s->waits == NULL) {
     s->methods->close(s);
     return IDEM_ENOMEM;
+  }
+  if (s->methods->start && (rc = s->methods->start(s)) != IDEM_OK) {
+    idem_store_close(s);
+    return rc;
   }
   *out = s;
   return IDEM_OK;

@@ -23,5 +23,7 @@ void idem__store_notify(idem_store_t *store, const idem_scope_t *scope);
  * base is initialised (methods set; waits is set by idem_store_open). */
 int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
                       idem_store_t **out);
+int idem__postgres_open(const char *url, const idem_store_options_t *opts,
+                        idem_store_t **out);
 
 #endif

@@ -1,0 +1,839 @@
+/* The PostgreSQL store: many idemd instances share one database. Short
+ * transactions of prepared statements, a pool of connections (one per
+ * concurrent caller, re-opened after the server restarts), and a listener
+ * connection that turns NOTIFY from any instance into in-process wake-ups,
+ * so a duplicate waiting on another instance's key wakes when it finishes.
+ *
+ * The semantics are those of the SQLite store: the same atomic reservation
+ * (INSERT ... ON CONFLICT), completion conditional on the owner token, and
+ * resources written in the transaction of their record. */
+#include "store_impl.h"
+
+#include <errno.h>
+#include <libpq-fe.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "idem/crypto.h"
+
+#define NOTIFY_CHANNEL "idem_records"
+
+enum stmt_id {
+  ST_RESERVE,
+  ST_READ_RECORD,
+  ST_INSERT_RESOURCE,
+  ST_INSERT_OUTBOX,
+  ST_COMPLETE,
+  ST_UPDATE_RESOURCE,
+  ST_DELETE_OUTBOX,
+  ST_NOTIFY,
+  ST_RESOURCE_GET,
+  ST_TENANT_CREATE,
+  ST_TENANT_FIND,
+  ST_META_PUT,
+  ST_META_GET,
+  ST_SWEEP,
+  ST_PING,
+  ST_COUNT_
+};
+
+#define RECORD_COLUMNS                                                        \
+  "tenant_id, operation, key, fingerprint, state, response_status, "          \
+  "response_body, location, resource_id, provider_ref, correlation_id, "      \
+  "owner_token, lease_expires_at, created_at, updated_at, expires_at"
+
+#define SCOPE_MATCH "tenant_id = $1 AND operation = $2 AND key = $3"
+
+static const char *const stmt_sql[ST_COUNT_] = {
+    [ST_RESERVE] =
+        "INSERT INTO idempotency_records AS r (tenant_id, operation, key, "
+        "fingerprint, state, correlation_id, owner_token, lease_expires_at, "
+        "created_at, updated_at, expires_at, resource_id) "
+        "VALUES ($1, $2, $3, $4, 'processing', $5, $6, $7, $8, $8, NULL, $9) "
+        "ON CONFLICT (tenant_id, operation, key) DO UPDATE SET "
+        "fingerprint = excluded.fingerprint, state = 'processing', "
+        "response_status = NULL, response_body = NULL, location = NULL, "
+        "resource_id = excluded.resource_id, provider_ref = NULL, "
+        "correlation_id = excluded.correlation_id, "
+        "owner_token = excluded.owner_token, "
+        "lease_expires_at = excluded.lease_expires_at, "
+        "created_at = excluded.created_at, updated_at = excluded.updated_at, "
+        "expires_at = NULL "
+        "WHERE (r.state IN ('completed', 'failed') "
+        "AND r.expires_at <= excluded.created_at) "
+        "OR (r.state = 'failed' AND r.fingerprint = excluded.fingerprint) "
+        "RETURNING 1",
+    [ST_READ_RECORD] = "SELECT " RECORD_COLUMNS
+                       " FROM idempotency_records WHERE " SCOPE_MATCH,
+    [ST_INSERT_RESOURCE] =
+        "INSERT INTO resources (id, tenant_id, kind, status, body, "
+        "provider_ref, created_at, updated_at) "
+        "VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+    [ST_INSERT_OUTBOX] =
+        "INSERT INTO outbox (resource_id, tenant_id, operation, key, "
+        "created_at, attempts, next_attempt_at) "
+        "VALUES ($1, $2, $3, $4, $5, 0, $5)",
+    [ST_COMPLETE] =
+        "UPDATE idempotency_records SET state = $4, response_status = $5, "
+        "response_body = $6, location = $7, "
+        "resource_id = COALESCE($8, resource_id), "
+        "provider_ref = COALESCE($9, provider_ref), owner_token = NULL, "
+        "lease_expires_at = NULL, updated_at = $10, expires_at = $11 "
+        "WHERE " SCOPE_MATCH " AND state = 'processing' AND owner_token = $12",
+    [ST_UPDATE_RESOURCE] =
+        "UPDATE resources SET status = COALESCE($4, status), "
+        "body = COALESCE($5, body), provider_ref = COALESCE($6, provider_ref), "
+        "updated_at = $7 WHERE id = (SELECT resource_id FROM "
+        "idempotency_records WHERE " SCOPE_MATCH ")",
+    [ST_DELETE_OUTBOX] = "DELETE FROM outbox WHERE resource_id = (SELECT "
+                         "resource_id FROM idempotency_records WHERE " SCOPE_MATCH ")",
+    [ST_NOTIFY] = "SELECT pg_notify('" NOTIFY_CHANNEL "', $1)",
+    [ST_RESOURCE_GET] = "SELECT body FROM resources WHERE id = $1 AND "
+                        "tenant_id = $2 AND kind = $3",
+    [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
+                         "disabled, created_at) VALUES ($1, $2, $3, 0, $4) "
+                         "RETURNING id",
+    [ST_TENANT_FIND] = "SELECT id, name, key_lookup, key_hash, disabled, "
+                       "created_at FROM tenants WHERE key_lookup = $1",
+    [ST_META_PUT] = "INSERT INTO meta (name, value) VALUES ($1, $2) "
+                    "ON CONFLICT (name) DO NOTHING",
+    [ST_META_GET] = "SELECT value FROM meta WHERE name = $1",
+    [ST_SWEEP] = "DELETE FROM idempotency_records WHERE (tenant_id, operation, "
+                 "key) IN (SELECT tenant_id, operation, key FROM "
+                 "idempotency_records WHERE expires_at <= $1 AND state IN "
+                 "('completed', 'failed') LIMIT $2 FOR UPDATE SKIP LOCKED)",
+    [ST_PING] = "SELECT 1",
+};
+
+/* Schema versions, applied in order under an advisory lock so that
+ * instances starting together do not race. Never edit a released entry. */
+static const char *const migrations[] = {
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "CREATE TABLE tenants ("
+    " id BIGSERIAL PRIMARY KEY,"
+    " name TEXT NOT NULL UNIQUE,"
+    " key_lookup TEXT NOT NULL UNIQUE,"
+    " key_hash TEXT NOT NULL,"
+    " disabled INTEGER NOT NULL DEFAULT 0,"
+    " created_at BIGINT NOT NULL);"
+    "CREATE TABLE idempotency_records ("
+    " tenant_id BIGINT NOT NULL REFERENCES tenants (id),"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " fingerprint TEXT NOT NULL,"
+    " state TEXT NOT NULL CHECK (state IN ('processing', 'completed', "
+    "'failed', 'pending')),"
+    " response_status INTEGER,"
+    " response_body TEXT,"
+    " location TEXT,"
+    " resource_id TEXT,"
+    " provider_ref TEXT,"
+    " correlation_id TEXT NOT NULL,"
+    " owner_token TEXT,"
+    " lease_expires_at BIGINT,"
+    " created_at BIGINT NOT NULL,"
+    " updated_at BIGINT NOT NULL,"
+    " expires_at BIGINT,"
+    " UNIQUE (tenant_id, operation, key));"
+    "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
+    "WHERE expires_at IS NOT NULL;"
+    "CREATE INDEX records_open ON idempotency_records (state, updated_at) "
+    "WHERE state IN ('processing', 'pending');"
+    "CREATE TABLE resources ("
+    " id TEXT PRIMARY KEY,"
+    " tenant_id BIGINT NOT NULL REFERENCES tenants (id),"
+    " kind TEXT NOT NULL,"
+    " status TEXT NOT NULL,"
+    " body TEXT NOT NULL,"
+    " provider_ref TEXT,"
+    " created_at BIGINT NOT NULL,"
+    " updated_at BIGINT NOT NULL);"
+    "CREATE INDEX resources_by_status ON resources (kind, status);"
+    "CREATE TABLE outbox ("
+    " resource_id TEXT PRIMARY KEY REFERENCES resources (id),"
+    " tenant_id BIGINT NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " created_at BIGINT NOT NULL,"
+    " attempts INTEGER NOT NULL DEFAULT 0,"
+    " next_attempt_at BIGINT NOT NULL);"
+    "CREATE VIEW payments AS SELECT id, tenant_id, status,"
+    " (body::jsonb ->> 'amount')::bigint AS amount,"
+    " body::jsonb ->> 'currency' AS currency,"
+    " body::jsonb ->> 'order_id' AS order_id,"
+    " provider_ref, created_at, updated_at FROM resources"
+    " WHERE kind = 'payment';"
+    "CREATE VIEW orders AS SELECT id, tenant_id, status,"
+    " body::jsonb ->> 'customer_id' AS customer_id,"
+    " (body::jsonb ->> 'total')::bigint AS total,"
+    " body::jsonb ->> 'currency' AS currency,"
+    " created_at, updated_at FROM resources WHERE kind = 'order';",
+};
+
+#define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
+#define MIGRATE_LOCK "7305818436" /* pg_advisory_xact_lock key for migrations */
+
+struct conn {
+  PGconn *pg;
+  unsigned prepared; /* bit i: stmt i is prepared on this connection */
+  struct conn *next;
+};
+
+typedef struct pg_store {
+  struct idem_store base;
+  char *url;
+  pthread_mutex_t pool_lock;
+  struct conn *free_conns;
+  pthread_t listener;
+  int listener_started;
+  atomic_int stopping;
+} pg_store_t;
+
+static const idem_store_methods_t pg_methods;
+
+/* Maps a failed result to an idem error, keeping libpq's text for logs. */
+static int fail(struct conn *c, PGresult *res, const char *what) {
+  const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+  idem__store_set_error("postgres %s: %s", what,
+                        res && PQresultErrorMessage(res)[0]
+                            ? PQresultErrorMessage(res)
+                            : PQerrorMessage(c->pg));
+  if (state && strcmp(state, "23505") == 0)
+    return IDEM_EEXIST;
+  return IDEM_ESTORE;
+}
+
+static void conn_free(struct conn *c) {
+  if (c == NULL)
+    return;
+  PQfinish(c->pg);
+  free(c);
+}
+
+static int conn_new(pg_store_t *s, struct conn **out) {
+  struct conn *c = calloc(1, sizeof *c);
+  *out = NULL;
+  if (c == NULL)
+    return IDEM_ENOMEM;
+  c->pg = PQconnectdb(s->url);
+  if (c->pg == NULL || PQstatus(c->pg) != CONNECTION_OK) {
+    idem__store_set_error("postgres connect: %s",
+                          c->pg ? PQerrorMessage(c->pg) : "out of memory");
+    conn_free(c);
+    return IDEM_ESTORE;
+  }
+  *out = c;
+  return IDEM_OK;
+}
+
+static int conn_get(pg_store_t *s, struct conn **out) {
+  pthread_mutex_lock(&s->pool_lock);
+  *out = s->free_conns;
+  if (*out)
+    s->free_conns = (*out)->next;
+  pthread_mutex_unlock(&s->pool_lock);
+  if (*out)
+    return IDEM_OK;
+  return conn_new(s, out);
+}
+
+/* Returns a connection to the pool, or drops it if it broke (the next
+ * caller then opens a fresh one: that is how we survive a restart). */
+static void conn_put(pg_store_t *s, struct conn *c) {
+  if (PQstatus(c->pg) != CONNECTION_OK ||
+      PQtransactionStatus(c->pg) != PQTRANS_IDLE) {
+    conn_free(c);
+    return;
+  }
+  pthread_mutex_lock(&s->pool_lock);
+  c->next = s->free_conns;
+  s->free_conns = c;
+  pthread_mutex_unlock(&s->pool_lock);
+}
+
+/* Runs prepared statement `id` (preparing it on first use on this
+ * connection). Returns the result, which the caller clears, or NULL with
+ * the error recorded. */
+static PGresult *run(struct conn *c, enum stmt_id id, int n,
+                     const char *const *params, int *err) {
+  char name[16];
+  PGresult *res;
+  ExecStatusType st;
+
+  snprintf(name, sizeof name, "idem_%d", (int)id);
+  if (!(c->prepared & (1u << id))) {
+    res = PQprepare(c->pg, name, stmt_sql[id], 0, NULL);
+    if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+      *err = fail(c, res, "prepare");
+      PQclear(res);
+      return NULL;
+    }
+    PQclear(res);
+    c->prepared |= 1u << id;
+  }
+  res = PQexecPrepared(c->pg, name, n, params, NULL, NULL, 0);
+  st = PQresultStatus(res);
+  if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
+    *err = fail(c, res, "query");
+    PQclear(res);
+    return NULL;
+  }
+  *err = IDEM_OK;
+  return res;
+}
+
+/* Runs a statement whose rows we do not need; `*changed` gets the row count
+ * it affected when not NULL. */
+static int run_cmd(struct conn *c, enum stmt_id id, int n,
+                   const char *const *params, int *changed) {
+  int err;
+  PGresult *res = run(c, id, n, params, &err);
+  if (res == NULL)
+    return err;
+  if (changed) {
+    const char *t = PQcmdTuples(res);
+    *changed = t && *t ? atoi(t) : PQntuples(res);
+  }
+  PQclear(res);
+  return IDEM_OK;
+}
+
+static int simple(struct conn *c, const char *sql) {
+  PGresult *res = PQexec(c->pg, sql);
+  int rc = IDEM_OK;
+  if (PQresultStatus(res) != PGRES_COMMAND_OK && PQresultStatus(res) != PGRES_TUPLES_OK)
+    rc = fail(c, res, sql);
+  PQclear(res);
+  return rc;
+}
+
+static int tx_end(struct conn *c, int ok) {
+  if (ok)
+    return simple(c, "COMMIT");
+  if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
+    (void)simple(c, "ROLLBACK");
+  return IDEM_OK;
+}
+
+/* Decimal text of a number, in a caller-provided buffer. */
+static const char *num(char *buf, size_t len, long long v) {
+  snprintf(buf, len, "%lld", v);
+  return buf;
+}
+
+static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *out) {
+  char t[24];
+  const char *p[3] = {num(t, sizeof t, sc->tenant_id), sc->operation, sc->key};
+  PGresult *res;
+  int err;
+
+  if ((res = run(c, ST_READ_RECORD, 3, p, &err)) == NULL)
+    return err;
+  if (PQntuples(res) == 0) {
+    PQclear(res);
+    return IDEM_ENOTFOUND;
+  }
+  idem_record_reset(out);
+  out->tenant_id = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+  idem_copy(out->operation, sizeof out->operation, PQgetvalue(res, 0, 1));
+  idem_copy(out->key, sizeof out->key, PQgetvalue(res, 0, 2));
+  idem_copy(out->fingerprint, sizeof out->fingerprint, PQgetvalue(res, 0, 3));
+  out->state = idem_state_parse(PQgetvalue(res, 0, 4));
+  out->response_status = atoi(PQgetvalue(res, 0, 5));
+  if (!PQgetisnull(res, 0, 6)) {
+    out->response_body = strdup(PQgetvalue(res, 0, 6));
+    if (out->response_body == NULL) {
+      PQclear(res);
+      return IDEM_ENOMEM;
+    }
+  }
+  idem_copy(out->location, sizeof out->location, PQgetvalue(res, 0, 7));
+  idem_copy(out->resource_id, sizeof out->resource_id, PQgetvalue(res, 0, 8));
+  idem_copy(out->provider_ref, sizeof out->provider_ref, PQgetvalue(res, 0, 9));
+  idem_copy(out->correlation_id, sizeof out->correlation_id, PQgetvalue(res, 0, 10));
+  idem_copy(out->owner_token, sizeof out->owner_token, PQgetvalue(res, 0, 11));
+  out->lease_expires_at = strtoll(PQgetvalue(res, 0, 12), NULL, 10);
+  out->created_at = strtoll(PQgetvalue(res, 0, 13), NULL, 10);
+  out->updated_at = strtoll(PQgetvalue(res, 0, 14), NULL, 10);
+  out->expires_at = strtoll(PQgetvalue(res, 0, 15), NULL, 10);
+  PQclear(res);
+  return IDEM_OK;
+}
+
+/* The NOTIFY payload that names a scope: "tenant\noperation\nkey". */
+static int notify(struct conn *c, const idem_scope_t *sc) {
+  char payload[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
+  const char *p[1] = {payload};
+  snprintf(payload, sizeof payload, "%lld\n%s\n%s", (long long)sc->tenant_id,
+           sc->operation, sc->key);
+  return run_cmd(c, ST_NOTIFY, 1, p, NULL);
+}
+
+static int apply_outcome(struct conn *c, const idem_scope_t *sc,
+                         const char *owner, const idem_outcome_t *o,
+                         int64_t now_ms, int64_t ttl_ms) {
+  char t[24], status[16], now[24], exp[24];
+  const char *tenant = num(t, sizeof t, sc->tenant_id);
+  const char *nowp = num(now, sizeof now, now_ms);
+  const char *p[12] = {tenant, sc->operation, sc->key, idem_state_name(o->state),
+                       num(status, sizeof status, o->status), o->body,
+                       o->location, o->resource_id, o->provider_ref, nowp,
+                       o->state == IDEM_STATE_PENDING
+                           ? NULL
+                           : num(exp, sizeof exp, now_ms + ttl_ms),
+                       owner};
+  int rc, changed = 0;
+
+  if ((rc = run_cmd(c, ST_COMPLETE, 12, p, &changed)) != IDEM_OK)
+    return rc;
+  if (changed != 1)
+    return IDEM_ELOST;
+  if (o->resource_status || o->resource_body || o->provider_ref) {
+    const char *q[7] = {tenant, sc->operation, sc->key, o->resource_status,
+                        o->resource_body, o->provider_ref, nowp};
+    if ((rc = run_cmd(c, ST_UPDATE_RESOURCE, 7, q, NULL)) != IDEM_OK)
+      return rc;
+  }
+  if (o->state != IDEM_STATE_PENDING &&
+      (rc = run_cmd(c, ST_DELETE_OUTBOX, 3, p, NULL)) != IDEM_OK)
+    return rc;
+  return notify(c, sc); /* delivered to every instance at commit */
+}
+
+static int reserve_tx(struct conn *c, const idem_reserve_t *req,
+                      const char *owner, idem_record_t *out,
+                      idem_reserve_result_t *result) {
+  const idem_resource_t *res = req->resource;
+  char t[24], lease[24], now[24];
+  const char *tenant = num(t, sizeof t, req->scope.tenant_id);
+  const char *nowp = num(now, sizeof now, req->now_ms);
+  const char *p[9] = {tenant, req->scope.operation, req->scope.key,
+                      req->fingerprint, req->correlation_id, owner,
+                      num(lease, sizeof lease, req->now_ms + req->lease_ms),
+                      nowp, res ? res->id : NULL};
+  int rc, won = 0;
+
+  if ((rc = run_cmd(c, ST_RESERVE, 9, p, &won)) != IDEM_OK)
+    return rc;
+  if (won == 0) {
+    *result = IDEM_RESERVE_EXISTS;
+    return read_record(c, &req->scope, out);
+  }
+  *result = IDEM_RESERVE_WON;
+  if (res) {
+    const char *q[7] = {res->id, tenant, res->kind, res->status, res->body,
+                        res->provider_ref, nowp};
+    if ((rc = run_cmd(c, ST_INSERT_RESOURCE, 7, q, NULL)) != IDEM_OK)
+      return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
+    if (req->enqueue_outbox) {
+      const char *o[5] = {res->id, tenant, req->scope.operation,
+                          req->scope.key, nowp};
+      if ((rc = run_cmd(c, ST_INSERT_OUTBOX, 5, o, NULL)) != IDEM_OK)
+        return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
+    }
+  }
+  if (req->outcome) {
+    rc = apply_outcome(c, &req->scope, owner, req->outcome, req->now_ms,
+                       req->ttl_ms);
+    if (rc != IDEM_OK)
+      return rc == IDEM_ELOST ? IDEM_ESTORE : rc;
+  }
+  return read_record(c, &req->scope, out);
+}
+
+static int pg_reserve(idem_store_t *base, const idem_reserve_t *req,
+                      idem_record_t *out, idem_reserve_result_t *result) {
+  pg_store_t *s = (pg_store_t *)base;
+  char owner[IDEM_TOKEN_MAX + 1];
+  struct conn *c;
+  int rc;
+
+  if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
+    return IDEM_ECRYPTO;
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
+    rc = reserve_tx(c, req, owner, out, result);
+    int end = tx_end(c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  if (rc != IDEM_OK)
+    idem_record_reset(out);
+  return rc;
+}
+
+static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
+  pg_store_t *s = (pg_store_t *)base;
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
+    rc = apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
+                       cp->ttl_ms);
+    int end = tx_end(c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
+static int pg_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
+                     idem_record_t *out) {
+  pg_store_t *s = (pg_store_t *)base;
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = read_record(c, sc, out);
+  conn_put(s, c);
+  if (rc == IDEM_OK && out->expires_at != 0 && out->expires_at <= now_ms &&
+      (out->state == IDEM_STATE_COMPLETED || out->state == IDEM_STATE_FAILED)) {
+    idem_record_reset(out);
+    rc = IDEM_ENOTFOUND;
+  }
+  return rc;
+}
+
+/* Runs a one-row query outside a transaction; `*res` gets the result when
+ * it has a row (IDEM_OK), IDEM_ENOTFOUND when it has none. */
+static int query_row(pg_store_t *s, enum stmt_id id, int n,
+                     const char *const *params, PGresult **res) {
+  struct conn *c;
+  int rc;
+
+  *res = NULL;
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  *res = run(c, id, n, params, &rc);
+  conn_put(s, c);
+  if (*res == NULL)
+    return rc;
+  if (PQntuples(*res) == 0) {
+    PQclear(*res);
+    *res = NULL;
+    return IDEM_ENOTFOUND;
+  }
+  return IDEM_OK;
+}
+
+static int pg_resource_get(idem_store_t *base, int64_t tenant_id,
+                           const char *kind, const char *id, char **body) {
+  char t[24];
+  const char *p[3] = {id, num(t, sizeof t, tenant_id), kind};
+  PGresult *res;
+  int rc = query_row((pg_store_t *)base, ST_RESOURCE_GET, 3, p, &res);
+  if (rc != IDEM_OK)
+    return rc;
+  *body = strdup(PQgetvalue(res, 0, 0));
+  PQclear(res);
+  return *body ? IDEM_OK : IDEM_ENOMEM;
+}
+
+static int pg_tenant_create(idem_store_t *base, idem_tenant_t *t) {
+  char hash[IDEM_SHA256_HEX_LEN], created[24];
+  const char *p[4] = {t->name, t->key_lookup, hash,
+                      num(created, sizeof created, t->created_at)};
+  PGresult *res;
+  int rc;
+
+  idem_hex(t->key_hash, sizeof t->key_hash, hash);
+  rc = query_row((pg_store_t *)base, ST_TENANT_CREATE, 4, p, &res);
+  if (rc != IDEM_OK)
+    return rc;
+  t->id = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+  PQclear(res);
+  return IDEM_OK;
+}
+
+static int unhex(const char *hex, unsigned char *out, size_t len) {
+  for (size_t i = 0; i < len; i++) {
+    unsigned v;
+    if (sscanf(hex + 2 * i, "%2x", &v) != 1)
+      return -1;
+    out[i] = (unsigned char)v;
+  }
+  return 0;
+}
+
+static int pg_tenant_find(idem_store_t *base, const char *lookup,
+                          idem_tenant_t *out) {
+  const char *p[1] = {lookup};
+  PGresult *res;
+  int rc;
+
+  memset(out, 0, sizeof *out);
+  rc = query_row((pg_store_t *)base, ST_TENANT_FIND, 1, p, &res);
+  if (rc != IDEM_OK)
+    return rc;
+  out->id = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+  idem_copy(out->name, sizeof out->name, PQgetvalue(res, 0, 1));
+  idem_copy(out->key_lookup, sizeof out->key_lookup, PQgetvalue(res, 0, 2));
+  if (strlen(PQgetvalue(res, 0, 3)) != 2 * sizeof out->key_hash ||
+      unhex(PQgetvalue(res, 0, 3), out->key_hash, sizeof out->key_hash) != 0)
+    memset(out->key_hash, 0, sizeof out->key_hash);
+  out->disabled = atoi(PQgetvalue(res, 0, 4));
+  out->created_at = strtoll(PQgetvalue(res, 0, 5), NULL, 10);
+  PQclear(res);
+  return IDEM_OK;
+}
+
+static int pg_meta_get_or_put(idem_store_t *base, const char *name,
+                              const char *value, char **out) {
+  pg_store_t *s = (pg_store_t *)base;
+  const char *p[2] = {name, value};
+  PGresult *res;
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = run_cmd(c, ST_META_PUT, 2, p, NULL);
+  conn_put(s, c);
+  if (rc != IDEM_OK)
+    return rc;
+  rc = query_row(s, ST_META_GET, 1, p, &res);
+  if (rc != IDEM_OK)
+    return rc == IDEM_ENOTFOUND ? IDEM_ESTORE : rc;
+  *out = strdup(PQgetvalue(res, 0, 0));
+  PQclear(res);
+  return *out ? IDEM_OK : IDEM_ENOMEM;
+}
+
+static int pg_sweep(idem_store_t *base, int64_t now_ms, int batch, int *deleted) {
+  pg_store_t *s = (pg_store_t *)base;
+  char now[24], b[16];
+  const char *p[2] = {num(now, sizeof now, now_ms), num(b, sizeof b, batch)};
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = run_cmd(c, ST_SWEEP, 2, p, deleted);
+  conn_put(s, c);
+  return rc;
+}
+
+static int pg_count(idem_store_t *base, const char *what, int64_t tenant_id,
+                    int64_t *n) {
+  static const struct {
+    const char *what, *sql;
+  } queries[] = {
+      {"records", "SELECT count(*) FROM idempotency_records WHERE ($1::bigint = 0 OR tenant_id = $1)"},
+      {"processing", "SELECT count(*) FROM idempotency_records WHERE state = 'processing' AND ($1::bigint = 0 OR tenant_id = $1)"},
+      {"pending", "SELECT count(*) FROM idempotency_records WHERE state = 'pending' AND ($1::bigint = 0 OR tenant_id = $1)"},
+      {"outbox", "SELECT count(*) FROM outbox WHERE ($1::bigint = 0 OR tenant_id = $1)"},
+      {"payments", "SELECT count(*) FROM resources WHERE kind = 'payment' AND ($1::bigint = 0 OR tenant_id = $1)"},
+      {"orders", "SELECT count(*) FROM resources WHERE kind = 'order' AND ($1::bigint = 0 OR tenant_id = $1)"},
+  };
+  pg_store_t *s = (pg_store_t *)base;
+  const char *sql = NULL;
+  char t[24];
+  const char *p[1] = {num(t, sizeof t, tenant_id)};
+  struct conn *c;
+  PGresult *res;
+  int rc;
+
+  for (size_t i = 0; i < sizeof queries / sizeof *queries; i++)
+    if (strcmp(queries[i].what, what) == 0)
+      sql = queries[i].sql;
+  if (sql == NULL)
+    return IDEM_EINVAL;
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  res = PQexecParams(c->pg, sql, 1, NULL, p, NULL, NULL, 0);
+  if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1) {
+    *n = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    rc = IDEM_OK;
+  } else {
+    rc = fail(c, res, "count");
+  }
+  PQclear(res);
+  conn_put(s, c);
+  return rc;
+}
+
+static int pg_ping(idem_store_t *base) {
+  PGresult *res;
+  int rc = query_row((pg_store_t *)base, ST_PING, 0, NULL, &res);
+  PQclear(res);
+  return rc;
+}
+
+static int pg_migrate(idem_store_t *base) {
+  pg_store_t *s = (pg_store_t *)base;
+  struct conn *c;
+  PGresult *res;
+  int rc, version = 0;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = simple(c, "BEGIN");
+  if (rc == IDEM_OK)
+    rc = simple(c, "SELECT pg_advisory_xact_lock(" MIGRATE_LOCK ")");
+  if (rc == IDEM_OK)
+    rc = simple(c, "CREATE TABLE IF NOT EXISTS idem_schema (version INTEGER NOT NULL)");
+  if (rc == IDEM_OK) {
+    res = PQexec(c->pg, "SELECT coalesce(max(version), 0) FROM idem_schema");
+    if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1)
+      version = atoi(PQgetvalue(res, 0, 0));
+    else
+      rc = fail(c, res, "read schema version");
+    PQclear(res);
+  }
+  if (rc == IDEM_OK && version > SCHEMA_VERSION) {
+    idem__store_set_error("schema version %d is newer than this program's %d",
+                          version, SCHEMA_VERSION);
+    rc = IDEM_ESCHEMA;
+  }
+  for (int v = version; rc == IDEM_OK && v < SCHEMA_VERSION; v++) {
+    char sql[96];
+    rc = simple(c, migrations[v]);
+    snprintf(sql, sizeof sql, "DELETE FROM idem_schema; INSERT INTO idem_schema VALUES (%d)", v + 1);
+    if (rc == IDEM_OK)
+      rc = simple(c, sql);
+  }
+  int end = tx_end(c, rc == IDEM_OK);
+  if (rc == IDEM_OK)
+    rc = end;
+  conn_put(s, c);
+  return rc;
+}
+
+/* Parses a NOTIFY payload back into a scope and wakes its waiters. */
+static void wake_from_payload(pg_store_t *s, char *payload) {
+  char *op = strchr(payload, '\n'), *key;
+  idem_scope_t sc;
+  if (op == NULL || (key = strchr(op + 1, '\n')) == NULL)
+    return;
+  *op++ = '\0';
+  *key++ = '\0';
+  sc.tenant_id = strtoll(payload, NULL, 10);
+  sc.operation = op;
+  sc.key = key;
+  idem__store_notify(&s->base, &sc);
+}
+
+/* The listener: LISTEN on its own connection and relay notifications.
+ * After losing the connection it reconnects with backoff and wakes every
+ * waiter, since notifications sent meanwhile were lost. */
+static void *listen_loop(void *arg) {
+  pg_store_t *s = arg;
+  int backoff_ms = 100;
+
+  while (!atomic_load(&s->stopping)) {
+    PGconn *pg = PQconnectdb(s->url);
+    PGresult *res;
+    if (PQstatus(pg) != CONNECTION_OK) {
+      PQfinish(pg);
+      for (int waited = 0; waited < backoff_ms && !atomic_load(&s->stopping); waited += 50) {
+        struct timespec ts = {0, 50 * 1000000L};
+        nanosleep(&ts, NULL);
+      }
+      backoff_ms = backoff_ms < 2000 ? backoff_ms * 2 : 2000;
+      continue;
+    }
+    res = PQexec(pg, "LISTEN " NOTIFY_CHANNEL);
+    PQclear(res);
+    backoff_ms = 100;
+    idem__waitset_wake_all(s->base.waits);
+    while (!atomic_load(&s->stopping)) {
+      struct pollfd pfd = {.fd = PQsocket(pg), .events = POLLIN};
+      PGnotify *n;
+      if (pfd.fd < 0)
+        break;
+      if (poll(&pfd, 1, 200) < 0 && errno != EINTR)
+        break;
+      if (!PQconsumeInput(pg))
+        break;
+      while ((n = PQnotifies(pg)) != NULL) {
+        wake_from_payload(s, n->extra);
+        PQfreemem(n);
+      }
+    }
+    PQfinish(pg);
+    idem__waitset_wake_all(s->base.waits);
+  }
+  return NULL;
+}
+
+static void pg_close(idem_store_t *base) {
+  pg_store_t *s = (pg_store_t *)base;
+  struct conn *c;
+
+  if (s->listener_started) {
+    atomic_store(&s->stopping, 1);
+    pthread_join(s->listener, NULL);
+  }
+  c = s->free_conns;
+  while (c) {
+    struct conn *next = c->next;
+    conn_free(c);
+    c = next;
+  }
+  pthread_mutex_destroy(&s->pool_lock);
+  free(s->url);
+  free(s);
+}
+
+static int pg_start(idem_store_t *base) {
+  pg_store_t *s = (pg_store_t *)base;
+  if (s->listener_started)
+    return IDEM_OK;
+  if (pthread_create(&s->listener, NULL, listen_loop, s) != 0)
+    return IDEM_ENOMEM;
+  s->listener_started = 1;
+  return IDEM_OK;
+}
+
+int idem__postgres_open(const char *url, const idem_store_options_t *opts,
+                        idem_store_t **out) {
+  pg_store_t *s = calloc(1, sizeof *s);
+  struct conn *c;
+  int rc;
+
+  (void)opts;
+  *out = NULL;
+  if (s == NULL || (s->url = strdup(url)) == NULL) {
+    free(s);
+    return IDEM_ENOMEM;
+  }
+  s->base.methods = &pg_methods;
+  pthread_mutex_init(&s->pool_lock, NULL);
+  /* Connect once now so a wrong URL or a stopped server fails here. */
+  if ((rc = conn_new(s, &c)) != IDEM_OK) {
+    pg_close(&s->base);
+    return rc;
+  }
+  conn_put(s, c);
+  *out = &s->base;
+  return IDEM_OK;
+}
+
+static const idem_store_methods_t pg_methods = {
+    .version = 1,
+    .name = "postgresql",
+    .close = pg_close,
+    .start = pg_start,
+    .migrate = pg_migrate,
+    .ping = pg_ping,
+    .reserve = pg_reserve,
+    .complete = pg_complete,
+    .lookup = pg_lookup,
+    .resource_get = pg_resource_get,
+    .tenant_create = pg_tenant_create,
+    .tenant_find = pg_tenant_find,
+    .meta_get_or_put = pg_meta_get_or_put,
+    .sweep = pg_sweep,
+    .count = pg_count,
+};
