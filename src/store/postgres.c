@@ -231,15 +231,22 @@ static int conn_new(pg_store_t *s, struct conn **out) {
   return IDEM_OK;
 }
 
+/* Takes a pooled connection, or opens one. A server that restarted closed
+ * our idle connections; reading what is pending (without blocking) notices
+ * that, and such connections are dropped instead of failing a request. */
 static int conn_get(pg_store_t *s, struct conn **out) {
-  pthread_mutex_lock(&s->pool_lock);
-  *out = s->free_conns;
-  if (*out)
-    s->free_conns = (*out)->next;
-  pthread_mutex_unlock(&s->pool_lock);
-  if (*out)
-    return IDEM_OK;
-  return conn_new(s, out);
+  for (;;) {
+    pthread_mutex_lock(&s->pool_lock);
+    *out = s->free_conns;
+    if (*out)
+      s->free_conns = (*out)->next;
+    pthread_mutex_unlock(&s->pool_lock);
+    if (*out == NULL)
+      return conn_new(s, out);
+    if (PQconsumeInput((*out)->pg) && PQstatus((*out)->pg) == CONNECTION_OK)
+      return IDEM_OK;
+    conn_free(*out);
+  }
 }
 
 /* Returns a connection to the pool, or drops it if it broke (the next
