@@ -105,6 +105,8 @@ typedef struct idem_store_methods {
                          char **out);
   int (*sweep)(idem_store_t *, int64_t now_ms, int batch, int *deleted);
   int (*count)(idem_store_t *, const char *what, int64_t tenant_id, int64_t *n);
+  int (*claim)(idem_store_t *, int64_t now_ms, int64_t lease_ms, int max,
+               idem_record_t *out, int *n);
 } idem_store_methods_t;
 
 /* Opens the store named by `url`: "postgresql://..." or "postgres://..."
@@ -142,10 +144,12 @@ IDEM_WARN_UNUSED int idem_store_reserve(idem_store_t *store,
                                         idem_record_t *out,
                                         idem_reserve_result_t *result);
 
-/* Moves a processing record to `c->outcome` (and updates its resource, and
+/* Moves a processing record, or a pending one claimed by
+ * idem_store_claim(), to `c->outcome` (and updates its resource, and
  * removes its outbox row unless the outcome is pending) in one transaction,
  * only if `c->owner_token` still owns it. Returns IDEM_ELOST when it does
- * not (nothing written). Wakes requests waiting on the record. */
+ * not (nothing written). The owner token is cleared: a pending outcome
+ * releases the record for the next claim. Wakes requests waiting on it. */
 IDEM_WARN_UNUSED int idem_store_complete(idem_store_t *store,
                                          const idem_complete_t *c);
 
@@ -200,6 +204,18 @@ IDEM_WARN_UNUSED int idem_store_sweep(idem_store_t *store, int64_t now_ms,
  * "pending", "outbox", "payments" or "orders"; `tenant_id` 0 means all. */
 IDEM_WARN_UNUSED int idem_store_count(idem_store_t *store, const char *what,
                                       int64_t tenant_id, int64_t *n);
+
+/* Claims up to `max` records that need the reconciler: `pending` ones
+ * (provider outcome unknown) and `processing` ones whose lease expired at
+ * `now_ms` (their worker died), both only with an outbox row, and none
+ * whose claim lease is still running. Each claimed record gets a new owner
+ * token and a lease of `lease_ms`, atomically, so the original worker can
+ * no longer complete it and no other reconciler takes it meanwhile. `out`
+ * (an array of `max` records, zeroed) gets the claimed records with their
+ * new tokens; `*n` their number. Reset each record after use. */
+IDEM_WARN_UNUSED int idem_store_claim(idem_store_t *store, int64_t now_ms,
+                                      int64_t lease_ms, int max,
+                                      idem_record_t *out, int *n);
 
 /* The last backend error message seen by this thread, for logs only:
  * it may hold SQL or library text and must never reach an HTTP body. */

@@ -12,7 +12,8 @@ typedef enum idem_charge_outcome {
   IDEM_CHARGE_SUCCEEDED = 1, /* the provider accepted the charge */
   IDEM_CHARGE_DECLINED,      /* the provider refused it; definite */
   IDEM_CHARGE_UNKNOWN,       /* sent, but no definite answer (timeout, 5xx) */
-  IDEM_CHARGE_NOT_SENT       /* nothing reached the provider; safe to retry */
+  IDEM_CHARGE_NOT_SENT,      /* nothing reached the provider; safe to retry */
+  IDEM_CHARGE_NOT_FOUND      /* lookup: the provider never saw this key */
 } idem_charge_outcome_t;
 
 typedef struct idem_charge {
@@ -34,6 +35,11 @@ struct idem_provider {
    * otherwise: a transport problem is an outcome. */
   void (*charge)(idem_provider_t *, const idem_charge_t *c,
                  idem_charge_result_t *out);
+  /* Asks what became of the charge under c->provider_key: SUCCEEDED or
+   * DECLINED (with its reference), NOT_FOUND, or UNKNOWN when the provider
+   * could not tell (unreachable, 5xx). Never charges. */
+  void (*lookup)(idem_provider_t *, const idem_charge_t *c,
+                 idem_charge_result_t *out);
   void (*close)(idem_provider_t *);
 };
 
@@ -49,5 +55,15 @@ typedef struct idem_sandbox_options {
  * `opts->delay_ms` except the amounts `opts` names. Returns NULL when out
  * of memory. Free with provider->close(). */
 idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts);
+
+/* Creates a provider that talks HTTP to `base_url` ("http://host:port"):
+ * POST /charges with an Idempotency-Key, GET /charges/{key}. Each call
+ * gives up after `connect_timeout_ms` to connect and `timeout_ms` in all.
+ * A refused or failed connection is NOT_SENT; a timeout, a 5xx or a lost
+ * connection after the request went out is UNKNOWN. Returns NULL for a URL
+ * that is not http(s):// or when out of memory. */
+idem_provider_t *idem_http_provider_new(const char *base_url,
+                                        int64_t connect_timeout_ms,
+                                        int64_t timeout_ms);
 
 #endif

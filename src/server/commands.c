@@ -53,6 +53,44 @@ static int load_log_secret(idemd_server_t *srv) {
   return rc;
 }
 
+static idem_provider_t *open_provider(const idemd_config_t *cfg) {
+  idem_sandbox_options_t sandbox = {
+      .delay_ms = cfg->sandbox_delay_ms,
+      .decline_amount = cfg->sandbox_decline_amount,
+      .uncertain_amount = cfg->sandbox_uncertain_amount,
+      .unavailable_amount = cfg->sandbox_unavailable_amount,
+  };
+  if (strcmp(cfg->provider, "sandbox") == 0)
+    return idem_sandbox_new(&sandbox);
+  return idem_http_provider_new(cfg->provider, cfg->provider_connect_timeout_ms,
+                                cfg->provider_timeout_ms);
+}
+
+static void on_reconcile_event(void *ctx, idem_reconcile_event_t ev,
+                               const idem_record_t *rec, int status) {
+  idemd_server_t *srv = ctx;
+  char num[16];
+  snprintf(num, sizeof num, "%d", status);
+  if (ev == IDEM_RECONCILE_SETTLED)
+    atomic_fetch_add_explicit(&srv->metrics.reconcile_settled, 1, memory_order_relaxed);
+  if (ev == IDEM_RECONCILE_ERROR)
+    atomic_fetch_add_explicit(&srv->metrics.store_errors, 1, memory_order_relaxed);
+  idemd_log_event(ev == IDEM_RECONCILE_ERROR ? "error" : "info",
+                  ev == IDEM_RECONCILE_SETTLED     ? "payment settled"
+                  : ev == IDEM_RECONCILE_UNRESOLVED ? "payment still pending"
+                                                    : "reconcile failed",
+                  "payment", rec->resource_id, "operation", rec->operation,
+                  "status", num, "detail",
+                  ev == IDEM_RECONCILE_ERROR ? idem_store_last_error() : NULL, NULL);
+}
+
+static void on_reconcile_pass(void *ctx, int settled, int unresolved) {
+  idemd_server_t *srv = ctx;
+  (void)settled;
+  atomic_store_explicit(&srv->metrics.reconcile_unresolved, unresolved,
+                        memory_order_relaxed);
+}
+
 int idemd_cmd_serve(const idemd_config_t *cfg) {
   static idemd_server_t srv; /* big (metrics), lives for the process */
   char listen[128], port[16];
@@ -60,11 +98,6 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   int sig = 0, rc;
 
   srv.cfg = *cfg;
-  if (strcmp(cfg->provider, "sandbox") != 0) {
-    fprintf(stderr, "idemd: unsupported provider '%s' (this build has: sandbox)\n",
-            cfg->provider);
-    return 2;
-  }
   if ((srv.store = open_store(cfg)) == NULL)
     return 1;
   if ((rc = load_log_secret(&srv)) != IDEM_OK) {
@@ -72,14 +105,8 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
     idem_store_close(srv.store);
     return 1;
   }
-  idem_sandbox_options_t sandbox = {
-      .delay_ms = cfg->sandbox_delay_ms,
-      .decline_amount = cfg->sandbox_decline_amount,
-      .uncertain_amount = cfg->sandbox_uncertain_amount,
-      .unavailable_amount = cfg->sandbox_unavailable_amount,
-  };
-  srv.provider = idem_sandbox_new(&sandbox);
-  if (srv.provider == NULL) {
+  if ((srv.provider = open_provider(cfg)) == NULL) {
+    fprintf(stderr, "idemd: cannot set up the provider '%s'\n", cfg->provider);
     idem_store_close(srv.store);
     return 1;
   }
@@ -97,6 +124,22 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
     idem_store_close(srv.store);
     return 1;
   }
+  idem_reconciler_options_t ropts = {
+      .interval_ms = cfg->reconcile_interval_ms,
+      .lease_ms = cfg->lease_ms,
+      .ttl_ms = cfg->key_ttl_ms,
+      .batch = 64,
+      .on_event = on_reconcile_event,
+      .on_pass = on_reconcile_pass,
+      .ctx = &srv,
+  };
+  if ((srv.reconciler = idem_reconciler_start(srv.store, srv.provider, &ropts)) == NULL) {
+    fprintf(stderr, "idemd: cannot start the reconciler\n");
+    idemd_http_stop(&srv);
+    srv.provider->close(srv.provider);
+    idem_store_close(srv.store);
+    return 1;
+  }
   snprintf(listen, sizeof listen, "%s:%d", cfg->listen_host, cfg->listen_port);
   snprintf(port, sizeof port, "%d", cfg->threads);
   idemd_log_event("info", "listening", "listen", listen, "store",
@@ -107,6 +150,7 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   idemd_log_event("info", "shutting down", "signal",
                   sig == SIGTERM ? "SIGTERM" : "SIGINT", NULL);
   idemd_http_stop(&srv);
+  idem_reconciler_stop(srv.reconciler);
   srv.provider->close(srv.provider);
   idem_store_close(srv.store);
   idemd_log_event("info", "stopped", NULL);

@@ -30,7 +30,16 @@ static const struct option options[] = {
     {"--db", "IDEMD_DB", K_TEXT, OFF(db), 0, 0, "./idem.db",
      "SQLite file (or postgresql:// URL)"},
     {"--provider", "IDEMD_PROVIDER", K_TEXT, OFF(provider), 0, 0, "sandbox",
-     "payment provider: sandbox"},
+     "payment provider: sandbox, or http://HOST:PORT"},
+    {"--provider-connect-timeout", "IDEMD_PROVIDER_CONNECT_TIMEOUT", K_DURATION,
+     OFF(provider_connect_timeout_ms), 1, 600000, "2s",
+     "deadline to connect to the provider"},
+    {"--provider-timeout", "IDEMD_PROVIDER_TIMEOUT", K_DURATION,
+     OFF(provider_timeout_ms), 1, 600000, "10s",
+     "deadline of a whole provider call; past it the payment is pending"},
+    {"--reconcile-interval", "IDEMD_RECONCILE_INTERVAL", K_DURATION,
+     OFF(reconcile_interval_ms), 10, 3600000, "2s",
+     "how often the reconciler settles pending payments"},
     {"--threads", "IDEMD_THREADS", K_INT, OFF(threads), 1, 1024, "16",
      "HTTP worker threads"},
     {"--inflight-wait", "IDEMD_INFLIGHT_WAIT", K_DURATION, OFF(inflight_wait_ms),
@@ -183,6 +192,17 @@ int idemd_config_parse(idemd_config_t *cfg, int argc, char **argv, FILE *err) {
     }
     if (set_option(cfg, o, v) != 0)
       return bad_value(err, o->flag, v);
+  }
+  if (strcmp(cfg->provider, "sandbox") != 0 &&
+      strncmp(cfg->provider, "http://", 7) != 0 &&
+      strncmp(cfg->provider, "https://", 8) != 0)
+    return bad_value(err, "--provider", cfg->provider);
+  if (cfg->lease_ms <= cfg->provider_timeout_ms) {
+    /* Otherwise the reconciler could take over a worker still waiting for
+     * the provider: harmless (same provider key) but wasteful. */
+    fprintf(err, "idemd: --lease (%lldms) must be longer than --provider-timeout (%lldms)\n",
+            (long long)cfg->lease_ms, (long long)cfg->provider_timeout_ms);
+    return -1;
   }
   return i;
 }

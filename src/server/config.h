@@ -15,6 +15,9 @@ typedef struct idemd_config {
   int64_t inflight_wait_ms; /* bound on waiting for an in-flight duplicate */
   int64_t key_ttl_ms;       /* lifetime of completed and failed records */
   int64_t lease_ms;         /* how long a processing owner holds its record */
+  int64_t provider_connect_timeout_ms;
+  int64_t provider_timeout_ms; /* total deadline of one provider call */
+  int64_t reconcile_interval_ms;
   int64_t sandbox_delay_ms; /* the sandbox provider's added latency */
   int64_t sandbox_decline_amount;     /* declined (402); 0: none */
   int64_t sandbox_uncertain_amount;   /* charged, answer lost (pending) */

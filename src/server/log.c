@@ -45,7 +45,8 @@ void idemd_log_event(const char *level, const char *msg, ...) {
   va_start(ap, msg);
   while ((k = va_arg(ap, const char *)) != NULL) {
     const char *v = va_arg(ap, const char *);
-    json_object_set_new(line, k, v ? json_string(v) : json_null());
+    if (v != NULL)
+      json_object_set_new(line, k, json_string(v));
   }
   va_end(ap);
   emit(line);

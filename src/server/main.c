@@ -1,4 +1,5 @@
 /* idemd's entry point: picks the command and parses its flags. */
+#include <curl/curl.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -24,6 +25,8 @@ int main(int argc, char **argv) {
   const char *cmd = argc > 1 ? argv[1] : "serve";
 
   idemd_config_defaults(&cfg);
+  /* Before any thread starts: libcurl's global state (provider client). */
+  curl_global_init(CURL_GLOBAL_DEFAULT);
   if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
     idemd_config_usage(stdout);
     return 0;

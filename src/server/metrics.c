@@ -83,6 +83,14 @@ char *idemd_metrics_render(idemd_metrics_t *m, int64_t pending,
              "# TYPE idem_inflight_timeouts_total counter\n"
              "idem_inflight_timeouts_total %llu\n",
           LOAD(m->inflight_timeouts));
+  fprintf(f, "# HELP idem_reconcile_settled_total Payments the reconciler settled.\n"
+             "# TYPE idem_reconcile_settled_total counter\n"
+             "idem_reconcile_settled_total %llu\n",
+          LOAD(m->reconcile_settled));
+  fprintf(f, "# HELP idem_reconcile_unresolved Payments the last reconciler pass "
+             "could not settle.\n# TYPE idem_reconcile_unresolved gauge\n"
+             "idem_reconcile_unresolved %lld\n",
+          (long long)atomic_load_explicit(&m->reconcile_unresolved, memory_order_relaxed));
   fprintf(f, "# HELP idem_records_pending Records whose provider outcome is unknown.\n"
              "# TYPE idem_records_pending gauge\nidem_records_pending %lld\n",
           (long long)pending);

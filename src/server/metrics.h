@@ -39,6 +39,8 @@ typedef struct idemd_metrics {
   atomic_uint_fast64_t latency_sum_us;
   atomic_uint_fast64_t store_errors;
   atomic_uint_fast64_t inflight_timeouts;
+  atomic_uint_fast64_t reconcile_settled;
+  atomic_int_fast64_t reconcile_unresolved; /* left by the last pass */
 } idemd_metrics_t;
 
 /* "create_payment", ... ; "none" for OP_NONE. */

@@ -10,6 +10,7 @@
 
 #include "idem/store.h"
 #include "provider/provider.h"
+#include "provider/reconciler.h"
 #include "server/config.h"
 #include "server/metrics.h"
 
@@ -21,6 +22,7 @@ typedef struct idemd_server {
   idem_provider_t *provider;
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
   struct MHD_Daemon *daemon;
+  idem_reconciler_t *reconciler;
   idemd_metrics_t metrics;
 } idemd_server_t;
 

@@ -39,6 +39,7 @@ enum stmt_id {
   ST_META_GET,
   ST_SWEEP,
   ST_PING,
+  ST_CLAIM,
   ST_COUNT_
 };
 
@@ -84,7 +85,8 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "resource_id = COALESCE($8, resource_id), "
         "provider_ref = COALESCE($9, provider_ref), owner_token = NULL, "
         "lease_expires_at = NULL, updated_at = $10, expires_at = $11 "
-        "WHERE " SCOPE_MATCH " AND state = 'processing' AND owner_token = $12",
+        "WHERE " SCOPE_MATCH " AND state IN ('processing', 'pending') "
+        "AND owner_token = $12",
     [ST_UPDATE_RESOURCE] =
         "UPDATE resources SET status = COALESCE($4, status), "
         "body = COALESCE($5, body), provider_ref = COALESCE($6, provider_ref), "
@@ -108,6 +110,25 @@ static const char *const stmt_sql[ST_COUNT_] = {
                  "idempotency_records WHERE expires_at <= $1 AND state IN "
                  "('completed', 'failed') LIMIT $2 FOR UPDATE SKIP LOCKED)",
     [ST_PING] = "SELECT 1",
+    /* Records the reconciler must settle (see idem_store_claim), each given
+     * a fresh owner token; SKIP LOCKED lets several instances reconcile
+     * side by side without taking the same record. */
+    [ST_CLAIM] =
+        "UPDATE idempotency_records r SET "
+        "owner_token = replace(gen_random_uuid()::text, '-', ''), "
+        "lease_expires_at = $2, updated_at = $1 FROM ("
+        "SELECT c.tenant_id, c.operation, c.key FROM outbox o "
+        "JOIN idempotency_records c ON c.tenant_id = o.tenant_id "
+        "AND c.operation = o.operation AND c.key = o.key "
+        "WHERE c.state IN ('pending', 'processing') "
+        "AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= $1) "
+        "ORDER BY o.next_attempt_at LIMIT $3 FOR UPDATE OF c SKIP LOCKED) d "
+        "WHERE r.tenant_id = d.tenant_id AND r.operation = d.operation "
+        "AND r.key = d.key RETURNING r.tenant_id, r.operation, r.key, "
+        "r.fingerprint, r.state, r.response_status, r.response_body, "
+        "r.location, r.resource_id, r.provider_ref, r.correlation_id, "
+        "r.owner_token, r.lease_expires_at, r.created_at, r.updated_at, "
+        "r.expires_at",
 };
 
 /* Schema versions, applied in order under an advisory lock so that
@@ -333,6 +354,30 @@ static const char *num(char *buf, size_t len, long long v) {
   return buf;
 }
 
+/* Copies row `i` of a result with the RECORD_COLUMNS into `out`. */
+static int row_to_record(PGresult *res, int i, idem_record_t *out) {
+  idem_record_reset(out);
+  out->tenant_id = strtoll(PQgetvalue(res, i, 0), NULL, 10);
+  idem_copy(out->operation, sizeof out->operation, PQgetvalue(res, i, 1));
+  idem_copy(out->key, sizeof out->key, PQgetvalue(res, i, 2));
+  idem_copy(out->fingerprint, sizeof out->fingerprint, PQgetvalue(res, i, 3));
+  out->state = idem_state_parse(PQgetvalue(res, i, 4));
+  out->response_status = atoi(PQgetvalue(res, i, 5));
+  if (!PQgetisnull(res, i, 6) &&
+      (out->response_body = strdup(PQgetvalue(res, i, 6))) == NULL)
+    return IDEM_ENOMEM;
+  idem_copy(out->location, sizeof out->location, PQgetvalue(res, i, 7));
+  idem_copy(out->resource_id, sizeof out->resource_id, PQgetvalue(res, i, 8));
+  idem_copy(out->provider_ref, sizeof out->provider_ref, PQgetvalue(res, i, 9));
+  idem_copy(out->correlation_id, sizeof out->correlation_id, PQgetvalue(res, i, 10));
+  idem_copy(out->owner_token, sizeof out->owner_token, PQgetvalue(res, i, 11));
+  out->lease_expires_at = strtoll(PQgetvalue(res, i, 12), NULL, 10);
+  out->created_at = strtoll(PQgetvalue(res, i, 13), NULL, 10);
+  out->updated_at = strtoll(PQgetvalue(res, i, 14), NULL, 10);
+  out->expires_at = strtoll(PQgetvalue(res, i, 15), NULL, 10);
+  return IDEM_OK;
+}
+
 static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *out) {
   char t[24];
   const char *p[3] = {num(t, sizeof t, sc->tenant_id), sc->operation, sc->key};
@@ -341,35 +386,9 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
 
   if ((res = run(c, ST_READ_RECORD, 3, p, &err)) == NULL)
     return err;
-  if (PQntuples(res) == 0) {
-    PQclear(res);
-    return IDEM_ENOTFOUND;
-  }
-  idem_record_reset(out);
-  out->tenant_id = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-  idem_copy(out->operation, sizeof out->operation, PQgetvalue(res, 0, 1));
-  idem_copy(out->key, sizeof out->key, PQgetvalue(res, 0, 2));
-  idem_copy(out->fingerprint, sizeof out->fingerprint, PQgetvalue(res, 0, 3));
-  out->state = idem_state_parse(PQgetvalue(res, 0, 4));
-  out->response_status = atoi(PQgetvalue(res, 0, 5));
-  if (!PQgetisnull(res, 0, 6)) {
-    out->response_body = strdup(PQgetvalue(res, 0, 6));
-    if (out->response_body == NULL) {
-      PQclear(res);
-      return IDEM_ENOMEM;
-    }
-  }
-  idem_copy(out->location, sizeof out->location, PQgetvalue(res, 0, 7));
-  idem_copy(out->resource_id, sizeof out->resource_id, PQgetvalue(res, 0, 8));
-  idem_copy(out->provider_ref, sizeof out->provider_ref, PQgetvalue(res, 0, 9));
-  idem_copy(out->correlation_id, sizeof out->correlation_id, PQgetvalue(res, 0, 10));
-  idem_copy(out->owner_token, sizeof out->owner_token, PQgetvalue(res, 0, 11));
-  out->lease_expires_at = strtoll(PQgetvalue(res, 0, 12), NULL, 10);
-  out->created_at = strtoll(PQgetvalue(res, 0, 13), NULL, 10);
-  out->updated_at = strtoll(PQgetvalue(res, 0, 14), NULL, 10);
-  out->expires_at = strtoll(PQgetvalue(res, 0, 15), NULL, 10);
+  err = PQntuples(res) == 0 ? IDEM_ENOTFOUND : row_to_record(res, 0, out);
   PQclear(res);
-  return IDEM_OK;
+  return err;
 }
 
 /* The NOTIFY payload that names a scope: "tenant\noperation\nkey". */
@@ -827,6 +846,36 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
   return IDEM_OK;
 }
 
+static int pg_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
+                    int max, idem_record_t *out, int *n) {
+  pg_store_t *s = (pg_store_t *)base;
+  char now[24], lease[24], lim[16];
+  const char *p[3] = {num(now, sizeof now, now_ms),
+                      num(lease, sizeof lease, now_ms + lease_ms),
+                      num(lim, sizeof lim, max)};
+  struct conn *c;
+  PGresult *res;
+  int rc, rows;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  res = run(c, ST_CLAIM, 3, p, &rc);
+  conn_put(s, c);
+  if (res == NULL)
+    return rc;
+  rows = PQntuples(res) < max ? PQntuples(res) : max;
+  for (int i = 0; rc == IDEM_OK && i < rows; i++)
+    rc = row_to_record(res, i, &out[i]);
+  PQclear(res);
+  if (rc != IDEM_OK) {
+    for (int i = 0; i < rows; i++)
+      idem_record_reset(&out[i]);
+    return rc;
+  }
+  *n = rows;
+  return IDEM_OK;
+}
+
 static const idem_store_methods_t pg_methods = {
     .version = 1,
     .name = "postgresql",
@@ -843,4 +892,5 @@ static const idem_store_methods_t pg_methods = {
     .meta_get_or_put = pg_meta_get_or_put,
     .sweep = pg_sweep,
     .count = pg_count,
+    .claim = pg_claim,
 };

@@ -36,6 +36,8 @@ enum stmt_id {
   ST_META_GET,
   ST_SWEEP,
   ST_PING,
+  ST_CLAIM_SELECT,
+  ST_CLAIM_UPDATE,
   ST_COUNT_
 };
 
@@ -87,7 +89,8 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "resource_id = COALESCE(?8, resource_id), "
         "provider_ref = COALESCE(?9, provider_ref), owner_token = NULL, "
         "lease_expires_at = NULL, updated_at = ?10, expires_at = ?11 "
-        "WHERE " SCOPE_MATCH " AND state = 'processing' AND owner_token = ?12",
+        "WHERE " SCOPE_MATCH " AND state IN ('processing', 'pending') "
+        "AND owner_token = ?12",
     [ST_UPDATE_RESOURCE] =
         "UPDATE resources SET status = COALESCE(?4, status), "
         "body = COALESCE(?5, body), provider_ref = COALESCE(?6, provider_ref), "
@@ -108,6 +111,18 @@ static const char *const stmt_sql[ST_COUNT_] = {
                  "rowid FROM idempotency_records WHERE expires_at <= ?1 AND "
                  "state IN ('completed', 'failed') LIMIT ?2)",
     [ST_PING] = "SELECT count(*) FROM meta",
+    /* Records the reconciler must settle: unknown outcomes, and work whose
+     * worker's lease ran out; only payments (they have an outbox row). */
+    [ST_CLAIM_SELECT] =
+        "SELECT r.tenant_id, r.operation, r.key FROM outbox o "
+        "JOIN idempotency_records r ON r.tenant_id = o.tenant_id "
+        "AND r.operation = o.operation AND r.key = o.key "
+        "WHERE (r.state = 'pending' OR r.state = 'processing') "
+        "AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= ?1) "
+        "ORDER BY o.next_attempt_at LIMIT ?2",
+    [ST_CLAIM_UPDATE] =
+        "UPDATE idempotency_records SET owner_token = ?4, "
+        "lease_expires_at = ?5, updated_at = ?6 WHERE " SCOPE_MATCH,
 };
 
 /* Schema versions, applied in order; PRAGMA user_version is the count
@@ -887,6 +902,65 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
   return IDEM_OK;
 }
 
+static int sq_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
+                    int max, idem_record_t *out, int *n) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc, found = 0;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) != IDEM_OK) {
+    conn_put(s, c);
+    return rc;
+  }
+  /* Inside the write transaction nobody else can change these rows, so
+   * selecting and then updating them is one atomic step. */
+  if ((st = stmt(c, ST_CLAIM_SELECT)) == NULL) {
+    rc = IDEM_ESTORE;
+  } else {
+    sqlite3_bind_int64(st, 1, now_ms);
+    sqlite3_bind_int(st, 2, max);
+    while (found < max && (rc = sqlite3_step(st)) == SQLITE_ROW) {
+      out[found].tenant_id = sqlite3_column_int64(st, 0);
+      idem_copy(out[found].operation, sizeof out[found].operation, col_text(st, 1));
+      idem_copy(out[found].key, sizeof out[found].key, col_text(st, 2));
+      found++;
+    }
+    rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK : fail(c->db, rc, "claim");
+    sqlite3_reset(st);
+  }
+  for (int i = 0; rc == IDEM_OK && i < found; i++) {
+    idem_scope_t sc = {out[i].tenant_id, out[i].operation, out[i].key};
+    char token[IDEM_TOKEN_MAX + 1];
+    if (idem_random_token(token, IDEM_TOKEN_MAX) != IDEM_OK) {
+      rc = IDEM_ECRYPTO;
+      break;
+    }
+    if ((st = stmt(c, ST_CLAIM_UPDATE)) == NULL) {
+      rc = IDEM_ESTORE;
+      break;
+    }
+    bind_scope(st, &sc);
+    bind_text(st, 4, token);
+    sqlite3_bind_int64(st, 5, now_ms + lease_ms);
+    sqlite3_bind_int64(st, 6, now_ms);
+    if ((rc = run(c, st, "claim update")) == IDEM_OK)
+      rc = read_record(c, &sc, &out[i]);
+  }
+  int end = write_end(s, c, rc == IDEM_OK);
+  if (rc == IDEM_OK)
+    rc = end;
+  conn_put(s, c);
+  if (rc == IDEM_OK)
+    *n = found;
+  else
+    for (int i = 0; i < found; i++)
+      idem_record_reset(&out[i]);
+  return rc;
+}
+
 static const idem_store_methods_t sqlite_methods = {
     .version = 1,
     .name = "sqlite",
@@ -902,4 +976,5 @@ static const idem_store_methods_t sqlite_methods = {
     .meta_get_or_put = sq_meta_get_or_put,
     .sweep = sq_sweep,
     .count = sq_count,
+    .claim = sq_claim,
 };

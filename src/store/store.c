@@ -146,3 +146,11 @@ int idem_store_count(idem_store_t *store, const char *what, int64_t tenant_id,
   *n = 0;
   return store->methods->count(store, what, tenant_id, n);
 }
+
+int idem_store_claim(idem_store_t *store, int64_t now_ms, int64_t lease_ms,
+                     int max, idem_record_t *out, int *n) {
+  *n = 0;
+  if (max <= 0 || lease_ms <= 0)
+    return IDEM_EINVAL;
+  return store->methods->claim(store, now_ms, lease_ms, max, out, n);
+}

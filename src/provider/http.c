@@ -1,0 +1,207 @@
+/* The HTTP provider client on libcurl: POST /charges under the provider
+ * idempotency key, GET /charges/{key} for the reconciler. The mapping from
+ * transport events to outcomes is the point of this file: only a failure
+ * that certainly happened before the request left us is NOT_SENT; anything
+ * after that (timeout, 5xx, a dropped connection) is UNKNOWN, because the
+ * provider may have charged. */
+#include "provider/provider.h"
+
+#include <curl/curl.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_ANSWER (64 * 1024)
+
+typedef struct http_provider {
+  idem_provider_t base;
+  char *base_url;
+  long connect_timeout_ms;
+  long timeout_ms;
+  pthread_key_t handle_key; /* one CURL handle per thread, kept alive */
+} http_provider_t;
+
+struct answer {
+  char buf[MAX_ANSWER + 1];
+  size_t len;
+};
+
+static size_t on_data(char *data, size_t size, size_t n, void *arg) {
+  struct answer *a = arg;
+  size_t len = size * n;
+  size_t room = MAX_ANSWER - a->len;
+  memcpy(a->buf + a->len, data, len < room ? len : room);
+  a->len += len < room ? len : room;
+  a->buf[a->len] = '\0';
+  return len;
+}
+
+static void free_handle(void *h) { curl_easy_cleanup(h); }
+
+/* This thread's handle, reset for a new request (connections are kept). */
+static CURL *handle(http_provider_t *p) {
+  CURL *c = pthread_getspecific(p->handle_key);
+  if (c == NULL) {
+    if ((c = curl_easy_init()) == NULL)
+      return NULL;
+    pthread_setspecific(p->handle_key, c);
+  } else {
+    curl_easy_reset(c);
+  }
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, p->connect_timeout_ms);
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, p->timeout_ms);
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
+  return c;
+}
+
+/* Reads {"id","status"} of a charge: SUCCEEDED or DECLINED with the id as
+ * reference; UNKNOWN when the body is not what a charge looks like. */
+static void read_charge(const struct answer *a, idem_charge_result_t *out) {
+  json_t *v = json_loadb(a->buf, a->len, 0, NULL);
+  const char *status = json_string_value(json_object_get(v, "status"));
+  const char *id = json_string_value(json_object_get(v, "id"));
+
+  out->outcome = IDEM_CHARGE_UNKNOWN;
+  if (status && strcmp(status, "succeeded") == 0)
+    out->outcome = IDEM_CHARGE_SUCCEEDED;
+  else if (status && strcmp(status, "declined") == 0)
+    out->outcome = IDEM_CHARGE_DECLINED;
+  if (id && out->outcome != IDEM_CHARGE_UNKNOWN)
+    snprintf(out->reference, sizeof out->reference, "%s", id);
+  json_decref(v);
+}
+
+/* Whether a failed transfer certainly sent nothing: the connection was
+ * refused or never made. */
+static int nothing_sent(CURL *c, CURLcode rc) {
+  curl_off_t connected = 0;
+  if (rc == CURLE_COULDNT_CONNECT || rc == CURLE_COULDNT_RESOLVE_HOST ||
+      rc == CURLE_COULDNT_RESOLVE_PROXY)
+    return 1;
+  if (curl_easy_getinfo(c, CURLINFO_CONNECT_TIME_T, &connected) == CURLE_OK &&
+      connected == 0)
+    return 1;
+  return 0;
+}
+
+static void http_charge(idem_provider_t *base, const idem_charge_t *ch,
+                        idem_charge_result_t *out) {
+  http_provider_t *p = (http_provider_t *)base;
+  struct answer *a = calloc(1, sizeof *a);
+  struct curl_slist *hdrs = NULL;
+  char url[512], key_header[300], body[128];
+  CURL *c = handle(p);
+  CURLcode rc;
+  long code = 0;
+
+  out->outcome = IDEM_CHARGE_NOT_SENT;
+  out->reference[0] = '\0';
+  if (c == NULL || a == NULL) {
+    free(a);
+    return;
+  }
+  snprintf(url, sizeof url, "%s/charges", p->base_url);
+  snprintf(key_header, sizeof key_header, "Idempotency-Key: %s", ch->provider_key);
+  snprintf(body, sizeof body, "{\"amount\":%lld,\"currency\":\"%s\"}",
+           (long long)ch->amount, ch->currency);
+  hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
+  hdrs = curl_slist_append(hdrs, key_header);
+  hdrs = curl_slist_append(hdrs, "Expect:");
+  curl_easy_setopt(c, CURLOPT_URL, url);
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
+  curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, a);
+
+  rc = curl_easy_perform(c);
+  if (rc != CURLE_OK) {
+    out->outcome = nothing_sent(c, rc) ? IDEM_CHARGE_NOT_SENT : IDEM_CHARGE_UNKNOWN;
+  } else {
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    if (code == 200 || code == 201 || code == 402)
+      read_charge(a, out);
+    else
+      out->outcome = IDEM_CHARGE_UNKNOWN; /* 5xx, or an answer we do not understand */
+    if (code == 402 && out->outcome == IDEM_CHARGE_UNKNOWN)
+      out->outcome = IDEM_CHARGE_DECLINED;
+  }
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, NULL);
+  curl_slist_free_all(hdrs);
+  free(a);
+}
+
+static void http_lookup(idem_provider_t *base, const idem_charge_t *ch,
+                        idem_charge_result_t *out) {
+  http_provider_t *p = (http_provider_t *)base;
+  struct answer *a = calloc(1, sizeof *a);
+  char url[1024];
+  CURL *c = handle(p);
+  char *escaped;
+  long code = 0;
+
+  out->outcome = IDEM_CHARGE_UNKNOWN;
+  out->reference[0] = '\0';
+  if (c == NULL || a == NULL) {
+    free(a);
+    return;
+  }
+  escaped = curl_easy_escape(c, ch->provider_key, 0);
+  snprintf(url, sizeof url, "%s/charges/%s", p->base_url, escaped ? escaped : "");
+  curl_free(escaped);
+  curl_easy_setopt(c, CURLOPT_URL, url);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, a);
+  if (curl_easy_perform(c) == CURLE_OK) {
+    curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+    if (code == 200)
+      read_charge(a, out);
+    else if (code == 404)
+      out->outcome = IDEM_CHARGE_NOT_FOUND;
+  }
+  free(a);
+}
+
+static void http_close(idem_provider_t *base) {
+  http_provider_t *p = (http_provider_t *)base;
+  CURL *c = pthread_getspecific(p->handle_key);
+  if (c) {
+    pthread_setspecific(p->handle_key, NULL);
+    curl_easy_cleanup(c);
+  }
+  /* Handles of threads still alive are freed when those threads exit. */
+  pthread_key_delete(p->handle_key);
+  free(p->base_url);
+  free(p);
+}
+
+idem_provider_t *idem_http_provider_new(const char *base_url,
+                                        int64_t connect_timeout_ms,
+                                        int64_t timeout_ms) {
+  http_provider_t *p;
+  size_t len;
+
+  if (strncmp(base_url, "http://", 7) != 0 && strncmp(base_url, "https://", 8) != 0)
+    return NULL;
+  if ((p = calloc(1, sizeof *p)) == NULL)
+    return NULL;
+  if ((p->base_url = strdup(base_url)) == NULL ||
+      pthread_key_create(&p->handle_key, free_handle) != 0) {
+    free(p->base_url);
+    free(p);
+    return NULL;
+  }
+  len = strlen(p->base_url);
+  while (len > 0 && p->base_url[len - 1] == '/')
+    p->base_url[--len] = '\0';
+  p->base.name = "http";
+  p->base.charge = http_charge;
+  p->base.lookup = http_lookup;
+  p->base.close = http_close;
+  p->connect_timeout_ms = (long)connect_timeout_ms;
+  p->timeout_ms = (long)timeout_ms;
+  return &p->base;
+}

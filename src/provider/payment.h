@@ -1,0 +1,51 @@
+/* A payment as idemd stores it, and what a provider's answer makes of it:
+ * the record's outcome, the response clients get (and replays), and the
+ * payment's new status. Shared by POST /payments and the reconciler, so a
+ * payment settles the same way whoever settles it. */
+#ifndef IDEM_PAYMENT_H
+#define IDEM_PAYMENT_H
+
+#include <stdint.h>
+
+#include "idem/store.h"
+#include "provider/provider.h"
+
+typedef struct idem_payment {
+  char id[32];
+  int64_t amount;
+  char currency[4];
+  char order_id[256]; /* empty when not given */
+  char created_at[32];
+} idem_payment_t;
+
+/* What settling a payment produced. `outcome` points into this struct;
+ * release it with idem_settlement_free(). */
+typedef struct idem_settlement {
+  idem_outcome_t outcome;
+  char *resource_body; /* the payment with its new status */
+  char *response_body; /* what the client gets */
+  char location[64];
+  char provider_ref[IDEM_REF_MAX + 1];
+} idem_settlement_t;
+
+/* Reads a stored payment (its resource body). Returns IDEM_OK or
+ * IDEM_EJSON when the body is not a payment. */
+int idem_payment_parse(const char *body, idem_payment_t *p);
+
+/* The payment as a JSON object text in `status` (malloc'd; NULL when out
+ * of memory). `error`, when not NULL, adds that field (402 answers). */
+char *idem_payment_json(const idem_payment_t *p, const char *status,
+                        const char *error);
+
+/* Turns a provider answer for `p` into a settlement: SUCCEEDED -> completed
+ * 201 "succeeded"; DECLINED -> completed 402 "declined"; UNKNOWN (and, when
+ * `may_fail` is 0, NOT_SENT and NOT_FOUND) -> pending 202; NOT_SENT with
+ * `may_fail` -> failed 503 (nothing happened, the key may run again).
+ * Returns IDEM_OK, or IDEM_ENOMEM (then `s` holds nothing to free). */
+int idem_payment_settle(const idem_payment_t *p, const idem_charge_result_t *r,
+                        int may_fail, idem_settlement_t *s);
+
+/* Frees what a settlement owns. */
+void idem_settlement_free(idem_settlement_t *s);
+
+#endif

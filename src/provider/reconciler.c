@@ -1,0 +1,168 @@
+/* The reconciler thread and its pass (see reconciler.h). */
+#include "provider/reconciler.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "idem/clock.h"
+#include "provider/payment.h"
+
+struct idem_reconciler {
+  idem_store_t *store;
+  idem_provider_t *provider;
+  idem_reconciler_options_t opts;
+  pthread_t thread;
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int stopping;
+};
+
+static void emit(const idem_reconciler_options_t *o, idem_reconcile_event_t ev,
+                 const idem_record_t *rec, int status) {
+  if (o->on_event)
+    o->on_event(o->ctx, ev, rec, status);
+}
+
+/* Settles one claimed record. Returns 1 when it was settled, 0 when it is
+ * still unresolved, -1 on a store error. */
+static int settle_one(idem_store_t *store, idem_provider_t *provider,
+                      const idem_reconciler_options_t *opts, idem_record_t *rec) {
+  idem_scope_t scope = {rec->tenant_id, rec->operation, rec->key};
+  idem_charge_result_t res = {0};
+  idem_settlement_t settled;
+  idem_payment_t payment;
+  char *body = NULL;
+  int rc;
+
+  rc = idem_store_resource_get(store, rec->tenant_id, "payment", rec->resource_id, &body);
+  if (rc != IDEM_OK || idem_payment_parse(body, &payment) != IDEM_OK) {
+    free(body);
+    emit(opts, IDEM_RECONCILE_ERROR, rec, 0);
+    return -1;
+  }
+  free(body);
+
+  idem_charge_t charge = {.provider_key = payment.id, .amount = payment.amount,
+                          .currency = payment.currency};
+  provider->lookup(provider, &charge, &res);
+  if (res.outcome == IDEM_CHARGE_NOT_FOUND) {
+    /* The provider never saw it (the worker died before its call, or the
+     * call was lost on the way): send it now, under the same key, so a
+     * call still in flight and this one make one charge. */
+    memset(&res, 0, sizeof res);
+    provider->charge(provider, &charge, &res);
+  }
+  if (idem_payment_settle(&payment, &res, 0, &settled) != IDEM_OK) {
+    emit(opts, IDEM_RECONCILE_ERROR, rec, 0);
+    return -1;
+  }
+  idem_complete_t c = {.scope = scope, .owner_token = rec->owner_token,
+                       .now_ms = idem_now_ms(), .ttl_ms = opts->ttl_ms,
+                       .outcome = settled.outcome};
+  rc = idem_store_complete(store, &c);
+  idem_settlement_free(&settled);
+  if (rc == IDEM_ELOST)
+    return 0; /* someone else holds it now; they will finish it */
+  if (rc != IDEM_OK) {
+    emit(opts, IDEM_RECONCILE_ERROR, rec, 0);
+    return -1;
+  }
+  if (c.outcome.state == IDEM_STATE_PENDING) {
+    emit(opts, IDEM_RECONCILE_UNRESOLVED, rec, 202);
+    return 0;
+  }
+  emit(opts, IDEM_RECONCILE_SETTLED, rec, c.outcome.status);
+  return 1;
+}
+
+int idem_reconcile_once(idem_store_t *store, idem_provider_t *provider,
+                        const idem_reconciler_options_t *opts, int *settled_out,
+                        int *unresolved_out) {
+  int batch = opts->batch > 0 ? opts->batch : 64;
+  idem_record_t *recs = calloc((size_t)batch, sizeof *recs);
+  int n = 0, settled = 0, unresolved = 0, rc;
+
+  if (recs == NULL)
+    return IDEM_ENOMEM;
+  rc = idem_store_claim(store, idem_now_ms(), opts->lease_ms, batch, recs, &n);
+  for (int i = 0; i < n; i++) {
+    int r = settle_one(store, provider, opts, &recs[i]);
+    if (r > 0)
+      settled++;
+    else
+      unresolved++;
+    idem_record_reset(&recs[i]);
+  }
+  free(recs);
+  if (opts->on_pass && rc == IDEM_OK)
+    opts->on_pass(opts->ctx, settled, unresolved);
+  if (settled_out)
+    *settled_out = settled;
+  if (unresolved_out)
+    *unresolved_out = unresolved;
+  return rc;
+}
+
+static void *loop(void *arg) {
+  idem_reconciler_t *r = arg;
+  pthread_mutex_lock(&r->lock);
+  while (!r->stopping) {
+    struct timespec deadline;
+    pthread_mutex_unlock(&r->lock);
+    (void)idem_reconcile_once(r->store, r->provider, &r->opts, NULL, NULL);
+    pthread_mutex_lock(&r->lock);
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += r->opts.interval_ms / 1000;
+    deadline.tv_nsec += (r->opts.interval_ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) {
+      deadline.tv_sec++;
+      deadline.tv_nsec -= 1000000000L;
+    }
+    while (!r->stopping &&
+           pthread_cond_timedwait(&r->cond, &r->lock, &deadline) != ETIMEDOUT)
+      ;
+  }
+  pthread_mutex_unlock(&r->lock);
+  return NULL;
+}
+
+idem_reconciler_t *idem_reconciler_start(idem_store_t *store,
+                                         idem_provider_t *provider,
+                                         const idem_reconciler_options_t *opts) {
+  idem_reconciler_t *r = calloc(1, sizeof *r);
+  pthread_condattr_t attr;
+
+  if (r == NULL)
+    return NULL;
+  r->store = store;
+  r->provider = provider;
+  r->opts = *opts;
+  pthread_mutex_init(&r->lock, NULL);
+  pthread_condattr_init(&attr);
+  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+  pthread_cond_init(&r->cond, &attr);
+  pthread_condattr_destroy(&attr);
+  if (pthread_create(&r->thread, NULL, loop, r) != 0) {
+    pthread_cond_destroy(&r->cond);
+    pthread_mutex_destroy(&r->lock);
+    free(r);
+    return NULL;
+  }
+  return r;
+}
+
+void idem_reconciler_stop(idem_reconciler_t *r) {
+  if (r == NULL)
+    return;
+  pthread_mutex_lock(&r->lock);
+  r->stopping = 1;
+  pthread_cond_signal(&r->cond);
+  pthread_mutex_unlock(&r->lock);
+  pthread_join(r->thread, NULL);
+  pthread_cond_destroy(&r->cond);
+  pthread_mutex_destroy(&r->lock);
+  free(r);
+}
