@@ -1,0 +1,1092 @@
+/* The store suite: tests the store interface (include/idem/store.h) against
+ * the backend named by IDEM_TEST_STORE_URL, or against a fresh SQLite file
+ * per test when it is unset. Only the public interface is used, and every
+ * test works in a tenant of its own, so a shared database is fine. */
+#include "support.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "idem/clock.h"
+#include "idem/crypto.h"
+#include "idem/store.h"
+
+#define OP_PAY "create_payment"
+#define OP_ORDER "create_order"
+#define LEASE_MS 30000
+#define TTL_MS 86400000
+#define NTHREADS 32
+
+typedef struct fixture {
+  idem_store_t *store;
+  char dir[512];  /* our temporary directory; "" on a shared URL */
+  char path[600]; /* the SQLite file in it */
+  idem_tenant_t tenant;
+  int64_t now;
+} fixture_t;
+
+/* ---- helpers ---------------------------------------------------------- */
+
+/* Writes `prefix` and 16 random characters to `out`. */
+static void random_name(char *out, size_t cap, const char *prefix) {
+  char token[17];
+  assert_int_equal(idem_random_token(token, 16), IDEM_OK);
+  snprintf(out, cap, "%s%s", prefix, token);
+}
+
+static void new_tenant(idem_store_t *store, idem_tenant_t *t) {
+  memset(t, 0, sizeof *t);
+  random_name(t->name, sizeof t->name, "tenant-");
+  assert_int_equal(idem_random_token(t->key_lookup, sizeof t->key_lookup - 1), IDEM_OK);
+  assert_int_equal(idem_random_bytes(t->key_hash, sizeof t->key_hash), IDEM_OK);
+  t->created_at = idem_now_ms();
+  assert_int_equal(idem_store_tenant_create(store, t), IDEM_OK);
+  assert_true(t->id > 0);
+}
+
+/* A fingerprint-shaped string (64 characters) that differs by `seed`. */
+static void make_fp(char out[IDEM_FINGERPRINT_LEN], int seed) {
+  snprintf(out, IDEM_FINGERPRINT_LEN, "%064d", seed);
+}
+
+static idem_reserve_t request(const fixture_t *fx, const char *operation,
+                              const char *key, const char *fingerprint) {
+  idem_reserve_t r = {
+      .scope = {fx->tenant.id, operation, key},
+      .fingerprint = fingerprint,
+      .correlation_id = "req_test",
+      .now_ms = fx->now,
+      .lease_ms = LEASE_MS,
+      .ttl_ms = TTL_MS,
+  };
+  return r;
+}
+
+/* Reserves, requiring IDEM_OK; returns WON or EXISTS. */
+static idem_reserve_result_t reserve(fixture_t *fx, const idem_reserve_t *req,
+                                     idem_record_t *rec) {
+  idem_reserve_result_t result = 0;
+  int rc = idem_store_reserve(fx->store, req, rec, &result);
+  if (rc != IDEM_OK)
+    fail_msg("reserve: %s (%s)", idem_err_name(rc), idem_store_last_error());
+  assert_true(result == IDEM_RESERVE_WON || result == IDEM_RESERVE_EXISTS);
+  return result;
+}
+
+static int complete(fixture_t *fx, const idem_scope_t *scope, const char *owner,
+                    int64_t now, int64_t ttl, const idem_outcome_t *outcome) {
+  idem_complete_t c = {.scope = *scope, .owner_token = owner, .now_ms = now,
+                       .ttl_ms = ttl, .outcome = *outcome};
+  return idem_store_complete(fx->store, &c);
+}
+
+/* Counts `what` in the fixture's tenant. */
+static int64_t count(fixture_t *fx, const char *what) {
+  int64_t n = -1;
+  assert_int_equal(idem_store_count(fx->store, what, fx->tenant.id, &n), IDEM_OK);
+  return n;
+}
+
+/* Stores may keep JSON as text or reformat it: compare values. */
+static void assert_same_json(const char *got, const char *want) {
+  json_t *g, *w;
+  assert_non_null(got);
+  g = load_json(got);
+  w = load_json(want);
+  if (!json_equal(g, w))
+    fail_msg("JSON %s, want %s", got, want);
+  json_decref(g);
+  json_decref(w);
+}
+
+/* A payment resource with a fresh id, as POST /payments inserts it. */
+struct payment {
+  char id[40];
+  char body[128];
+  idem_resource_t res;
+};
+
+static void new_payment(struct payment *p) {
+  random_name(p->id, sizeof p->id, "pay_");
+  snprintf(p->body, sizeof p->body,
+           "{\"id\":\"%s\",\"amount\":15990,\"status\":\"pending\"}", p->id);
+  p->res = (idem_resource_t){.kind = "payment", .id = p->id, .status = "pending",
+                             .body = p->body};
+}
+
+/* Reserves `key` for a new payment the way POST /payments does (payment
+ * and outbox row written with the record) and requires the win. `p` gets
+ * the payment, `token` the owner token; returns the request (its scope). */
+static idem_reserve_t reserve_payment(fixture_t *fx, const char *key,
+                                      int64_t lease_ms, struct payment *p,
+                                      char token[IDEM_TOKEN_MAX + 1]) {
+  static const char fp[] = "00000000000000000000000000000000000000000000000000000000000000aa";
+  idem_record_t rec = {0};
+  idem_reserve_t req = request(fx, OP_PAY, key, fp);
+
+  new_payment(p);
+  req.resource = &p->res;
+  req.enqueue_outbox = 1;
+  req.lease_ms = lease_ms;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  assert_string_equal(rec.resource_id, p->id);
+  idem_copy(token, IDEM_TOKEN_MAX + 1, rec.owner_token);
+  idem_record_reset(&rec);
+  return req;
+}
+
+/* ---- fixture ---------------------------------------------------------- */
+
+static int setup(void **state) {
+  fixture_t *fx = calloc(1, sizeof *fx);
+  const char *url = getenv("IDEM_TEST_STORE_URL");
+  int rc;
+
+  assert_non_null(fx);
+  if (url == NULL || url[0] == '\0') {
+    const char *tmp = getenv("TMPDIR");
+    snprintf(fx->dir, sizeof fx->dir, "%s/idem-store-XXXXXX",
+             tmp && tmp[0] ? tmp : "/tmp");
+    if (mkdtemp(fx->dir) == NULL)
+      fail_msg("mkdtemp %s failed", fx->dir);
+    snprintf(fx->path, sizeof fx->path, "%s/idem.db", fx->dir);
+    url = fx->path;
+  }
+  rc = idem_store_open(url, NULL, &fx->store);
+  if (rc != IDEM_OK)
+    fail_msg("open: %s (%s)", idem_err_name(rc), idem_store_last_error());
+  rc = idem_store_migrate(fx->store);
+  if (rc != IDEM_OK)
+    fail_msg("migrate: %s (%s)", idem_err_name(rc), idem_store_last_error());
+  fx->now = idem_now_ms();
+  new_tenant(fx->store, &fx->tenant);
+  *state = fx;
+  return 0;
+}
+
+static int teardown(void **state) {
+  fixture_t *fx = *state;
+  if (fx == NULL)
+    return 0;
+  idem_store_close(fx->store);
+  if (fx->dir[0]) {
+    static const char *const suffixes[] = {"", "-wal", "-shm", "-journal"};
+    for (size_t i = 0; i < ARRAY_LEN(suffixes); i++) {
+      char file[sizeof fx->path + 16];
+      snprintf(file, sizeof file, "%s%s", fx->path, suffixes[i]);
+      unlink(file);
+    }
+    rmdir(fx->dir);
+  }
+  free(fx);
+  return 0;
+}
+
+/* ---- schema and tenants ----------------------------------------------- */
+
+static void test_migrate_is_idempotent(void **state) {
+  fixture_t *fx = *state;
+  idem_tenant_t found;
+
+  assert_int_equal(idem_store_migrate(fx->store), IDEM_OK);
+  assert_int_equal(idem_store_migrate(fx->store), IDEM_OK);
+  assert_int_equal(idem_store_ping(fx->store), IDEM_OK);
+  assert_true(idem_store_backend(fx->store)[0] != '\0');
+  if (fx->dir[0])
+    assert_string_equal(idem_store_backend(fx->store), "sqlite");
+  /* Data written before a migration is still there after it. */
+  assert_int_equal(idem_store_tenant_find(fx->store, fx->tenant.key_lookup, &found),
+                   IDEM_OK);
+  assert_int_equal(found.id, fx->tenant.id);
+}
+
+static void test_tenants(void **state) {
+  fixture_t *fx = *state;
+  idem_tenant_t found, other, dup;
+
+  assert_int_equal(idem_store_tenant_find(fx->store, fx->tenant.key_lookup, &found),
+                   IDEM_OK);
+  assert_int_equal(found.id, fx->tenant.id);
+  assert_string_equal(found.name, fx->tenant.name);
+  assert_string_equal(found.key_lookup, fx->tenant.key_lookup);
+  assert_memory_equal(found.key_hash, fx->tenant.key_hash, sizeof found.key_hash);
+  assert_int_equal(found.disabled, 0);
+  assert_int_equal(found.created_at, fx->tenant.created_at);
+
+  new_tenant(fx->store, &other);
+  assert_true(other.id != fx->tenant.id);
+  assert_int_equal(idem_store_tenant_find(fx->store, other.key_lookup, &found), IDEM_OK);
+  assert_int_equal(found.id, other.id);
+
+  /* The name is taken, whatever the key. */
+  dup = fx->tenant;
+  dup.id = 0;
+  assert_int_equal(idem_random_token(dup.key_lookup, sizeof dup.key_lookup - 1), IDEM_OK);
+  assert_int_equal(idem_store_tenant_create(fx->store, &dup), IDEM_EEXIST);
+  assert_int_equal(idem_store_tenant_find(fx->store, dup.key_lookup, &found),
+                   IDEM_ENOTFOUND);
+  assert_int_equal(idem_store_tenant_find(fx->store, "no-such-lookup", &found),
+                   IDEM_ENOTFOUND);
+}
+
+/* ---- reservations ----------------------------------------------------- */
+
+static void test_reserve_won_then_exists(void **state) {
+  fixture_t *fx = *state;
+  char fp_a[IDEM_FINGERPRINT_LEN], fp_b[IDEM_FINGERPRINT_LEN];
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+
+  make_fp(fp_a, 1);
+  make_fp(fp_b, 2);
+  req = request(fx, OP_PAY, "key-1", fp_a);
+  req.correlation_id = "req_first";
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  assert_true(rec.owner_token[0] != '\0');
+  assert_int_equal(rec.tenant_id, fx->tenant.id);
+  assert_string_equal(rec.operation, OP_PAY);
+  assert_string_equal(rec.key, "key-1");
+  assert_string_equal(rec.fingerprint, fp_a);
+  assert_string_equal(rec.correlation_id, "req_first");
+  assert_int_equal(rec.created_at, fx->now);
+  assert_int_equal(rec.lease_expires_at, fx->now + LEASE_MS);
+  assert_int_equal(rec.expires_at, 0);
+  assert_int_equal(rec.response_status, 0);
+  assert_null(rec.response_body);
+  idem_record_reset(&rec);
+
+  /* The same scope again, with the same or another request: the holder's
+   * record comes back and nothing is written. */
+  for (int i = 0; i < 2; i++) {
+    req = request(fx, OP_PAY, "key-1", i == 0 ? fp_a : fp_b);
+    req.correlation_id = "req_second";
+    req.now_ms = fx->now + 10;
+    assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_EXISTS);
+    assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+    assert_string_equal(rec.fingerprint, fp_a);
+    assert_string_equal(rec.correlation_id, "req_first");
+    assert_int_equal(rec.created_at, fx->now);
+    idem_record_reset(&rec);
+  }
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
+  assert_string_equal(rec.fingerprint, fp_a);
+  idem_record_reset(&rec);
+  assert_int_equal(count(fx, "records"), 1);
+  assert_int_equal(count(fx, "processing"), 1);
+}
+
+static void test_scope_isolation(void **state) {
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_record_t rec = {0};
+  idem_tenant_t other;
+  idem_reserve_t req;
+
+  make_fp(fp, 1);
+  new_tenant(fx->store, &other);
+  req = request(fx, OP_PAY, "shared-key", fp);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  idem_record_reset(&rec);
+  /* Another operation, another tenant, another case: other keys. */
+  req = request(fx, OP_ORDER, "shared-key", fp);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  idem_record_reset(&rec);
+  req = request(fx, OP_PAY, "shared-key", fp);
+  req.scope.tenant_id = other.id;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_int_equal(rec.tenant_id, other.id);
+  idem_record_reset(&rec);
+  req = request(fx, OP_PAY, "Shared-Key", fp);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  idem_record_reset(&rec);
+
+  req = request(fx, OP_PAY, "shared-key", fp);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_EXISTS);
+  idem_record_reset(&rec);
+  assert_int_equal(count(fx, "records"), 3);
+  assert_int_equal(idem_store_lookup(fx->store, &(idem_scope_t){other.id, OP_ORDER,
+                                                                "shared-key"},
+                                     fx->now, &rec),
+                   IDEM_ENOTFOUND);
+}
+
+/* Keys are opaque: quotes, backslashes and SQL travel as plain data. */
+static void test_key_bytes_round_trip(void **state) {
+  static const char *const keys[] = {
+      "';DROP/**/TABLE/**/idempotency_records;--", "\"quoted\"", "back\\slash",
+      "%s%n%x", "a'b''c", "~!@#$%^&*()_+{}|:<>?[];,./`",
+  };
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN], longest[IDEM_KEY_MAX + 1];
+  idem_record_t rec = {0};
+
+  make_fp(fp, 7);
+  for (size_t i = 0; i <= ARRAY_LEN(keys); i++) {
+    const char *key = keys[i % ARRAY_LEN(keys)];
+    idem_reserve_t req;
+    if (i == ARRAY_LEN(keys)) {
+      memset(longest, 'k', IDEM_KEY_MAX);
+      longest[IDEM_KEY_MAX] = '\0';
+      key = longest;
+    }
+    req = request(fx, OP_PAY, key, fp);
+    assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+    assert_string_equal(rec.key, key);
+    idem_record_reset(&rec);
+    assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
+    assert_string_equal(rec.key, key);
+    idem_record_reset(&rec);
+  }
+  assert_int_equal(count(fx, "records"), (int64_t)ARRAY_LEN(keys) + 1);
+}
+
+static void test_resource_outbox_and_complete(void **state) {
+  static const char response[] = "{\"id\":\"x\",\"status\":\"succeeded\"}";
+  static const char done[] = "{\"amount\":15990,\"status\":\"succeeded\"}";
+  fixture_t *fx = *state;
+  char location[64], token[IDEM_TOKEN_MAX + 1];
+  idem_record_t rec = {0};
+  idem_tenant_t other;
+  struct payment p;
+  idem_reserve_t req;
+  char *body = NULL;
+
+  new_tenant(fx->store, &other);
+  assert_int_equal(count(fx, "payments"), 0);
+  assert_int_equal(count(fx, "outbox"), 0);
+  req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);
+  assert_int_equal(count(fx, "payments"), 1);
+  assert_int_equal(count(fx, "outbox"), 1);
+  assert_int_equal(count(fx, "orders"), 0);
+  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment", p.id,
+                                           &body),
+                   IDEM_OK);
+  assert_same_json(body, p.body);
+  free(body);
+
+  snprintf(location, sizeof location, "/payments/%s", p.id);
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201,
+                        .body = response, .location = location,
+                        .resource_status = "succeeded", .resource_body = done,
+                        .provider_ref = "ch_123"};
+  assert_int_equal(complete(fx, &req.scope, token, fx->now + 5, TTL_MS, &out), IDEM_OK);
+  assert_int_equal(count(fx, "outbox"), 0);
+  assert_int_equal(count(fx, "payments"), 1);
+
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now + 6, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_int_equal(rec.response_status, 201);
+  assert_same_json(rec.response_body, response);
+  assert_string_equal(rec.location, location);
+  assert_string_equal(rec.resource_id, p.id);
+  assert_string_equal(rec.provider_ref, "ch_123");
+  assert_string_equal(rec.owner_token, "");
+  assert_int_equal(rec.created_at, fx->now);
+  assert_int_equal(rec.updated_at, fx->now + 5);
+  assert_int_equal(rec.expires_at, fx->now + 5 + TTL_MS);
+  idem_record_reset(&rec);
+
+  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment", p.id,
+                                           &body),
+                   IDEM_OK);
+  assert_same_json(body, done);
+  free(body);
+  /* Another tenant, another kind, an unknown id: not found. */
+  assert_int_equal(idem_store_resource_get(fx->store, other.id, "payment", p.id, &body),
+                   IDEM_ENOTFOUND);
+  assert_null(body);
+  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "order", p.id,
+                                           &body),
+                   IDEM_ENOTFOUND);
+  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment",
+                                           "pay_unknown", &body),
+                   IDEM_ENOTFOUND);
+}
+
+static void test_complete_needs_the_owner(void **state) {
+  static const char first[] = "{\"n\":1}", second[] = "{\"n\":2}";
+  fixture_t *fx = *state;
+  char token[IDEM_TOKEN_MAX + 1];
+  idem_record_t rec = {0};
+  struct payment p;
+  char *body = NULL;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = first,
+                        .resource_status = "succeeded", .resource_body = first};
+  idem_reserve_t req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);
+
+  assert_int_equal(complete(fx, &req.scope, "not-the-owner", fx->now, TTL_MS, &out),
+                   IDEM_ELOST);
+  /* Nothing changed: record, outbox and resource are as reserved. */
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  assert_string_equal(rec.owner_token, token);
+  assert_int_equal(rec.response_status, 0);
+  assert_null(rec.response_body);
+  idem_record_reset(&rec);
+  assert_int_equal(count(fx, "outbox"), 1);
+  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment", p.id,
+                                           &body),
+                   IDEM_OK);
+  assert_same_json(body, p.body);
+  free(body);
+
+  assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_OK);
+  /* A second completion, even by the owner, finds the record done. */
+  out.status = 500;
+  out.body = second;
+  out.resource_body = second;
+  assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_ELOST);
+  assert_int_equal(complete(fx, &req.scope, "not-the-owner", fx->now, TTL_MS, &out),
+                   IDEM_ELOST);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_int_equal(rec.response_status, 201);
+  assert_same_json(rec.response_body, first);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment", p.id,
+                                           &body),
+                   IDEM_OK);
+  assert_same_json(body, first);
+  free(body);
+
+  /* A scope that was never reserved has no owner at all. */
+  req.scope.key = "never-reserved";
+  assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_ELOST);
+}
+
+/* Orders reserve, insert and complete in one call. */
+static void test_single_step_reserve(void **state) {
+  static const char order[] = "{\"id\":\"ord_1\",\"total\":2000,\"status\":\"created\"}";
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN], id[40], location[64];
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+
+  make_fp(fp, 3);
+  random_name(id, sizeof id, "ord_");
+  snprintf(location, sizeof location, "/orders/%s", id);
+  idem_resource_t res = {.kind = "order", .id = id, .status = "created", .body = order};
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = order,
+                        .location = location};
+  req = request(fx, OP_ORDER, "key-1", fp);
+  req.resource = &res;
+  req.outcome = &out;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_int_equal(rec.response_status, 201);
+  assert_same_json(rec.response_body, order);
+  assert_string_equal(rec.location, location);
+  assert_string_equal(rec.resource_id, id);
+  assert_string_equal(rec.owner_token, "");
+  assert_int_equal(rec.expires_at, fx->now + TTL_MS);
+  idem_record_reset(&rec);
+  assert_int_equal(count(fx, "orders"), 1);
+  assert_int_equal(count(fx, "outbox"), 0);
+  assert_int_equal(count(fx, "processing"), 0);
+
+  req.now_ms = fx->now + 1000;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_EXISTS);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_same_json(rec.response_body, order);
+  idem_record_reset(&rec);
+  assert_int_equal(count(fx, "orders"), 1);
+}
+
+static void test_pending_outcome(void **state) {
+  static const char accepted[] = "{\"status\":\"pending\"}";
+  fixture_t *fx = *state;
+  char token[IDEM_TOKEN_MAX + 1];
+  const int64_t decade = (int64_t)10 * 365 * 86400 * 1000;
+  idem_record_t rec = {0};
+  struct payment p;
+  idem_outcome_t out = {.state = IDEM_STATE_PENDING, .status = 202, .body = accepted,
+                        .location = "/payments/x", .resource_status = "pending"};
+  idem_reserve_t req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);
+
+  assert_int_equal(complete(fx, &req.scope, token, fx->now, 1, &out), IDEM_OK);
+
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PENDING);
+  assert_int_equal(rec.response_status, 202);
+  assert_same_json(rec.response_body, accepted);
+  assert_int_equal(rec.expires_at, 0);
+  idem_record_reset(&rec);
+  /* The outbox row stays: the reconciler needs it. */
+  assert_int_equal(count(fx, "outbox"), 1);
+  assert_int_equal(count(fx, "pending"), 1);
+
+  /* Never expires, is never taken over, and is no longer processing. */
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now + decade, &rec),
+                   IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PENDING);
+  idem_record_reset(&rec);
+  req.now_ms = fx->now + decade;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_EXISTS);
+  assert_int_equal(rec.state, IDEM_STATE_PENDING);
+  idem_record_reset(&rec);
+  out.state = IDEM_STATE_COMPLETED;
+  assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_ELOST);
+}
+
+static void test_expired_record_is_taken_over(void **state) {
+  fixture_t *fx = *state;
+  char fp_a[IDEM_FINGERPRINT_LEN], fp_b[IDEM_FINGERPRINT_LEN];
+  char first[IDEM_TOKEN_MAX + 1];
+  const int64_t later = fx->now + 3600 * 1000;
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201,
+                        .body = "{\"n\":1}", .location = "/payments/x"};
+
+  make_fp(fp_a, 1);
+  make_fp(fp_b, 2);
+  req = request(fx, OP_PAY, "key-1", fp_a);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  idem_copy(first, sizeof first, rec.owner_token);
+  idem_record_reset(&rec);
+  assert_int_equal(complete(fx, &req.scope, first, fx->now, 1, &out), IDEM_OK);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.expires_at, fx->now + 1);
+  idem_record_reset(&rec);
+
+  /* Expired: as if never seen. */
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, later, &rec), IDEM_ENOTFOUND);
+  req = request(fx, OP_PAY, "key-1", fp_b);
+  req.now_ms = later;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  assert_true(rec.owner_token[0] != '\0');
+  assert_string_not_equal(rec.owner_token, first);
+  assert_string_equal(rec.fingerprint, fp_b);
+  assert_int_equal(rec.created_at, later);
+  assert_int_equal(rec.expires_at, 0);
+  assert_int_equal(rec.response_status, 0);
+  assert_null(rec.response_body);
+  assert_string_equal(rec.location, "");
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, later, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  assert_string_equal(rec.fingerprint, fp_b);
+  idem_record_reset(&rec);
+  assert_int_equal(complete(fx, &req.scope, first, later, TTL_MS, &out), IDEM_ELOST);
+  assert_int_equal(count(fx, "records"), 1);
+}
+
+static void test_failed_record(void **state) {
+  fixture_t *fx = *state;
+  char fp_a[IDEM_FINGERPRINT_LEN], fp_b[IDEM_FINGERPRINT_LEN];
+  char first[IDEM_TOKEN_MAX + 1];
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+  idem_outcome_t out = {.state = IDEM_STATE_FAILED, .status = 503,
+                        .body = "{\"error\":\"provider unavailable\"}"};
+
+  make_fp(fp_a, 1);
+  make_fp(fp_b, 2);
+  req = request(fx, OP_PAY, "key-1", fp_a);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  idem_copy(first, sizeof first, rec.owner_token);
+  idem_record_reset(&rec);
+  assert_int_equal(complete(fx, &req.scope, first, fx->now, TTL_MS, &out), IDEM_OK);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_FAILED);
+  assert_int_equal(rec.expires_at, fx->now + TTL_MS);
+  idem_record_reset(&rec);
+
+  /* Another request under the key: still the failed record's key. */
+  req = request(fx, OP_PAY, "key-1", fp_b);
+  req.now_ms = fx->now + 10;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_EXISTS);
+  assert_int_equal(rec.state, IDEM_STATE_FAILED);
+  assert_string_equal(rec.fingerprint, fp_a);
+  idem_record_reset(&rec);
+
+  /* The same request again: it runs again under the same key. */
+  req = request(fx, OP_PAY, "key-1", fp_a);
+  req.now_ms = fx->now + 20;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  assert_true(rec.owner_token[0] != '\0');
+  assert_string_not_equal(rec.owner_token, first);
+  assert_int_equal(rec.expires_at, 0);
+  idem_record_reset(&rec);
+}
+
+/* ---- claims by the reconciler ----------------------------------------- */
+
+#define MAX_OURS 8
+
+/* Claims at `now` until nothing claimable is left, keeping this tenant's
+ * records in `ours` and releasing the rest; returns how many are ours. On
+ * a shared database other tenants' records get claimed too, which only
+ * delays their reconciliation by `lease_ms`. */
+static int claim_ours(fixture_t *fx, int64_t now, int64_t lease_ms,
+                      idem_record_t ours[MAX_OURS]) {
+  int mine = 0;
+  for (int round = 0; round < 100000; round++) {
+    idem_record_t batch[16];
+    int n = -1;
+    memset(batch, 0, sizeof batch);
+    assert_int_equal(idem_store_claim(fx->store, now, lease_ms, (int)ARRAY_LEN(batch),
+                                      batch, &n),
+                     IDEM_OK);
+    assert_in_range(n, 0, ARRAY_LEN(batch));
+    if (n == 0)
+      return mine;
+    for (int i = 0; i < n; i++) {
+      if (batch[i].tenant_id != fx->tenant.id) {
+        idem_record_reset(&batch[i]);
+        continue;
+      }
+      assert_true(mine < MAX_OURS);
+      ours[mine++] = batch[i]; /* takes over its response body */
+    }
+  }
+  fail_msg("claims never ran dry");
+  return -1;
+}
+
+static void release_all(idem_record_t *recs, int n) {
+  for (int i = 0; i < n; i++)
+    idem_record_reset(&recs[i]);
+}
+
+/* Pending payments and payments whose worker's lease ran out are claimed,
+ * each under a new owner token; nothing else is, and the old owner loses
+ * the record. */
+static void test_claim(void **state) {
+  fixture_t *fx = *state;
+  const int64_t t1 = fx->now + 2000, claim_lease = 5000;
+  char pending_token[IDEM_TOKEN_MAX + 1], dead_token[IDEM_TOKEN_MAX + 1];
+  char live_token[IDEM_TOKEN_MAX + 1], done_token[IDEM_TOKEN_MAX + 1];
+  char first_claim[IDEM_TOKEN_MAX + 1];
+  struct payment pending, dead, live, done;
+  idem_record_t ours[MAX_OURS] = {{0}}, rec = {0};
+  idem_record_t *claimed_pending, *claimed_dead;
+  idem_reserve_t req;
+  idem_outcome_t unknown = {.state = IDEM_STATE_PENDING, .status = 202, .body = "{}"};
+  idem_outcome_t ok = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}",
+                       .resource_status = "succeeded"};
+  int n;
+
+  idem_reserve_t pend = reserve_payment(fx, "pending", LEASE_MS, &pending, pending_token);
+  assert_int_equal(complete(fx, &pend.scope, pending_token, fx->now, TTL_MS, &unknown),
+                   IDEM_OK);
+  idem_reserve_t died = reserve_payment(fx, "dead-worker", 1000, &dead, dead_token);
+  idem_reserve_t alive = reserve_payment(fx, "live-worker", 60000, &live, live_token);
+  idem_reserve_t fin = reserve_payment(fx, "completed", 1000, &done, done_token);
+  assert_int_equal(complete(fx, &fin.scope, done_token, fx->now, TTL_MS, &ok), IDEM_OK);
+  /* Processing with an expired lease but no outbox row: not a payment. */
+  req = request(fx, OP_ORDER, "no-outbox", "f");
+  req.lease_ms = 1000;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  idem_record_reset(&rec);
+
+  n = claim_ours(fx, t1, claim_lease, ours);
+  assert_int_equal(n, 2);
+  claimed_pending = strcmp(ours[0].key, "pending") == 0 ? &ours[0] : &ours[1];
+  claimed_dead = claimed_pending == &ours[0] ? &ours[1] : &ours[0];
+  assert_string_equal(claimed_pending->key, "pending");
+  assert_int_equal(claimed_pending->state, IDEM_STATE_PENDING);
+  assert_string_equal(claimed_dead->key, "dead-worker");
+  assert_int_equal(claimed_dead->state, IDEM_STATE_PROCESSING);
+  for (int i = 0; i < n; i++) {
+    assert_true(ours[i].owner_token[0] != '\0');
+    assert_int_equal(ours[i].lease_expires_at, t1 + claim_lease);
+  }
+  assert_string_not_equal(claimed_dead->owner_token, dead_token);
+  idem_copy(first_claim, sizeof first_claim, claimed_pending->owner_token);
+
+  /* The dead worker, back to life, can no longer complete; the claim can. */
+  assert_int_equal(complete(fx, &died.scope, dead_token, t1, TTL_MS, &ok), IDEM_ELOST);
+  assert_int_equal(complete(fx, &died.scope, claimed_dead->owner_token, t1, TTL_MS, &ok),
+                   IDEM_OK);
+  release_all(ours, n);
+
+  /* While the claim's lease runs, nobody else gets the pending record. */
+  assert_int_equal(claim_ours(fx, t1, claim_lease, ours), 0);
+
+  /* Once it ran out, it is claimed again, under yet another token. */
+  n = claim_ours(fx, t1 + claim_lease + 1, claim_lease, ours);
+  assert_int_equal(n, 1);
+  assert_string_equal(ours[0].key, "pending");
+  assert_string_not_equal(ours[0].owner_token, first_claim);
+  assert_int_equal(complete(fx, &pend.scope, first_claim, t1, TTL_MS, &ok), IDEM_ELOST);
+  assert_int_equal(complete(fx, &pend.scope, ours[0].owner_token, t1, TTL_MS, &ok),
+                   IDEM_OK);
+  release_all(ours, n);
+
+  assert_int_equal(count(fx, "pending"), 0);
+  assert_int_equal(count(fx, "outbox"), 1); /* the live worker's */
+  assert_int_equal(idem_store_lookup(fx->store, &alive.scope, t1, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  assert_string_equal(rec.owner_token, live_token);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_claim(fx->store, t1, claim_lease, 0, ours, &n), IDEM_EINVAL);
+}
+
+/* ---- concurrency ------------------------------------------------------ */
+
+struct racer {
+  fixture_t *fx;
+  pthread_barrier_t *start;
+  char key[32];
+  char fp[IDEM_FINGERPRINT_LEN];
+  struct payment payment;
+  /* results, checked by the main thread (cmocka is not thread-safe) */
+  int rc;
+  idem_reserve_result_t result;
+  idem_record_t rec;
+};
+
+static void *race(void *arg) {
+  struct racer *r = arg;
+  idem_reserve_t req = request(r->fx, OP_PAY, r->key, r->fp);
+  req.resource = &r->payment.res;
+  req.enqueue_outbox = 1;
+  pthread_barrier_wait(r->start);
+  r->rc = idem_store_reserve(r->fx->store, &req, &r->rec, &r->result);
+  return NULL;
+}
+
+/* Runs NTHREADS reservations released together; `same_key` chooses one
+ * key for all or one key each. Every racer has its own fingerprint and
+ * payment. */
+static void run_race(fixture_t *fx, struct racer *racers, int same_key) {
+  pthread_t threads[NTHREADS];
+  pthread_barrier_t start;
+
+  assert_int_equal(pthread_barrier_init(&start, NULL, NTHREADS), 0);
+  for (int i = 0; i < NTHREADS; i++) {
+    struct racer *r = &racers[i];
+    memset(r, 0, sizeof *r);
+    r->fx = fx;
+    r->start = &start;
+    snprintf(r->key, sizeof r->key, "race-%d", same_key ? 0 : i);
+    make_fp(r->fp, 100 + i);
+    new_payment(&r->payment);
+    assert_int_equal(pthread_create(&threads[i], NULL, race, r), 0);
+  }
+  for (int i = 0; i < NTHREADS; i++)
+    assert_int_equal(pthread_join(threads[i], NULL), 0);
+  pthread_barrier_destroy(&start);
+  for (int i = 0; i < NTHREADS; i++)
+    if (racers[i].rc != IDEM_OK)
+      fail_msg("racer %d: %s", i, idem_err_name(racers[i].rc));
+}
+
+static void test_concurrent_same_key(void **state) {
+  fixture_t *fx = *state;
+  struct racer racers[NTHREADS];
+  const struct racer *winner = NULL;
+  int won = 0;
+
+  run_race(fx, racers, 1);
+  for (int i = 0; i < NTHREADS; i++)
+    if (racers[i].result == IDEM_RESERVE_WON) {
+      won++;
+      winner = &racers[i];
+    }
+  assert_int_equal(won, 1);
+  for (int i = 0; i < NTHREADS; i++) {
+    struct racer *r = &racers[i];
+    if (r != winner) {
+      assert_int_equal(r->result, IDEM_RESERVE_EXISTS);
+      assert_string_equal(r->rec.fingerprint, winner->fp);
+      assert_string_equal(r->rec.resource_id, winner->payment.id);
+    }
+    idem_record_reset(&r->rec);
+  }
+  /* One key, one resource, one outbox row. */
+  assert_int_equal(count(fx, "records"), 1);
+  assert_int_equal(count(fx, "payments"), 1);
+  assert_int_equal(count(fx, "outbox"), 1);
+}
+
+/* Many writers at once: busy database states are handled inside the
+ * store, never surfaced to callers. */
+static void test_concurrent_distinct_keys(void **state) {
+  fixture_t *fx = *state;
+  struct racer racers[NTHREADS];
+
+  run_race(fx, racers, 0);
+  for (int i = 0; i < NTHREADS; i++) {
+    assert_int_equal(racers[i].result, IDEM_RESERVE_WON);
+    for (int j = 0; j < i; j++)
+      assert_string_not_equal(racers[i].rec.owner_token, racers[j].rec.owner_token);
+  }
+  for (int i = 0; i < NTHREADS; i++)
+    idem_record_reset(&racers[i].rec);
+  assert_int_equal(count(fx, "records"), NTHREADS);
+  assert_int_equal(count(fx, "processing"), NTHREADS);
+  assert_int_equal(count(fx, "payments"), NTHREADS);
+  assert_int_equal(count(fx, "outbox"), NTHREADS);
+}
+
+/* ---- waiting for an in-flight record ---------------------------------- */
+
+/* A wait may end without a change ("re-read the record; it may be
+ * unchanged"): a stripe shared with another key, or a PostgreSQL store's
+ * listener (re)connecting. So waiters here loop as a caller does:
+ * ticket, read, wait, until the record changes or the deadline passes. */
+
+struct waiter {
+  fixture_t *fx;
+  idem_scope_t scope;
+  pthread_barrier_t ready;
+  idem_state_t first, last; /* states read before the first and last waits */
+  int64_t elapsed_ms;       /* from the barrier to seeing the change */
+};
+
+static idem_state_t state_of(fixture_t *fx, const idem_scope_t *scope) {
+  idem_record_t rec = {0};
+  idem_state_t st = IDEM_STATE_NONE;
+  if (idem_store_lookup(fx->store, scope, fx->now, &rec) == IDEM_OK)
+    st = rec.state;
+  idem_record_reset(&rec);
+  return st;
+}
+
+static void *wait_for_record(void *arg) {
+  struct waiter *w = arg;
+  int64_t start = 0, left = 1;
+
+  for (int pass = 0; left > 0; pass++) {
+    uint64_t ticket = idem_store_watch(w->fx->store, &w->scope);
+    w->last = state_of(w->fx, &w->scope);
+    if (pass == 0) {
+      w->first = w->last;
+      pthread_barrier_wait(&w->ready);
+      start = idem_mono_ms();
+    }
+    if (w->last != IDEM_STATE_PROCESSING)
+      break;
+    left = start + 5000 - idem_mono_ms();
+    (void)idem_store_wait(w->fx->store, &w->scope, ticket, left);
+  }
+  w->elapsed_ms = idem_mono_ms() - start;
+  return NULL;
+}
+
+static void test_wait_wakes_on_completion(void **state) {
+  fixture_t *fx = *state;
+  char token[IDEM_TOKEN_MAX + 1];
+  struct payment p;
+  struct waiter w = {.fx = fx};
+  pthread_t thread;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201,
+                        .body = "{\"n\":1}"};
+  idem_reserve_t req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);
+
+  w.scope = req.scope;
+  assert_int_equal(pthread_barrier_init(&w.ready, NULL, 2), 0);
+  assert_int_equal(pthread_create(&thread, NULL, wait_for_record, &w), 0);
+  pthread_barrier_wait(&w.ready);
+  usleep(20 * 1000); /* most likely asleep in the wait by now */
+  assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_OK);
+  assert_int_equal(pthread_join(thread, NULL), 0);
+  pthread_barrier_destroy(&w.ready);
+
+  assert_int_equal(w.first, IDEM_STATE_PROCESSING);
+  assert_int_equal(w.last, IDEM_STATE_COMPLETED);
+  /* A liveness check, not a benchmark: woken, not timed out. */
+  if (w.elapsed_ms >= 4000)
+    fail_msg("the waiter slept %lld ms: not woken by the completion",
+             (long long)w.elapsed_ms);
+}
+
+static void test_wait_times_out(void **state) {
+  fixture_t *fx = *state;
+  char token[IDEM_TOKEN_MAX + 1];
+  struct payment p;
+  uint64_t ticket;
+  int64_t start, elapsed = 0;
+  int rc = IDEM_OK;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201,
+                        .body = "{\"n\":1}"};
+  idem_reserve_t req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);
+
+  /* Nothing completes: the wait ends at its timeout (a few spurious
+   * wake-ups are tolerated, see above). */
+  for (int attempt = 0; attempt < 20 && rc != IDEM_ETIMEDOUT; attempt++) {
+    ticket = idem_store_watch(fx->store, &req.scope);
+    start = idem_mono_ms();
+    rc = idem_store_wait(fx->store, &req.scope, ticket, 50);
+    elapsed = idem_mono_ms() - start;
+  }
+  assert_int_equal(rc, IDEM_ETIMEDOUT);
+  assert_in_range(elapsed, 45, 3999);
+  assert_int_equal(state_of(fx, &req.scope), IDEM_STATE_PROCESSING);
+
+  /* A completion between the ticket and the wait is not missed. */
+  ticket = idem_store_watch(fx->store, &req.scope);
+  assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_OK);
+  start = idem_mono_ms();
+  assert_int_equal(idem_store_wait(fx->store, &req.scope, ticket, 5000), IDEM_OK);
+  assert_in_range(idem_mono_ms() - start, 0, 3999);
+}
+
+/* ---- sweeping and meta ------------------------------------------------ */
+
+static void test_sweep(void **state) {
+  fixture_t *fx = *state;
+  const int64_t ttl = 1000, at = fx->now + 2 * ttl;
+  char fp[IDEM_FINGERPRINT_LEN], key[32];
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+  int deleted = -1, expired = 5;
+  static const char *const survivors[] = {"pending", "processing", "long-ttl",
+                                          "taken-over"};
+
+  make_fp(fp, 1);
+  /* Five records that expire at now + ttl: three completed, two failed. */
+  for (int i = 0; i < expired; i++) {
+    idem_outcome_t out = {.state = i < 3 ? IDEM_STATE_COMPLETED : IDEM_STATE_FAILED,
+                          .status = i < 3 ? 201 : 503, .body = "{}"};
+    snprintf(key, sizeof key, "expiring-%d", i);
+    req = request(fx, OP_PAY, key, fp);
+    req.ttl_ms = ttl;
+    req.outcome = &out;
+    assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+    idem_record_reset(&rec);
+  }
+  /* Records that must survive the sweep. */
+  for (size_t i = 0; i < ARRAY_LEN(survivors); i++) {
+    idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+    req = request(fx, OP_PAY, survivors[i], fp);
+    req.ttl_ms = ttl;
+    if (strcmp(survivors[i], "pending") == 0) {
+      out.state = IDEM_STATE_PENDING;
+      req.outcome = &out;
+    } else if (strcmp(survivors[i], "long-ttl") == 0) {
+      req.ttl_ms = TTL_MS;
+      req.outcome = &out;
+    } else if (strcmp(survivors[i], "taken-over") == 0) {
+      /* Expired, then reserved again: processing now. */
+      req.outcome = &out;
+      assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+      idem_record_reset(&rec);
+      req.outcome = NULL;
+      req.now_ms = fx->now + ttl + 1;
+    }
+    assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+    idem_record_reset(&rec);
+  }
+  assert_int_equal(count(fx, "records"), expired + (int)ARRAY_LEN(survivors));
+
+  /* Before the expiry nothing of ours goes. */
+  assert_int_equal(idem_store_sweep(fx->store, fx->now + ttl - 1, 100, &deleted), IDEM_OK);
+  assert_int_equal(count(fx, "records"), expired + (int)ARRAY_LEN(survivors));
+
+  /* After it, at most `batch` per call (other tenants' expired records,
+   * on a shared database, may be swept too). */
+  assert_int_equal(idem_store_sweep(fx->store, at, 2, &deleted), IDEM_OK);
+  assert_int_equal(deleted, 2);
+  for (int calls = 0; deleted == 2; calls++) {
+    assert_true(calls < 10000);
+    assert_int_equal(idem_store_sweep(fx->store, at, 2, &deleted), IDEM_OK);
+    assert_in_range(deleted, 0, 2);
+  }
+  assert_int_equal(count(fx, "records"), (int)ARRAY_LEN(survivors));
+  assert_int_equal(count(fx, "pending"), 1);
+  assert_int_equal(count(fx, "processing"), 2);
+  for (size_t i = 0; i < ARRAY_LEN(survivors); i++) {
+    idem_scope_t scope = {fx->tenant.id, OP_PAY, survivors[i]};
+    assert_int_equal(idem_store_lookup(fx->store, &scope, at, &rec), IDEM_OK);
+    idem_record_reset(&rec);
+  }
+  assert_int_equal(idem_store_sweep(fx->store, at, 0, &deleted), IDEM_EINVAL);
+}
+
+static void test_meta_first_value_wins(void **state) {
+  fixture_t *fx = *state;
+  char name[40];
+  char *value = NULL;
+
+  random_name(name, sizeof name, "test-meta-");
+  assert_int_equal(idem_store_meta_get_or_put(fx->store, name, "first", &value), IDEM_OK);
+  assert_string_equal(value, "first");
+  free(value);
+  assert_int_equal(idem_store_meta_get_or_put(fx->store, name, "second", &value), IDEM_OK);
+  assert_string_equal(value, "first");
+  free(value);
+}
+
+/* ---- argument checks -------------------------------------------------- */
+
+static void test_argument_checks(void **state) {
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN], long_key[IDEM_KEY_MAX + 2];
+  char long_op[IDEM_OPERATION_MAX + 2];
+  idem_record_t rec = {0};
+  idem_reserve_result_t result;
+  idem_reserve_t req;
+  int64_t n;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+
+  make_fp(fp, 1);
+  memset(long_key, 'k', sizeof long_key - 1);
+  long_key[sizeof long_key - 1] = '\0';
+  memset(long_op, 'o', sizeof long_op - 1);
+  long_op[sizeof long_op - 1] = '\0';
+
+  req = request(fx, OP_PAY, long_key, fp);
+  assert_int_equal(idem_store_reserve(fx->store, &req, &rec, &result), IDEM_EINVAL);
+  req = request(fx, long_op, "key-1", fp);
+  assert_int_equal(idem_store_reserve(fx->store, &req, &rec, &result), IDEM_EINVAL);
+  req = request(fx, OP_PAY, "key-1", NULL);
+  assert_int_equal(idem_store_reserve(fx->store, &req, &rec, &result), IDEM_EINVAL);
+  assert_int_equal(count(fx, "records"), 0);
+
+  req = request(fx, OP_PAY, "key-1", fp);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_int_equal(complete(fx, &req.scope, "", fx->now, TTL_MS, &out), IDEM_EINVAL);
+  out.state = IDEM_STATE_PROCESSING;
+  assert_int_equal(complete(fx, &req.scope, rec.owner_token, fx->now, TTL_MS, &out),
+                   IDEM_EINVAL);
+  idem_record_reset(&rec);
+  assert_int_equal(count(fx, "processing"), 1);
+  assert_int_equal(idem_store_count(fx->store, "bogus", fx->tenant.id, &n), IDEM_EINVAL);
+}
+
+/* With --require-url, the suite is skipped (exit 77, see CMakeLists.txt)
+ * unless IDEM_TEST_STORE_URL names a store. */
+int main(int argc, char **argv) {
+  const char *url = getenv("IDEM_TEST_STORE_URL");
+  if (url == NULL || url[0] == '\0') {
+    if (argc > 1 && strcmp(argv[1], "--require-url") == 0) {
+      fprintf(stderr, "IDEM_TEST_STORE_URL is not set: skipped\n");
+      return 77;
+    }
+    url = "a fresh SQLite file per test";
+  }
+  fprintf(stderr, "store suite on %s\n", url);
+#define STORE_TEST(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
+  const struct CMUnitTest tests[] = {
+      STORE_TEST(test_migrate_is_idempotent),
+      STORE_TEST(test_tenants),
+      STORE_TEST(test_reserve_won_then_exists),
+      STORE_TEST(test_scope_isolation),
+      STORE_TEST(test_key_bytes_round_trip),
+      STORE_TEST(test_resource_outbox_and_complete),
+      STORE_TEST(test_complete_needs_the_owner),
+      STORE_TEST(test_single_step_reserve),
+      STORE_TEST(test_pending_outcome),
+      STORE_TEST(test_expired_record_is_taken_over),
+      STORE_TEST(test_failed_record),
+      STORE_TEST(test_claim),
+      STORE_TEST(test_concurrent_same_key),
+      STORE_TEST(test_concurrent_distinct_keys),
+      STORE_TEST(test_wait_wakes_on_completion),
+      STORE_TEST(test_wait_times_out),
+      STORE_TEST(test_sweep),
+      STORE_TEST(test_meta_first_value_wins),
+      STORE_TEST(test_argument_checks),
+  };
+#undef STORE_TEST
+  return cmocka_run_group_tests_name("store", tests, NULL, NULL);
+}
