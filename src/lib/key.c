@@ -27,13 +27,17 @@ int idem_key_parse(const char *raw, size_t len, char out[IDEM_KEY_MAX + 1],
     /* RFC 8941 sf-string: DQUOTE *( %x20-21 / %x23-5B / %x5D-7E / "\" ( DQUOTE / "\" ) ) DQUOTE */
     if (len < 2 || raw[len - 1] != '"')
       return IDEM_EKEY_BAD_QUOTE;
+    /* Every error below empties `out`, as the contract says. */
     for (size_t i = 1; i < len - 1; i++) {
       unsigned char c = (unsigned char)raw[i];
       if (c == '\\') {
-        if (i + 1 >= len - 1 || (raw[i + 1] != '"' && raw[i + 1] != '\\'))
+        if (i + 1 >= len - 1 || (raw[i + 1] != '"' && raw[i + 1] != '\\')) {
+          out[0] = '\0';
           return IDEM_EKEY_BAD_QUOTE;
+        }
         c = (unsigned char)raw[++i];
       } else if (c == '"') {
+        out[0] = '\0';
         return IDEM_EKEY_BAD_QUOTE;
       } else if (c < 0x20 || c > 0x7e) {
         out[0] = '\0';

@@ -7,19 +7,23 @@
 #include <stdio.h>
 #include <string.h>
 
+/* Whether no object or array in `v` sits deeper than IDEMD_MAX_DEPTH (the
+ * body itself is depth 1; plain values add no level). */
 static int depth_ok(const json_t *v, int depth) {
+  const char *k;
+  json_t *child;
+  size_t i;
+
+  if (!json_is_object(v) && !json_is_array(v))
+    return 1;
   if (depth > IDEMD_MAX_DEPTH)
     return 0;
   if (json_is_object(v)) {
-    const char *k;
-    json_t *child;
     json_object_foreach((json_t *)v, k, child) {
       if (!depth_ok(child, depth + 1))
         return 0;
     }
-  } else if (json_is_array(v)) {
-    size_t i;
-    json_t *child;
+  } else {
     json_array_foreach(v, i, child) {
       if (!depth_ok(child, depth + 1))
         return 0;
@@ -39,11 +43,12 @@ int idemd_parse_body(const char *body, size_t len, json_t **out, int *lossy,
     *msg = "request body must be a JSON object";
     return -1;
   }
-  v = json_loadb(body, len, JSON_REJECT_DUPLICATES, &err);
+  v = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &err);
   if (v == NULL && json_error_code(&err) == json_error_numeric_overflow) {
     /* An integer too big for the parser: read it as a real so the field
      * can be named in a 422 instead of a bare 400. */
-    v = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_INT_AS_REAL, &err);
+    v = json_loadb(body, len,
+                   JSON_REJECT_DUPLICATES | JSON_DECODE_ANY | JSON_DECODE_INT_AS_REAL, &err);
     *lossy = 1;
   }
   if (v == NULL) {

@@ -236,6 +236,13 @@ static void conn_free(struct conn *c) {
   free(c);
 }
 
+/* Server notices ("relation already exists, skipping") are not errors;
+ * keep them off stderr, which is the request log. */
+static void quiet(void *arg, const char *message) {
+  (void)arg;
+  (void)message;
+}
+
 static int conn_new(pg_store_t *s, struct conn **out) {
   struct conn *c = calloc(1, sizeof *c);
   *out = NULL;
@@ -248,6 +255,7 @@ static int conn_new(pg_store_t *s, struct conn **out) {
     conn_free(c);
     return IDEM_ESTORE;
   }
+  PQsetNoticeProcessor(c->pg, quiet, NULL);
   *out = c;
   return IDEM_OK;
 }

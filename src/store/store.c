@@ -81,7 +81,11 @@ int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
   if (strlen(req->scope.operation) > IDEM_OPERATION_MAX ||
       strlen(req->scope.key) > IDEM_KEY_MAX)
     return IDEM_EINVAL;
-  return store->methods->reserve(store, req, out, result);
+  int rc = store->methods->reserve(store, req, out, result);
+  /* Another request's owner token is that request's alone. */
+  if (rc == IDEM_OK && *result == IDEM_RESERVE_EXISTS)
+    memset(out->owner_token, 0, sizeof out->owner_token);
+  return rc;
 }
 
 int idem_store_complete(idem_store_t *store, const idem_complete_t *c) {
