@@ -1,0 +1,121 @@
+/* idem-psp, the payment-provider simulator: what its files share. The
+ * configuration (config.c), the fault set of one request (faults.c), the
+ * charge store (store.c) and the HTTP server (http.c); main.c ties them. */
+#ifndef IDEM_PSP_H
+#define IDEM_PSP_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#define PSP_KEY_MAX 255
+#define PSP_MAX_BODY (64 * 1024)
+#define PSP_MAX_DECLINES 64
+#define PSP_MAX_DURATION_MS ((int64_t)3600 * 1000)
+
+/* The faults applied to one POST /charges, in the order they act:
+ * latency, fail-before, (the charge, declined when `decline`),
+ * delay-after-charge, then crash-after, drop-after or fail-after. */
+typedef struct psp_faults {
+  int64_t latency_ms;
+  int64_t delay_ms; /* delay-after-charge */
+  int fail_before;
+  int fail_after;
+  int drop_after;
+  int crash_after;
+  int decline;
+} psp_faults_t;
+
+typedef struct psp_config {
+  char listen_host[256];
+  int listen_port;
+  char db[1024];
+  psp_faults_t faults; /* the default for every request */
+  int64_t decline_amounts[PSP_MAX_DECLINES];
+  int ndecline;
+  double chaos; /* 0..1 */
+  uint64_t seed;
+  int seed_set;
+} psp_config_t;
+
+/* ---- config.c ---- */
+
+enum { PSP_RUN = 0, PSP_HELP = 1, PSP_BAD_USAGE = -1 };
+
+/* Fills `cfg` from the IDEM_PSP_* environment, then from argv (flags win).
+ * Returns PSP_RUN, PSP_HELP, or PSP_BAD_USAGE with a one-line reason in
+ * `err`. */
+int psp_config_load(psp_config_t *cfg, int argc, char **argv, char *err, size_t errlen);
+void psp_usage(FILE *out);
+/* Is `amount` one of the --decline-amount values? */
+int psp_config_declines(const psp_config_t *cfg, int64_t amount);
+
+/* ---- faults.c ---- */
+
+/* "500ms", "2s" or a bare number of seconds, up to PSP_MAX_DURATION_MS.
+ * Returns 0 and sets *ms, or -1. */
+int psp_parse_duration(const char *s, int64_t *ms);
+/* Parses an X-Psp-Fault value (comma-separated; "none" for no fault) into
+ * a zeroed `out`. Returns 0, or -1 when a token is unknown or malformed. */
+int psp_faults_parse(const char *list, psp_faults_t *out);
+/* Writes the faults as an X-Psp-Fault value ("none" when empty). */
+void psp_faults_describe(const psp_faults_t *f, char *out, size_t outlen);
+/* Seeds the chaos generator. */
+void psp_chaos_seed(uint64_t seed);
+/* With probability `p` adds one fault to `f` (fail-before, fail-after,
+ * drop-after, or delay-after-charge of 100-1500 ms) and returns 1; else
+ * returns 0. The sequence of draws is fixed by the seed. Thread-safe. */
+int psp_chaos_pick(double p, psp_faults_t *f);
+
+/* ---- store.c ---- */
+
+typedef struct psp_charge {
+  char id[40];
+  char key[PSP_KEY_MAX + 1];
+  int64_t amount;
+  char currency[4];
+  char status[16]; /* "succeeded" or "declined" */
+  char created_at[32];
+} psp_charge_t;
+
+typedef struct psp_store psp_store_t;
+
+enum { PSP_STORE_ERROR = -1, PSP_FOUND = 0, PSP_NOT_FOUND = 1, PSP_CREATED = 2 };
+
+/* Opens (creating) the database at `path`: WAL, synchronous=FULL, schema.
+ * Returns the store (close with psp_store_close) or NULL with a reason. */
+psp_store_t *psp_store_open(const char *path, char *err, size_t errlen);
+void psp_store_close(psp_store_t *s);
+/* Counts one POST /charges, and one for `key` unless it is NULL. Returns 0
+ * or PSP_STORE_ERROR. */
+int psp_store_count_request(psp_store_t *s, const char *key);
+/* Inserts `want` unless its key already has a charge, then reads the
+ * charge of that key into `out`. Returns PSP_CREATED, PSP_FOUND (a charge
+ * made earlier, which may differ from `want`) or PSP_STORE_ERROR. */
+int psp_store_charge(psp_store_t *s, const psp_charge_t *want, psp_charge_t *out);
+/* Reads the charge made under `key`: PSP_FOUND, PSP_NOT_FOUND or
+ * PSP_STORE_ERROR. */
+int psp_store_get(psp_store_t *s, const char *key, psp_charge_t *out);
+/* The body of GET /stats (caller owns it), or NULL on a store error. */
+json_t *psp_store_stats(psp_store_t *s);
+
+/* ---- http.c ---- */
+
+typedef struct psp_server psp_server_t;
+
+enum { PSP_START_BAD_ADDRESS = -2, PSP_START_FAILED = -1 };
+
+/* Starts serving on cfg's address (thread per connection). `cfg` and
+ * `store` must outlive the server. Returns 0 and sets *out, or
+ * PSP_START_BAD_ADDRESS / PSP_START_FAILED with a reason in `err`. */
+int psp_server_start(const psp_config_t *cfg, psp_store_t *store, psp_server_t **out,
+                     char *err, size_t errlen);
+/* Wakes requests sleeping in a fault, waits for requests in flight and
+ * frees the server. */
+void psp_server_stop(psp_server_t *srv);
+
+/* Writes one JSON object as a line on stderr (steals `line`). */
+void psp_log(json_t *line);
+
+#endif

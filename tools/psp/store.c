@@ -1,0 +1,270 @@
+/* The charges of idem-psp in their own SQLite file: WAL and
+ * synchronous=FULL, so an answered charge survives kill -9, and UNIQUE(key)
+ * with INSERT ... ON CONFLICT DO NOTHING, so one key makes one charge even
+ * under concurrent requests.
+ *
+ * The request counters of GET /stats (all POST /charges, and per key) live
+ * in the same file, so they survive restarts too.
+ *
+ * One connection, serialised by a mutex held only for a statement or a
+ * short transaction (never while a fault sleeps): SQLite admits one writer
+ * at a time anyway, and a simulator needs no more. */
+#include <pthread.h>
+#include <sqlite3.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "psp.h"
+
+enum stmt_id {
+  ST_BEGIN,
+  ST_COMMIT,
+  ST_ROLLBACK,
+  ST_COUNT_ALL,
+  ST_COUNT_KEY,
+  ST_INSERT,
+  ST_GET,
+  ST_TOTALS,
+  ST_KEYS,
+  ST_COUNT_
+};
+
+static const char *const stmt_sql[ST_COUNT_] = {
+    [ST_BEGIN] = "BEGIN IMMEDIATE",
+    [ST_COMMIT] = "COMMIT",
+    [ST_ROLLBACK] = "ROLLBACK",
+    [ST_COUNT_ALL] = "INSERT INTO counters (name, value) VALUES ('requests', 1) "
+                     "ON CONFLICT (name) DO UPDATE SET value = value + 1",
+    [ST_COUNT_KEY] = "INSERT INTO key_requests (key, requests) VALUES (?1, 1) "
+                     "ON CONFLICT (key) DO UPDATE SET requests = requests + 1",
+    [ST_INSERT] = "INSERT INTO charges (key, id, amount, currency, status, created_at) "
+                  "VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT (key) DO NOTHING",
+    [ST_GET] = "SELECT id, key, amount, currency, status, created_at FROM charges "
+               "WHERE key = ?1",
+    [ST_TOTALS] = "SELECT (SELECT count(*) FROM charges WHERE status = 'succeeded'), "
+                  "(SELECT count(*) FROM charges WHERE status = 'declined'), "
+                  "(SELECT coalesce(sum(value), 0) FROM counters "
+                  "WHERE name = 'requests')",
+    [ST_KEYS] = "SELECT k.key, k.requests, coalesce(c.status, '') FROM key_requests k "
+                "LEFT JOIN charges c ON c.key = k.key ORDER BY k.key",
+};
+
+static const char schema[] =
+    "CREATE TABLE IF NOT EXISTS charges ("
+    " key TEXT NOT NULL UNIQUE,"
+    " id TEXT NOT NULL UNIQUE,"
+    " amount INTEGER NOT NULL,"
+    " currency TEXT NOT NULL,"
+    " status TEXT NOT NULL CHECK (status IN ('succeeded', 'declined')),"
+    " created_at TEXT NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS key_requests ("
+    " key TEXT PRIMARY KEY, requests INTEGER NOT NULL) WITHOUT ROWID;"
+    "CREATE TABLE IF NOT EXISTS counters ("
+    " name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;";
+
+struct psp_store {
+  sqlite3 *db;
+  sqlite3_stmt *st[ST_COUNT_];
+  pthread_mutex_t lock;
+};
+
+/* Logs a database failure; the message never reaches an HTTP body. */
+static void log_db_error(psp_store_t *s, const char *what) {
+  psp_log(json_pack("{s:s, s:s, s:s}", "event", "store_error", "during", what, "detail",
+                    sqlite3_errmsg(s->db)));
+}
+
+psp_store_t *psp_store_open(const char *path, char *err, size_t errlen) {
+  psp_store_t *s = calloc(1, sizeof *s);
+  sqlite3_stmt *st = NULL;
+  int ok = 0;
+
+  if (s == NULL) {
+    snprintf(err, errlen, "out of memory");
+    return NULL;
+  }
+  pthread_mutex_init(&s->lock, NULL);
+  if (sqlite3_open_v2(path, &s->db,
+                      SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
+                      NULL) != SQLITE_OK)
+    goto out;
+  sqlite3_busy_timeout(s->db, 5000);
+  /* journal_mode answers with the mode in force: check it is really WAL. */
+  if (sqlite3_prepare_v2(s->db, "PRAGMA journal_mode=WAL", -1, &st, NULL) != SQLITE_OK ||
+      sqlite3_step(st) != SQLITE_ROW ||
+      sqlite3_stricmp((const char *)sqlite3_column_text(st, 0), "wal") != 0)
+    goto out;
+  if (sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) != SQLITE_OK ||
+      sqlite3_exec(s->db, schema, NULL, NULL, NULL) != SQLITE_OK)
+    goto out;
+  for (int i = 0; i < ST_COUNT_; i++)
+    if (sqlite3_prepare_v3(s->db, stmt_sql[i], -1, SQLITE_PREPARE_PERSISTENT, &s->st[i],
+                           NULL) != SQLITE_OK)
+      goto out;
+  ok = 1;
+out:
+  sqlite3_finalize(st);
+  if (!ok) {
+    snprintf(err, errlen, "cannot open the database '%s': %s", path,
+             s->db ? sqlite3_errmsg(s->db) : "out of memory");
+    psp_store_close(s);
+    return NULL;
+  }
+  return s;
+}
+
+void psp_store_close(psp_store_t *s) {
+  if (s == NULL)
+    return;
+  for (int i = 0; i < ST_COUNT_; i++)
+    sqlite3_finalize(s->st[i]);
+  sqlite3_close(s->db);
+  pthread_mutex_destroy(&s->lock);
+  free(s);
+}
+
+/* Runs a statement that returns no row; leaves it reset. */
+static int exec_stmt(psp_store_t *s, enum stmt_id id) {
+  int rc = sqlite3_step(s->st[id]);
+  sqlite3_reset(s->st[id]);
+  sqlite3_clear_bindings(s->st[id]);
+  return rc == SQLITE_DONE ? 0 : -1;
+}
+
+int psp_store_count_request(psp_store_t *s, const char *key) {
+  int rc = -1;
+
+  pthread_mutex_lock(&s->lock);
+  if (exec_stmt(s, ST_BEGIN) == 0) {
+    if (key)
+      sqlite3_bind_text(s->st[ST_COUNT_KEY], 1, key, -1, SQLITE_STATIC);
+    if (exec_stmt(s, ST_COUNT_ALL) == 0 &&
+        (key == NULL || exec_stmt(s, ST_COUNT_KEY) == 0))
+      rc = exec_stmt(s, ST_COMMIT);
+    if (rc != 0) {
+      log_db_error(s, "count_request");
+      (void)exec_stmt(s, ST_ROLLBACK);
+    }
+  } else {
+    log_db_error(s, "count_request");
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc == 0 ? 0 : PSP_STORE_ERROR;
+}
+
+static void copy_column(sqlite3_stmt *st, int col, char *out, size_t outlen) {
+  const char *v = (const char *)sqlite3_column_text(st, col);
+  snprintf(out, outlen, "%s", v ? v : "");
+}
+
+/* Reads the charge of `key`; the caller holds the lock. */
+static int get_locked(psp_store_t *s, const char *key, psp_charge_t *out) {
+  sqlite3_stmt *st = s->st[ST_GET];
+  int rc;
+
+  sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW) {
+    copy_column(st, 0, out->id, sizeof out->id);
+    copy_column(st, 1, out->key, sizeof out->key);
+    out->amount = sqlite3_column_int64(st, 2);
+    copy_column(st, 3, out->currency, sizeof out->currency);
+    copy_column(st, 4, out->status, sizeof out->status);
+    copy_column(st, 5, out->created_at, sizeof out->created_at);
+  } else if (rc != SQLITE_DONE) {
+    log_db_error(s, "get");
+  }
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  return rc == SQLITE_ROW    ? PSP_FOUND
+         : rc == SQLITE_DONE ? PSP_NOT_FOUND
+                             : PSP_STORE_ERROR;
+}
+
+int psp_store_charge(psp_store_t *s, const psp_charge_t *want, psp_charge_t *out) {
+  sqlite3_stmt *st = s->st[ST_INSERT];
+  int rc, created;
+
+  pthread_mutex_lock(&s->lock);
+  sqlite3_bind_text(st, 1, want->key, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 2, want->id, -1, SQLITE_STATIC);
+  sqlite3_bind_int64(st, 3, want->amount);
+  sqlite3_bind_text(st, 4, want->currency, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 5, want->status, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 6, want->created_at, -1, SQLITE_STATIC);
+  rc = exec_stmt(s, ST_INSERT);
+  created = rc == 0 && sqlite3_changes(s->db) == 1;
+  if (rc != 0) {
+    log_db_error(s, "charge");
+    rc = PSP_STORE_ERROR;
+  } else {
+    rc = get_locked(s, want->key, out);
+    /* The insert committed or found a row: not finding one now is a fault. */
+    if (rc == PSP_NOT_FOUND)
+      rc = PSP_STORE_ERROR;
+    else if (rc == PSP_FOUND && created)
+      rc = PSP_CREATED;
+  }
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+int psp_store_get(psp_store_t *s, const char *key, psp_charge_t *out) {
+  int rc;
+  pthread_mutex_lock(&s->lock);
+  rc = get_locked(s, key, out);
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+/* Fills the stats object; the caller holds the lock. */
+static int stats_locked(psp_store_t *s, json_t *stats) {
+  sqlite3_stmt *st = s->st[ST_TOTALS];
+  json_t *keys = json_object();
+  int rc;
+
+  if (sqlite3_step(st) != SQLITE_ROW) {
+    sqlite3_reset(st);
+    json_decref(keys);
+    return -1;
+  }
+  json_object_set_new(stats, "charges", json_integer(sqlite3_column_int64(st, 0)));
+  json_object_set_new(stats, "declines", json_integer(sqlite3_column_int64(st, 1)));
+  json_object_set_new(stats, "requests", json_integer(sqlite3_column_int64(st, 2)));
+  sqlite3_reset(st);
+
+  st = s->st[ST_KEYS];
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    const char *status = (const char *)sqlite3_column_text(st, 2);
+    json_object_set_new(keys, (const char *)sqlite3_column_text(st, 0),
+                        json_pack("{s:I, s:i, s:i}", "requests",
+                                  (json_int_t)sqlite3_column_int64(st, 1), "charges",
+                                  strcmp(status, "succeeded") == 0, "declines",
+                                  strcmp(status, "declined") == 0));
+  }
+  sqlite3_reset(st);
+  json_object_set_new(stats, "keys", keys);
+  return rc == SQLITE_DONE ? 0 : -1;
+}
+
+json_t *psp_store_stats(psp_store_t *s) {
+  json_t *stats = json_object();
+  int rc;
+
+  if (stats == NULL)
+    return NULL;
+  pthread_mutex_lock(&s->lock);
+  /* One read transaction, so the totals and the keys agree. */
+  rc = sqlite3_exec(s->db, "BEGIN", NULL, NULL, NULL) == SQLITE_OK
+           ? stats_locked(s, stats)
+           : -1;
+  if (rc != 0)
+    log_db_error(s, "stats");
+  (void)sqlite3_exec(s->db, "COMMIT", NULL, NULL, NULL);
+  pthread_mutex_unlock(&s->lock);
+  if (rc != 0) {
+    json_decref(stats);
+    return NULL;
+  }
+  return stats;
+}
