@@ -1,0 +1,336 @@
+/* Concurrency: requests released together with one key create exactly one
+ * resource and all get its answer; sequential retries add no rows; two
+ * payloads racing on one key give one winner; many connections with unique
+ * keys give no 5xx and one payment per 201. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#define N 20
+#define PAYMENT "{\"amount\": 15990, \"currency\": \"BRL\", \"order_id\": \"ord_42\"}"
+#define ORDER                                                                            \
+  "{\"customer_id\":\"c1\",\"items\":[{\"sku\":\"A1\",\"quantity\":2,"                   \
+  "\"unit_price\":1000}],\"currency\":\"BRL\"}"
+#define MISMATCH "Idempotency-Key was already used with a different request"
+
+static const char *const kinds[] = {"payment", "order"};
+static const char *const paths[] = {"/payments", "/orders"};
+static const char *const bodies[] = {PAYMENT, ORDER};
+
+/* N requests with one key released together: one resource, N answers 201
+ * with its id, exactly one of them the first answer. */
+static void together_one_key(h_server_t *s, const char *tok, int p, const char *key) {
+  h_req_t reqs[N];
+  h_resp_t out[N];
+  const char *id = NULL;
+  int firsts = 0;
+  char *db_id;
+
+  for (int i = 0; i < N; i++)
+    reqs[i] = (h_req_t){
+        .method = "POST", .path = paths[p], .token = tok, .key = key, .body = bodies[p]};
+  h_together(s, reqs, N, out);
+  for (int i = 0; i < N; i++) {
+    h_context("%s, answer %d of %d", paths[p], i, N);
+    h_assert_status(&out[i], 201);
+    if (id == NULL)
+      id = h_id(&out[i]);
+    assert_string_equal(h_id(&out[i]), id);
+    if (out[i].replayed[0] == '\0')
+      firsts++;
+  }
+  h_context("%s", paths[p]);
+  assert_int_equal(firsts, 1);
+  for (int i = 0; i < N; i++)
+    if (out[i].replayed[0] == '\0')
+      for (int k = 0; k < N; k++)
+        if (k != i)
+          h_assert_replay_of(&out[k], &out[i]);
+  h_assert_db(s, 1, "SELECT count(*) FROM resources WHERE kind = ?1 AND id = ?2",
+              kinds[p], id);
+  h_assert_db(s, 1, "SELECT count(*) FROM idempotency_records WHERE key = ?1", key);
+  db_id = h_db_text(s, "SELECT resource_id FROM idempotency_records WHERE key = ?1", key);
+  assert_non_null(db_id);
+  assert_string_equal(db_id, id);
+  free(db_id);
+  h_context_clear();
+  for (int i = 0; i < N; i++)
+    h_resp_free(&out[i]);
+}
+
+static void run_together(const char *const *flags) {
+  h_server_t *s = h_server_start(flags);
+  const char *tok = h_tenant(s, "acme");
+  char key[64];
+
+  for (int round = 0; round < 3; round++)
+    for (int p = 0; p < 2; p++) {
+      snprintf(key, sizeof key, "together-%d-%d", p, round);
+      together_one_key(s, tok, p, key);
+    }
+  h_assert_db(s, 3, "SELECT count(*) FROM resources WHERE kind = 'payment'");
+  h_assert_db(s, 3, "SELECT count(*) FROM resources WHERE kind = 'order'");
+  h_assert_db(s, 0, "SELECT count(*) FROM outbox");
+  h_server_stop(s);
+}
+
+static void test_together_same_key(void **state) {
+  (void)state;
+  run_together(NULL);
+}
+
+/* The same with a slow provider, so the duplicates really wait. */
+static void test_together_same_key_slow_provider(void **state) {
+  static const char *const flags[] = {"--sandbox-delay", "300ms", NULL};
+  (void)state;
+  run_together(flags);
+}
+
+/* The same for outcomes other than 201: a pending payment (202) and a
+ * declined one (402) are one payment each, every answer naming it. */
+static void test_together_pending_and_declined(void **state) {
+  static const char *const flags[] = {"--sandbox-delay",
+                                      "300ms",
+                                      "--sandbox-uncertain-amount",
+                                      "7070",
+                                      "--sandbox-decline-amount",
+                                      "4040",
+                                      "--reconcile-interval",
+                                      "1h",
+                                      NULL};
+  static const struct {
+    const char *key, *body;
+    long status;
+  } cases[] = {{"together-pending", "{\"amount\": 7070}", 202},
+               {"together-declined", "{\"amount\": 4040}", 402}};
+  h_server_t *s = h_server_start(flags);
+  const char *tok = h_tenant(s, "acme");
+  (void)state;
+
+  for (size_t c = 0; c < 2; c++) {
+    h_req_t reqs[N];
+    h_resp_t out[N];
+    int firsts = 0;
+    for (int i = 0; i < N; i++)
+      reqs[i] = (h_req_t){.method = "POST",
+                          .path = "/payments",
+                          .token = tok,
+                          .key = cases[c].key,
+                          .body = cases[c].body};
+    h_together(s, reqs, N, out);
+    for (int i = 0; i < N; i++) {
+      h_context("%s, answer %d", cases[c].key, i);
+      h_assert_status(&out[i], cases[c].status);
+      assert_string_equal(h_id(&out[i]), h_id(&out[0]));
+      if (out[i].replayed[0] == '\0')
+        firsts++;
+    }
+    h_context("%s", cases[c].key);
+    assert_int_equal(firsts, 1);
+    h_assert_db(s, 1, "SELECT count(*) FROM payments WHERE id = ?1", h_id(&out[0]));
+    h_context_clear();
+    for (int i = 0; i < N; i++)
+      h_resp_free(&out[i]);
+  }
+  h_assert_db(s, 2, "SELECT count(*) FROM payments");
+  h_assert_db(s, 1, "SELECT count(*) FROM payments WHERE status = 'pending'");
+  h_assert_db(s, 1, "SELECT count(*) FROM payments WHERE status = 'declined'");
+  h_server_stop(s);
+}
+
+/* Ten identical requests in a row: one row in the business table. */
+static void test_sequential_identical(void **state) {
+  h_server_t *s = h_server_start(NULL);
+  const char *tok = h_tenant(s, "acme");
+  h_resp_t first, r;
+  (void)state;
+
+  for (int p = 0; p < 2; p++) {
+    h_context("%s", paths[p]);
+    h_post(s, paths[p], tok, "seq-1", bodies[p], &first);
+    h_assert_first(&first, 201);
+    for (int i = 1; i < 10; i++) {
+      h_post(s, paths[p], tok, "seq-1", bodies[p], &r);
+      h_assert_replay_of(&r, &first);
+      h_resp_free(&r);
+    }
+    h_resp_free(&first);
+  }
+  h_context_clear();
+  h_assert_db(s, 1, "SELECT count(*) FROM payments");
+  h_assert_db(s, 1, "SELECT count(*) FROM orders");
+  h_assert_db(s, 2, "SELECT count(*) FROM idempotency_records");
+  h_server_stop(s);
+}
+
+/* One key, two payloads, ten each, released together: one resource; the
+ * winner's payload gets its answer, the other payload 422. */
+static void two_payloads(h_server_t *s, const char *tok, int p, const char *key) {
+  static const char *const payloads[2][2] = {
+      {"{\"amount\": 1111}", "{\"amount\": 2222}"},
+      {"{\"customer_id\":\"c1\",\"items\":[{\"sku\":\"A1\",\"quantity\":1,\"unit_price\":"
+       "1111}]}",
+       "{\"customer_id\":\"c1\",\"items\":[{\"sku\":\"A1\",\"quantity\":1,\"unit_price\":"
+       "2222}]}"},
+  };
+  h_req_t reqs[N];
+  h_resp_t out[N];
+  int64_t winner_value;
+  int winner, firsts = 0;
+  char *id;
+
+  for (int i = 0; i < N; i++)
+    reqs[i] = (h_req_t){.method = "POST",
+                        .path = paths[p],
+                        .token = tok,
+                        .key = key,
+                        .body = payloads[p][i % 2]};
+  h_together(s, reqs, N, out);
+
+  h_context("%s", paths[p]);
+  h_assert_db(s, 1, "SELECT count(*) FROM resources WHERE kind = ?1", kinds[p]);
+  winner_value =
+      h_db_int(s, p == 0 ? "SELECT amount FROM payments" : "SELECT total FROM orders");
+  assert_true(winner_value == 1111 || winner_value == 2222);
+  winner = winner_value == 1111 ? 0 : 1;
+  id = h_db_text(s, "SELECT id FROM resources WHERE kind = ?1", kinds[p]);
+  assert_non_null(id);
+  for (int i = 0; i < N; i++) {
+    h_context("%s, request %d (payload %d, winner %d)", paths[p], i, i % 2, winner);
+    if (i % 2 == winner) {
+      h_assert_status(&out[i], 201);
+      assert_string_equal(h_id(&out[i]), id);
+      if (out[i].replayed[0] == '\0')
+        firsts++;
+    } else {
+      h_assert_error(&out[i], 422, MISMATCH);
+    }
+  }
+  h_context("%s", paths[p]);
+  assert_int_equal(firsts, 1);
+  h_context_clear();
+  free(id);
+  for (int i = 0; i < N; i++)
+    h_resp_free(&out[i]);
+}
+
+static void test_together_two_payloads(void **state) {
+  static const char *const flags[] = {"--sandbox-delay", "300ms", NULL};
+  h_server_t *s = h_server_start(NULL);
+  h_server_t *slow;
+  const char *tok = h_tenant(s, "acme");
+  (void)state;
+
+  two_payloads(s, tok, 0, "two-payloads");
+  two_payloads(s, tok, 1, "two-payloads");
+  h_server_stop(s);
+
+  slow = h_server_start(flags);
+  tok = h_tenant(slow, "acme");
+  two_payloads(slow, tok, 0, "two-payloads-slow");
+  two_payloads(slow, tok, 1, "two-payloads-slow");
+  h_server_stop(slow);
+}
+
+/* Many clients at once, unique keys. */
+#define CLIENTS 64
+#define PER_CLIENT 20
+
+struct client {
+  h_server_t *s;
+  const char *tok;
+  int index;
+  pthread_barrier_t *barrier;
+  int created, server_errors, transport_errors, other;
+  long other_status;
+  char sample[200];
+};
+
+static void *client_main(void *p) {
+  struct client *c = p;
+  CURL *h = curl_easy_init();
+  char key[64], body[96];
+
+  pthread_barrier_wait(c->barrier);
+  for (int i = 0; i < PER_CLIENT && h; i++) {
+    h_req_t q = {
+        .method = "POST", .path = "/payments", .token = c->tok, .key = key, .body = body};
+    h_resp_t r;
+    snprintf(key, sizeof key, "load-%d-%d", c->index, i);
+    snprintf(body, sizeof body, "{\"amount\": %d, \"order_id\": \"o%d\"}",
+             1000 + c->index * PER_CLIENT + i, i);
+    h_http_on(h, c->s, &q, &r);
+    if (r.status == 201)
+      c->created++;
+    else if (r.status >= 500)
+      c->server_errors++;
+    else if (r.status == 0)
+      c->transport_errors++;
+    else
+      c->other++;
+    if (r.status != 201 && c->sample[0] == '\0') {
+      c->other_status = r.status;
+      snprintf(c->sample, sizeof c->sample, "%ld %.150s", r.status, r.body);
+    }
+    h_resp_free(&r);
+  }
+  curl_easy_cleanup(h);
+  return NULL;
+}
+
+static void test_many_connections_unique_keys(void **state) {
+  h_server_t *s = h_server_start(NULL);
+  const char *tok = h_tenant(s, "acme");
+  struct client clients[CLIENTS];
+  pthread_t threads[CLIENTS];
+  pthread_barrier_t barrier;
+  int created = 0, errors5 = 0, transport = 0, other = 0;
+  (void)state;
+
+  assert_int_equal(pthread_barrier_init(&barrier, NULL, CLIENTS), 0);
+  for (int i = 0; i < CLIENTS; i++) {
+    clients[i] = (struct client){.s = s, .tok = tok, .index = i, .barrier = &barrier};
+    assert_int_equal(pthread_create(&threads[i], NULL, client_main, &clients[i]), 0);
+  }
+  for (int i = 0; i < CLIENTS; i++)
+    pthread_join(threads[i], NULL);
+  pthread_barrier_destroy(&barrier);
+  for (int i = 0; i < CLIENTS; i++) {
+    created += clients[i].created;
+    errors5 += clients[i].server_errors;
+    transport += clients[i].transport_errors;
+    other += clients[i].other;
+    if (clients[i].sample[0])
+      print_message("client %d: %s\n", i, clients[i].sample);
+  }
+  assert_int_equal(errors5, 0);
+  assert_int_equal(transport, 0);
+  assert_int_equal(other, 0);
+  assert_int_equal(created, CLIENTS * PER_CLIENT);
+  h_assert_db(s, created, "SELECT count(*) FROM payments");
+  h_assert_db(s, created, "SELECT count(*) FROM payments WHERE status = 'succeeded'");
+  h_assert_db(s, created,
+              "SELECT count(*) FROM idempotency_records WHERE state = 'completed'");
+  h_assert_db(s, 0, "SELECT count(*) FROM outbox");
+  h_assert_healthy(s);
+  h_server_stop(s);
+}
+
+int main(int argc, char **argv) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_together_same_key, h_teardown),
+      cmocka_unit_test_teardown(test_together_same_key_slow_provider, h_teardown),
+      cmocka_unit_test_teardown(test_together_pending_and_declined, h_teardown),
+      cmocka_unit_test_teardown(test_sequential_identical, h_teardown),
+      cmocka_unit_test_teardown(test_together_two_payloads, h_teardown),
+      cmocka_unit_test_teardown(test_many_connections_unique_keys, h_teardown),
+  };
+  int rc;
+  h_init(argc, argv);
+  rc = cmocka_run_group_tests_name("integration: concurrency", tests, NULL, NULL);
+  curl_global_cleanup();
+  return rc;
+}
