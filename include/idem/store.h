@@ -200,8 +200,10 @@ IDEM_WARN_UNUSED int idem_store_meta_get_or_put(idem_store_t *store,
 IDEM_WARN_UNUSED int idem_store_sweep(idem_store_t *store, int64_t now_ms,
                                       int batch, int *deleted);
 
-/* Counts rows for tests and tools: `what` is "records", "processing",
- * "pending", "outbox", "payments" or "orders"; `tenant_id` 0 means all. */
+/* Counts rows for tests, tools and metrics: `what` is "records",
+ * "processing", "pending", "outbox", "payments" or "orders"; or
+ * "oldest_pending", the creation time (ms) of the oldest pending record, 0
+ * when there is none. `tenant_id` 0 means all tenants. */
 IDEM_WARN_UNUSED int idem_store_count(idem_store_t *store, const char *what,
                                       int64_t tenant_id, int64_t *n);
 

@@ -135,7 +135,7 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   };
   if ((srv.reconciler = idem_reconciler_start(srv.store, srv.provider, &ropts)) == NULL) {
     fprintf(stderr, "idemd: cannot start the reconciler\n");
-    idemd_http_stop(&srv);
+    idemd_http_stop(&srv, 0);
     srv.provider->close(srv.provider);
     idem_store_close(srv.store);
     return 1;
@@ -149,7 +149,12 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   sigwait(&stop, &sig);
   idemd_log_event("info", "shutting down", "signal",
                   sig == SIGTERM ? "SIGTERM" : "SIGINT", NULL);
-  idemd_http_stop(&srv);
+  int cut = idemd_http_stop(&srv, cfg->shutdown_timeout_ms);
+  if (cut > 0) {
+    char n[16];
+    snprintf(n, sizeof n, "%d", cut);
+    idemd_log_event("warn", "requests cut off at the shutdown bound", "requests", n, NULL);
+  }
   idem_reconciler_stop(srv.reconciler);
   srv.provider->close(srv.provider);
   idem_store_close(srv.store);

@@ -9,6 +9,8 @@
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "idem/clock.h"
 #include "idem/crypto.h"
@@ -123,14 +125,18 @@ static enum MHD_Result serve_healthz(idemd_request_t *r) {
 
 static enum MHD_Result serve_metrics(idemd_request_t *r) {
   idemd_reply_headers_t h = {.content_type = "text/plain; version=0.0.4; charset=utf-8"};
-  int64_t pending = -1, processing = -1;
+  idemd_store_gauges_t g = {-1, -1, 0};
+  int64_t oldest = 0;
   enum MHD_Result ret;
   char *text;
 
-  if (idem_store_count(r->srv->store, "pending", 0, &pending) != IDEM_OK ||
-      idem_store_count(r->srv->store, "processing", 0, &processing) != IDEM_OK)
+  if (idem_store_count(r->srv->store, "pending", 0, &g.pending) != IDEM_OK ||
+      idem_store_count(r->srv->store, "processing", 0, &g.processing) != IDEM_OK ||
+      idem_store_count(r->srv->store, "oldest_pending", 0, &oldest) != IDEM_OK)
     atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
-  text = idemd_metrics_render(&r->srv->metrics, pending, processing);
+  if (oldest > 0)
+    g.oldest_pending_seconds = (double)(idem_now_ms() - oldest) / 1000.0;
+  text = idemd_metrics_render(&r->srv->metrics, &g);
   if (text == NULL)
     return idemd_reply_error(r, 500, "internal error", NULL);
   r->outcome = OUTCOME_READ;
@@ -144,7 +150,7 @@ static enum MHD_Result serve_create(idemd_request_t *r) {
   const char *ct, *raw;
   json_t *body = NULL;
   const char *msg = NULL;
-  int lossy = 0, rc;
+  int out_of_range = 0, rc;
   enum MHD_Result ret;
 
   r->outcome = OUTCOME_INVALID;
@@ -158,10 +164,10 @@ static enum MHD_Result serve_create(idemd_request_t *r) {
   if (rc != IDEM_OK)
     return idemd_reply_error(r, 400, idem_strerror(rc), NULL);
   idemd_key_id(r, idemd_op_name(r->op));
-  if (idemd_parse_body(r->body, r->body_len, &body, &lossy, &msg) != 0)
+  if (idemd_parse_body(r->body, r->body_len, &body, &out_of_range, &msg) != 0)
     return idemd_reply_error(r, 400, msg, NULL);
-  ret = r->route == ROUTE_PAYMENTS ? idemd_payments_create(r, body, lossy)
-                                   : idemd_orders_create(r, body, lossy);
+  ret = r->route == ROUTE_PAYMENTS ? idemd_payments_create(r, body)
+                                   : idemd_orders_create(r, body);
   json_decref(body);
   return ret;
 }
@@ -245,6 +251,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     r->method = method;
     r->start_us = idem_mono_us();
     *con_cls = r;
+    atomic_fetch_add(&srv->inflight, 1);
     return on_headers(r, url);
   }
   if (*upload_data_size > 0) {
@@ -283,13 +290,14 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     return;
   if (!r->responded)
     r->outcome = r->outcome ? r->outcome : OUTCOME_ERROR;
-  if (toe != MHD_REQUEST_TERMINATED_COMPLETED_OK && r->status == 0)
-    r->status = 0;
+  /* The client left (or we closed) before the whole answer went out. */
+  r->aborted = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
   idemd_metrics_request(&srv->metrics, r->op, r->outcome, idem_mono_us() - r->start_us);
   idemd_log_request(r);
   free(r->body);
   free(r);
   *con_cls = NULL;
+  atomic_fetch_sub(&srv->inflight, 1);
 }
 
 int idemd_http_start(idemd_server_t *srv) {
@@ -307,7 +315,7 @@ int idemd_http_start(idemd_server_t *srv) {
     return -1;
   }
   srv->daemon = MHD_start_daemon(
-      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL |
+      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ITC |
           (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0),
       0, NULL, NULL, on_request, srv,
       MHD_OPTION_SOCK_ADDR, ai->ai_addr,
@@ -325,9 +333,22 @@ int idemd_http_start(idemd_server_t *srv) {
   return 0;
 }
 
-void idemd_http_stop(idemd_server_t *srv) {
-  if (srv->daemon) {
-    MHD_stop_daemon(srv->daemon);
-    srv->daemon = NULL;
+int idemd_http_stop(idemd_server_t *srv, int64_t timeout_ms) {
+  int64_t deadline = idem_mono_ms() + timeout_ms;
+  int left;
+  MHD_socket fd;
+
+  if (srv->daemon == NULL)
+    return 0;
+  atomic_store(&srv->draining, 1);
+  fd = MHD_quiesce_daemon(srv->daemon); /* no new connections from here */
+  if (fd != MHD_INVALID_SOCKET)
+    close(fd);
+  while ((left = atomic_load(&srv->inflight)) > 0 && idem_mono_ms() < deadline) {
+    struct timespec ts = {0, 10 * 1000000L};
+    nanosleep(&ts, NULL);
   }
+  MHD_stop_daemon(srv->daemon);
+  srv->daemon = NULL;
+  return left;
 }

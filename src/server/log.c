@@ -87,5 +87,7 @@ void idemd_log_request(const idemd_request_t *r) {
     json_object_set_new(line, "tenant", json_string(r->tenant.name));
   if (r->key_id[0])
     json_object_set_new(line, "key_id", json_string(r->key_id));
+  if (r->aborted)
+    json_object_set_new(line, "aborted", json_true());
   emit(line);
 }

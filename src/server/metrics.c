@@ -45,8 +45,7 @@ void idemd_metrics_request(idemd_metrics_t *m, idemd_op_t op,
 
 #define LOAD(x) ((unsigned long long)atomic_load_explicit(&(x), memory_order_relaxed))
 
-char *idemd_metrics_render(idemd_metrics_t *m, int64_t pending,
-                           int64_t processing) {
+char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
   char *buf = NULL;
   size_t len = 0;
   FILE *f = open_memstream(&buf, &len);
@@ -93,10 +92,14 @@ char *idemd_metrics_render(idemd_metrics_t *m, int64_t pending,
           (long long)atomic_load_explicit(&m->reconcile_unresolved, memory_order_relaxed));
   fprintf(f, "# HELP idem_records_pending Records whose provider outcome is unknown.\n"
              "# TYPE idem_records_pending gauge\nidem_records_pending %lld\n",
-          (long long)pending);
+          (long long)g->pending);
+  fprintf(f, "# HELP idem_oldest_pending_seconds Age of the oldest payment whose "
+             "provider outcome is unknown (0 when none).\n"
+             "# TYPE idem_oldest_pending_seconds gauge\nidem_oldest_pending_seconds %.3f\n",
+          g->oldest_pending_seconds);
   fprintf(f, "# HELP idem_records_processing Records being processed now.\n"
              "# TYPE idem_records_processing gauge\nidem_records_processing %lld\n",
-          (long long)processing);
+          (long long)g->processing);
   if (fclose(f) != 0) {
     free(buf);
     return NULL;

@@ -53,10 +53,15 @@ const char *idemd_outcome_name(idemd_outcome_t outcome);
 void idemd_metrics_request(idemd_metrics_t *m, idemd_op_t op,
                            idemd_outcome_t outcome, int64_t latency_us);
 
-/* Renders all metrics, with `pending` records and the age of the oldest
- * (-1 when unknown) as gauges. Returns a malloc'd text the caller frees,
- * or NULL when out of memory. */
-char *idemd_metrics_render(idemd_metrics_t *m, int64_t pending,
-                           int64_t processing);
+/* Gauges read from the store at scrape time (-1 when it could not say). */
+typedef struct idemd_store_gauges {
+  int64_t pending;
+  int64_t processing;
+  double oldest_pending_seconds; /* 0 when nothing is pending */
+} idemd_store_gauges_t;
+
+/* Renders all metrics. Returns a malloc'd text the caller frees, or NULL
+ * when out of memory. */
+char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g);
 
 #endif

@@ -14,8 +14,7 @@
 
 #define OPERATION "create_order"
 
-enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body,
-                                    int lossy) {
+enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
   json_t *cmd = NULL, *errors = NULL, *order;
   char fp[IDEM_FINGERPRINT_LEN];
   char token[25], id[32], location[64], created_at[32];
@@ -23,7 +22,7 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body,
   int64_t total = 0;
   enum MHD_Result ret;
 
-  if (idemd_validate_order(body, lossy, &cmd, &errors, &total) != 0) {
+  if (idemd_validate_order(body, &cmd, &errors, &total) != 0) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_errors(r, errors);
   }

@@ -49,8 +49,7 @@ static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out) {
   *out = pc->settled.outcome;
 }
 
-enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body,
-                                      int lossy) {
+enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   payment_call_t pc = {.srv = r->srv};
   idem_payment_t *p = &pc.payment;
   json_t *cmd = NULL, *errors = NULL;
@@ -59,7 +58,7 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body,
   char *pending_body;
   enum MHD_Result ret;
 
-  if (idemd_validate_payment(body, lossy, &cmd, &errors) != 0) {
+  if (idemd_validate_payment(body, &cmd, &errors) != 0) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_errors(r, errors);
   }

@@ -20,6 +20,8 @@ enum MHD_Result idemd_reply(idemd_request_t *r, int status, const char *body,
                           h && h->content_type ? h->content_type
                                                : "application/json");
   MHD_add_response_header(resp, "X-Request-Id", r->request_id);
+  if (atomic_load(&r->srv->draining))
+    MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
   if (h) {
     if (h->location && h->location[0])
       MHD_add_response_header(resp, MHD_HTTP_HEADER_LOCATION, h->location);

@@ -23,6 +23,8 @@ typedef struct idemd_server {
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
   struct MHD_Daemon *daemon;
   idem_reconciler_t *reconciler;
+  atomic_int inflight; /* requests started and not yet answered */
+  atomic_int draining; /* shutting down: answers close their connection */
   idemd_metrics_t metrics;
 } idemd_server_t;
 
@@ -62,22 +64,23 @@ typedef struct idemd_request {
   idemd_outcome_t outcome;
   int status;
   int responded;
+  int aborted; /* the answer did not reach the client in full */
 } idemd_request_t;
 
 /* Route handlers. Each sends exactly one reply and returns the result of
  * queueing it. `body` is the validated-as-object request body. */
-enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body,
-                                      int lossy);
+enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_payments_get(idemd_request_t *r);
-enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body,
-                                    int lossy);
+enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_orders_get(idemd_request_t *r);
 
 /* Starts serving `srv` (whose store and provider are open). Returns 0, or
  * -1 with a message on stderr. */
 int idemd_http_start(idemd_server_t *srv);
 
-/* Stops accepting, finishes requests in flight, stops the workers. */
-void idemd_http_stop(idemd_server_t *srv);
+/* Stops accepting new connections, lets requests in flight be answered
+ * (waiting at most `timeout_ms`), then stops the workers and closes every
+ * connection. Returns the number of requests cut off at the bound. */
+int idemd_http_stop(idemd_server_t *srv, int64_t timeout_ms);
 
 #endif

@@ -3,7 +3,9 @@
  * command keeps only what the operation means, with defaults applied. */
 #include "server/validate.h"
 
+#include <errno.h>
 #include <math.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -32,25 +34,100 @@ static int depth_ok(const json_t *v, int depth) {
   return 1;
 }
 
-int idemd_parse_body(const char *body, size_t len, json_t **out, int *lossy,
-                     const char **msg) {
+/* Whether the number token `tok` (`len` bytes) is beyond what the parser
+ * holds: an integer outside 64 bits, or a real that overflows a double. */
+static int number_out_of_range(const char *tok, size_t len) {
+  char buf[64];
+  int integer = strcspn(tok, ".eE") >= len;
+  size_t digits = len - (tok[0] == '-');
+
+  if (integer && digits > 40)
+    return 1;
+  if (len >= sizeof buf) /* a long real: let the parser decide */
+    return 0;
+  memcpy(buf, tok, len);
+  buf[len] = '\0';
+  errno = 0;
+  if (integer) {
+    (void)strtoll(buf, NULL, 10);
+    return errno == ERANGE;
+  }
+  return isinf(strtod(buf, NULL));
+}
+
+/* Returns a copy of the body with out-of-range numbers replaced by the
+ * IDEMD_OUT_OF_RANGE markers (malloc'd, `*out_len` set), or NULL when
+ * there are none (or no memory: the parser then reports the body). */
+static char *mark_out_of_range(const char *body, size_t len, size_t *out_len) {
+  char *out = NULL;
+  size_t n = 0, copied = 0;
+  int in_string = 0;
+
+  for (size_t i = 0; i < len; i++) {
+    char c = body[i];
+    size_t j;
+    if (in_string) {
+      if (c == '\\')
+        i++;
+      else if (c == '"')
+        in_string = 0;
+      continue;
+    }
+    if (c == '"') {
+      in_string = 1;
+      continue;
+    }
+    if (c != '-' && (c < '0' || c > '9'))
+      continue;
+    for (j = i; j < len && body[j] && strchr("0123456789+-.eE", body[j]); j++)
+      ;
+    if (number_out_of_range(body + i, j - i)) {
+      const char *mark = c == '-' ? "\"\\u0001-out of range\"" : "\"\\u0001out of range\"";
+      size_t mlen = strlen(mark);
+      char *grown = realloc(out, n + (i - copied) + mlen + (len - j) + 1);
+      if (grown == NULL) {
+        free(out);
+        return NULL;
+      }
+      out = grown;
+      memcpy(out + n, body + copied, i - copied);
+      n += i - copied;
+      memcpy(out + n, mark, mlen);
+      n += mlen;
+      copied = j;
+    }
+    i = j - 1;
+  }
+  if (out == NULL)
+    return NULL;
+  memcpy(out + n, body + copied, len - copied);
+  n += len - copied;
+  out[n] = '\0';
+  *out_len = n;
+  return out;
+}
+
+int idemd_parse_body(const char *body, size_t len, json_t **out,
+                     int *out_of_range, const char **msg) {
   json_error_t err;
   json_t *v;
+  size_t marked_len = 0;
+  char *marked;
 
   *out = NULL;
-  *lossy = 0;
+  *out_of_range = 0;
   if (len == 0) {
     *msg = "request body must be a JSON object";
     return -1;
   }
-  v = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &err);
-  if (v == NULL && json_error_code(&err) == json_error_numeric_overflow) {
-    /* An integer too big for the parser: read it as a real so the field
-     * can be named in a 422 instead of a bare 400. */
-    v = json_loadb(body, len,
-                   JSON_REJECT_DUPLICATES | JSON_DECODE_ANY | JSON_DECODE_INT_AS_REAL, &err);
-    *lossy = 1;
+  marked = mark_out_of_range(body, len, &marked_len);
+  if (marked) {
+    *out_of_range = 1;
+    body = marked;
+    len = marked_len;
   }
+  v = json_loadb(body, len, JSON_REJECT_DUPLICATES | JSON_DECODE_ANY, &err);
+  free(marked);
   if (v == NULL) {
     switch (json_error_code(&err)) {
     case json_error_duplicate_key:
@@ -100,8 +177,8 @@ static int visible_ascii(const char *s, size_t len) {
 
 /* A positive integer in minor units: a JSON integer or a string of digits,
  * from 1 to 2^53 - 1. Returns 0 and sets `*out`, or adds an error. */
-static int positive_int(const json_t *v, int lossy, const char *field,
-                        json_t *errors, int64_t *out) {
+static int positive_int(const json_t *v, const char *field, json_t *errors,
+                        int64_t *out) {
   if (json_is_integer(v)) {
     json_int_t n = json_integer_value(v);
     if (n <= 0) {
@@ -119,6 +196,14 @@ static int positive_int(const json_t *v, int lossy, const char *field,
     const char *s = json_string_value(v);
     size_t len = json_string_length(v);
     int64_t n = 0;
+    if (strcmp(s, IDEMD_OUT_OF_RANGE) == 0) {
+      add_error(errors, field, "too_large", "must be at most 9007199254740991");
+      return -1;
+    }
+    if (strcmp(s, IDEMD_OUT_OF_RANGE_NEG) == 0) {
+      add_error(errors, field, "not_positive", "must be a positive integer");
+      return -1;
+    }
     if (len == 0 || strspn(s, "0123456789") != len) {
       add_error(errors, field, "not_integer",
                 "must be a positive integer or a string of digits");
@@ -139,22 +224,8 @@ static int positive_int(const json_t *v, int lossy, const char *field,
     return 0;
   }
   if (json_is_real(v)) {
-    double d = json_real_value(v);
-    if (lossy && d == floor(d) && d > (double)IDEMD_MAX_SAFE_INT) {
-      add_error(errors, field, "too_large", "must be at most 9007199254740991");
-      return -1;
-    }
-    if (lossy && d == floor(d) && d < 1) {
-      add_error(errors, field, "not_positive", "must be a positive integer");
-      return -1;
-    }
-    if (lossy && d == floor(d)) {
-      /* Another field overflowed, so every integer was read as a real and
-       * 1 cannot be told from 1.0 here; the request fails on that field. */
-      *out = (int64_t)d;
-      return 0;
-    }
-    add_error(errors, field, "not_integer", "must be an integer, without a fraction or exponent");
+    add_error(errors, field, "not_integer",
+              "must be an integer, without a fraction or exponent");
     return -1;
   }
   add_error(errors, field, "invalid_type",
@@ -237,7 +308,7 @@ static int finish(json_t *cmd, json_t *errors, json_t **cmd_out,
   return 0;
 }
 
-int idemd_validate_payment(const json_t *body, int lossy, json_t **cmd_out,
+int idemd_validate_payment(const json_t *body, json_t **cmd_out,
                            json_t **errors_out) {
   static const char *const allowed[] = {"amount", "currency", "order_id", NULL};
   json_t *errors = json_array();
@@ -251,7 +322,7 @@ int idemd_validate_payment(const json_t *body, int lossy, json_t **cmd_out,
   if (v == NULL || json_is_null(v)) {
     add_error(errors, "amount", "required", "is required");
     ok = 0;
-  } else if (positive_int(v, lossy, "amount", errors, &amount) != 0) {
+  } else if (positive_int(v, "amount", errors, &amount) != 0) {
     ok = 0;
   }
   cur = currency(body, errors);
@@ -269,7 +340,7 @@ int idemd_validate_payment(const json_t *body, int lossy, json_t **cmd_out,
   return finish(cmd, errors, cmd_out, errors_out);
 }
 
-int idemd_validate_order(const json_t *body, int lossy, json_t **cmd_out,
+int idemd_validate_order(const json_t *body, json_t **cmd_out,
                          json_t **errors_out, int64_t *total_out) {
   static const char *const allowed[] = {"customer_id", "items", "currency", NULL};
   static const char *const item_allowed[] = {"sku", "quantity", "unit_price", NULL};
@@ -329,14 +400,14 @@ int idemd_validate_order(const json_t *body, int lossy, json_t **cmd_out,
       if (json_object_get(it, "quantity") == NULL) {
         add_error(errors, field, "required", "is required");
         item_ok = 0;
-      } else if (positive_int(json_object_get(it, "quantity"), lossy, field, errors, &qty) != 0) {
+      } else if (positive_int(json_object_get(it, "quantity"), field, errors, &qty) != 0) {
         item_ok = 0;
       }
       snprintf(field, sizeof field, "%sunit_price", prefix);
       if (json_object_get(it, "unit_price") == NULL) {
         add_error(errors, field, "required", "is required");
         item_ok = 0;
-      } else if (positive_int(json_object_get(it, "unit_price"), lossy, field, errors, &price) != 0) {
+      } else if (positive_int(json_object_get(it, "unit_price"), field, errors, &price) != 0) {
         item_ok = 0;
       }
       unknown_fields(it, item_allowed, prefix, errors);

@@ -12,26 +12,32 @@
 #define IDEMD_MAX_SAFE_INT 9007199254740991LL /* 2^53 - 1 */
 #define IDEMD_MAX_ITEMS 100
 
+/* Marks a number too large for any field: a number in the body that the
+ * parser cannot hold (beyond 64-bit integers or doubles) is replaced by
+ * this string before parsing, so validators can name its field in a 422
+ * instead of the whole body failing as "not JSON". */
+#define IDEMD_OUT_OF_RANGE "\x01out of range"
+#define IDEMD_OUT_OF_RANGE_NEG "\x01-out of range"
+
 /* Parses `len` bytes at `body` as one JSON object: no duplicate keys,
  * valid UTF-8, nesting at most IDEMD_MAX_DEPTH. On success returns 0,
- * `*out` owns the object (json_decref it) and `*lossy` tells whether an
- * integer beyond the parser's range was read as a real (validators then
- * report it as too large). On failure returns -1, `*out` is NULL and
- * `*msg` is a static text fit for a 400 body. */
-int idemd_parse_body(const char *body, size_t len, json_t **out, int *lossy,
-                     const char **msg);
+ * `*out` owns the object (json_decref it) and `*out_of_range` tells
+ * whether some number was replaced by IDEMD_OUT_OF_RANGE(_NEG). On failure
+ * returns -1, `*out` is NULL and `*msg` is a static text fit for a 400
+ * body. */
+int idemd_parse_body(const char *body, size_t len, json_t **out,
+                     int *out_of_range, const char **msg);
 
 /* Validates a payment command `{"amount", "currency", "order_id"}`. On
  * success returns 0 and `*cmd` owns the canonical command (amount as an
  * integer, currency defaulted to "BRL", order_id only when given). On
  * failure returns -1 and `*errors` owns a JSON array of
  * {"field","message","code"} in field order; `*cmd` is NULL. */
-int idemd_validate_payment(const json_t *body, int lossy, json_t **cmd,
-                           json_t **errors);
+int idemd_validate_payment(const json_t *body, json_t **cmd, json_t **errors);
 
 /* Validates an order command `{"customer_id", "items", "currency"}` the same
  * way; on success also sets `*total` (sum of quantity * unit_price). */
-int idemd_validate_order(const json_t *body, int lossy, json_t **cmd,
-                         json_t **errors, int64_t *total);
+int idemd_validate_order(const json_t *body, json_t **cmd, json_t **errors,
+                         int64_t *total);
 
 #endif

@@ -669,6 +669,7 @@ static int pg_count(idem_store_t *base, const char *what, int64_t tenant_id,
       {"outbox", "SELECT count(*) FROM outbox WHERE ($1::bigint = 0 OR tenant_id = $1)"},
       {"payments", "SELECT count(*) FROM resources WHERE kind = 'payment' AND ($1::bigint = 0 OR tenant_id = $1)"},
       {"orders", "SELECT count(*) FROM resources WHERE kind = 'order' AND ($1::bigint = 0 OR tenant_id = $1)"},
+      {"oldest_pending", "SELECT coalesce(min(created_at), 0) FROM idempotency_records WHERE state = 'pending' AND ($1::bigint = 0 OR tenant_id = $1)"},
   };
   pg_store_t *s = (pg_store_t *)base;
   const char *sql = NULL;

@@ -770,6 +770,7 @@ static int sq_count(idem_store_t *base, const char *what, int64_t tenant_id,
       {"outbox", "SELECT count(*) FROM outbox WHERE (?1 = 0 OR tenant_id = ?1)"},
       {"payments", "SELECT count(*) FROM resources WHERE kind = 'payment' AND (?1 = 0 OR tenant_id = ?1)"},
       {"orders", "SELECT count(*) FROM resources WHERE kind = 'order' AND (?1 = 0 OR tenant_id = ?1)"},
+      {"oldest_pending", "SELECT coalesce(min(created_at), 0) FROM idempotency_records WHERE state = 'pending' AND (?1 = 0 OR tenant_id = ?1)"},
   };
   sqlite_store_t *s = (sqlite_store_t *)base;
   const char *sql = NULL;

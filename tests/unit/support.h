@@ -43,14 +43,14 @@ static inline int validate_body(const char *kind, const char *body,
   const char *msg = NULL;
   json_t *obj = NULL;
   int64_t ignored = 0;
-  int lossy = -1, rc;
+  int out_of_range = -1, rc;
 
-  if (idemd_parse_body(body, strlen(body), &obj, &lossy, &msg) != 0)
+  if (idemd_parse_body(body, strlen(body), &obj, &out_of_range, &msg) != 0)
     fail_msg("body rejected by idemd_parse_body (%s): %s", msg, body);
   if (strcmp(kind, "payment") == 0)
-    rc = idemd_validate_payment(obj, lossy, cmd, errors);
+    rc = idemd_validate_payment(obj, cmd, errors);
   else
-    rc = idemd_validate_order(obj, lossy, cmd, errors, total ? total : &ignored);
+    rc = idemd_validate_order(obj, cmd, errors, total ? total : &ignored);
   json_decref(obj);
   return rc;
 }
