@@ -79,6 +79,14 @@ typedef struct idem_tenant {
   int64_t created_at;
 } idem_tenant_t;
 
+/* A query over records, for support tools. */
+typedef struct idem_records_query {
+  int64_t tenant_id;
+  idem_state_t state;      /* IDEM_STATE_NONE: any */
+  int64_t updated_before;  /* only records last updated before this (ms); 0: any */
+  int limit;               /* at most this many, newest first */
+} idem_records_query_t;
+
 typedef struct idem_store_options {
   int pool_size;       /* connections kept for concurrent callers; 0: default */
   int busy_timeout_ms; /* wait for another process's lock; 0: default */
@@ -107,6 +115,11 @@ typedef struct idem_store_methods {
   int (*count)(idem_store_t *, const char *what, int64_t tenant_id, int64_t *n);
   int (*claim)(idem_store_t *, int64_t now_ms, int64_t lease_ms, int max,
                idem_record_t *out, int *n);
+  int (*tenant_by_name)(idem_store_t *, const char *name, idem_tenant_t *);
+  int (*tenant_update)(idem_store_t *, const idem_tenant_t *);
+  int (*tenant_list)(idem_store_t *, idem_tenant_t *out, int max, int *n);
+  int (*records_list)(idem_store_t *, const idem_records_query_t *,
+                      idem_record_t *out, int *n);
 } idem_store_methods_t;
 
 /* Opens the store named by `url`: "postgresql://..." or "postgres://..."
@@ -218,6 +231,30 @@ IDEM_WARN_UNUSED int idem_store_count(idem_store_t *store, const char *what,
 IDEM_WARN_UNUSED int idem_store_claim(idem_store_t *store, int64_t now_ms,
                                       int64_t lease_ms, int max,
                                       idem_record_t *out, int *n);
+
+/* Finds a tenant by name. IDEM_ENOTFOUND when none. */
+IDEM_WARN_UNUSED int idem_store_tenant_by_name(idem_store_t *store,
+                                               const char *name,
+                                               idem_tenant_t *out);
+
+/* Replaces the key (key_lookup, key_hash) and the disabled flag of the
+ * tenant named t->name. The old key stops working at commit.
+ * IDEM_ENOTFOUND when there is no such tenant; IDEM_EEXIST when the new
+ * lookup collides with another tenant's. */
+IDEM_WARN_UNUSED int idem_store_tenant_update(idem_store_t *store,
+                                              const idem_tenant_t *t);
+
+/* Lists up to `max` tenants by name into `out`; `*n` gets the count. */
+IDEM_WARN_UNUSED int idem_store_tenant_list(idem_store_t *store,
+                                            idem_tenant_t *out, int max,
+                                            int *n);
+
+/* Lists records of one tenant matching `q` (at most q->limit, which must
+ * not exceed the size of `out`), most recently updated first, whatever
+ * their expiry. `*n` gets the count; reset each record after use. */
+IDEM_WARN_UNUSED int idem_store_records_list(idem_store_t *store,
+                                             const idem_records_query_t *q,
+                                             idem_record_t *out, int *n);
 
 /* The last backend error message seen by this thread, for logs only:
  * it may hold SQL or library text and must never reach an HTTP body. */

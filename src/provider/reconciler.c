@@ -1,23 +1,18 @@
 /* The reconciler thread and its pass (see reconciler.h). */
 #include "provider/reconciler.h"
 
-#include <errno.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "idem/clock.h"
+#include "../lib/ticker.h"
 #include "provider/payment.h"
 
 struct idem_reconciler {
   idem_store_t *store;
   idem_provider_t *provider;
   idem_reconciler_options_t opts;
-  pthread_t thread;
-  pthread_mutex_t lock;
-  pthread_cond_t cond;
-  int stopping;
+  idem__ticker_t *ticker;
 };
 
 static void emit(const idem_reconciler_options_t *o, idem_reconcile_event_t ev,
@@ -106,48 +101,21 @@ int idem_reconcile_once(idem_store_t *store, idem_provider_t *provider,
   return rc;
 }
 
-static void *loop(void *arg) {
+static void pass(void *arg) {
   idem_reconciler_t *r = arg;
-  pthread_mutex_lock(&r->lock);
-  while (!r->stopping) {
-    struct timespec deadline;
-    pthread_mutex_unlock(&r->lock);
-    (void)idem_reconcile_once(r->store, r->provider, &r->opts, NULL, NULL);
-    pthread_mutex_lock(&r->lock);
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += r->opts.interval_ms / 1000;
-    deadline.tv_nsec += (r->opts.interval_ms % 1000) * 1000000L;
-    if (deadline.tv_nsec >= 1000000000L) {
-      deadline.tv_sec++;
-      deadline.tv_nsec -= 1000000000L;
-    }
-    while (!r->stopping &&
-           pthread_cond_timedwait(&r->cond, &r->lock, &deadline) != ETIMEDOUT)
-      ;
-  }
-  pthread_mutex_unlock(&r->lock);
-  return NULL;
+  (void)idem_reconcile_once(r->store, r->provider, &r->opts, NULL, NULL);
 }
 
 idem_reconciler_t *idem_reconciler_start(idem_store_t *store,
                                          idem_provider_t *provider,
                                          const idem_reconciler_options_t *opts) {
   idem_reconciler_t *r = calloc(1, sizeof *r);
-  pthread_condattr_t attr;
-
   if (r == NULL)
     return NULL;
   r->store = store;
   r->provider = provider;
   r->opts = *opts;
-  pthread_mutex_init(&r->lock, NULL);
-  pthread_condattr_init(&attr);
-  pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-  pthread_cond_init(&r->cond, &attr);
-  pthread_condattr_destroy(&attr);
-  if (pthread_create(&r->thread, NULL, loop, r) != 0) {
-    pthread_cond_destroy(&r->cond);
-    pthread_mutex_destroy(&r->lock);
+  if ((r->ticker = idem__ticker_start(opts->interval_ms, pass, r)) == NULL) {
     free(r);
     return NULL;
   }
@@ -157,12 +125,6 @@ idem_reconciler_t *idem_reconciler_start(idem_store_t *store,
 void idem_reconciler_stop(idem_reconciler_t *r) {
   if (r == NULL)
     return;
-  pthread_mutex_lock(&r->lock);
-  r->stopping = 1;
-  pthread_cond_signal(&r->cond);
-  pthread_mutex_unlock(&r->lock);
-  pthread_join(r->thread, NULL);
-  pthread_cond_destroy(&r->cond);
-  pthread_mutex_destroy(&r->lock);
+  idem__ticker_stop(r->ticker);
   free(r);
 }

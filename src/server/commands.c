@@ -10,13 +10,13 @@
 
 #include "idem/clock.h"
 #include "idem/crypto.h"
-#include "server/auth.h"
 #include "server/log.h"
 #include "server/server.h"
+#include "server/sweeper.h"
 
 /* Opens and migrates the store named by the configuration. Store messages
  * go to stderr here: this is the operator's terminal, not an HTTP body. */
-static idem_store_t *open_store(const idemd_config_t *cfg) {
+idem_store_t *idemd_open_store(const idemd_config_t *cfg) {
   idem_store_t *store = NULL;
   int rc = idem_store_open(cfg->db, NULL, &store);
   if (rc != IDEM_OK) {
@@ -34,14 +34,18 @@ static idem_store_t *open_store(const idemd_config_t *cfg) {
   return store;
 }
 
-/* The HMAC key for key ids in logs: generated on first start and kept in
- * the database, so every instance and restart derives the same ids. */
+/* The HMAC key for key ids in logs: from --log-key-secret, or generated on
+ * first start and kept in the database, so every instance and restart
+ * derives the same ids. */
 static int load_log_secret(idemd_server_t *srv) {
   unsigned char raw[32];
   char hex[65];
   char *secret = NULL;
   int rc;
 
+  if (srv->cfg.log_key_secret[0])
+    return idem_sha256(srv->cfg.log_key_secret, strlen(srv->cfg.log_key_secret),
+                       srv->log_secret);
   if (idem_random_bytes(raw, sizeof raw) != IDEM_OK)
     return IDEM_ECRYPTO;
   idem_hex(raw, sizeof raw, hex);
@@ -98,7 +102,8 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   int sig = 0, rc;
 
   srv.cfg = *cfg;
-  if ((srv.store = open_store(cfg)) == NULL)
+  idemd_log_set_level(cfg->log_level);
+  if ((srv.store = idemd_open_store(cfg)) == NULL)
     return 1;
   if ((rc = load_log_secret(&srv)) != IDEM_OK) {
     fprintf(stderr, "idemd: cannot load the log secret: %s\n", idem_strerror(rc));
@@ -140,6 +145,14 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
     idem_store_close(srv.store);
     return 1;
   }
+  if (idemd_sweeper_start(&srv) != 0) {
+    fprintf(stderr, "idemd: cannot start the sweeper\n");
+    idem_reconciler_stop(srv.reconciler);
+    idemd_http_stop(&srv, 0);
+    srv.provider->close(srv.provider);
+    idem_store_close(srv.store);
+    return 1;
+  }
   snprintf(listen, sizeof listen, "%s:%d", cfg->listen_host, cfg->listen_port);
   snprintf(port, sizeof port, "%d", cfg->threads);
   idemd_log_event("info", "listening", "listen", listen, "store",
@@ -155,6 +168,7 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
     snprintf(n, sizeof n, "%d", cut);
     idemd_log_event("warn", "requests cut off at the shutdown bound", "requests", n, NULL);
   }
+  idemd_sweeper_stop(&srv);
   idem_reconciler_stop(srv.reconciler);
   srv.provider->close(srv.provider);
   idem_store_close(srv.store);
@@ -162,40 +176,8 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   return 0;
 }
 
-int idemd_cmd_tenant_create(const idemd_config_t *cfg, const char *name) {
-  char key[IDEMD_API_KEY_MAX + 1];
-  idem_tenant_t t;
-  idem_store_t *store;
-  int rc;
-
-  rc = idemd_api_key_new(name, &t, key);
-  if (rc == IDEM_EINVAL) {
-    fprintf(stderr, "idemd: a tenant name is 1 to 64 of A-Z a-z 0-9 . _ -\n");
-    return 2;
-  }
-  if (rc != IDEM_OK) {
-    fprintf(stderr, "idemd: cannot generate a key: %s\n", idem_strerror(rc));
-    return 1;
-  }
-  if ((store = open_store(cfg)) == NULL)
-    return 1;
-  rc = idem_store_tenant_create(store, &t);
-  idem_store_close(store);
-  if (rc == IDEM_EEXIST) {
-    fprintf(stderr, "idemd: tenant '%s' already exists\n", name);
-    return 1;
-  }
-  if (rc != IDEM_OK) {
-    fprintf(stderr, "idemd: cannot create tenant: %s (%s)\n", idem_strerror(rc),
-            idem_store_last_error());
-    return 1;
-  }
-  printf("%s\n", key);
-  return 0;
-}
-
 int idemd_cmd_migrate(const idemd_config_t *cfg) {
-  idem_store_t *store = open_store(cfg);
+  idem_store_t *store = idemd_open_store(cfg);
   if (store == NULL)
     return 1;
   idem_store_close(store);
@@ -204,16 +186,13 @@ int idemd_cmd_migrate(const idemd_config_t *cfg) {
 }
 
 int idemd_cmd_sweep(const idemd_config_t *cfg) {
-  idem_store_t *store = open_store(cfg);
+  idem_store_t *store = idemd_open_store(cfg);
   long long total = 0;
-  int deleted, rc;
+  int rc;
 
   if (store == NULL)
     return 1;
-  do {
-    rc = idem_store_sweep(store, idem_now_ms(), 1000, &deleted);
-    total += deleted;
-  } while (rc == IDEM_OK && deleted > 0);
+  rc = idemd_sweep_now(store, cfg->sweep_batch, 1 << 30, &total);
   idem_store_close(store);
   if (rc != IDEM_OK) {
     fprintf(stderr, "idemd: sweep failed: %s (%s)\n", idem_strerror(rc),

@@ -1,15 +1,42 @@
-/* The idemd command line (SPEC section 6): serve, tenant create, migrate,
- * sweep. Each returns the process exit status. */
+/* The idemd command line (SPEC section 6): serve, migrate, sweep, and the
+ * tools for tenants and records. Each command returns the process exit
+ * status: 0 success, 1 failure, 2 bad usage. */
 #ifndef IDEMD_COMMANDS_H
 #define IDEMD_COMMANDS_H
 
+#include <stdint.h>
+
+#include "idem/store.h"
 #include "server/config.h"
+
+/* Opens and migrates the configured store, or prints why not (to stderr)
+ * and returns NULL. */
+idem_store_t *idemd_open_store(const idemd_config_t *cfg);
 
 /* Serves HTTP until SIGTERM or SIGINT, then shuts down cleanly (0). */
 int idemd_cmd_serve(const idemd_config_t *cfg);
 
-/* Creates tenant `name` and prints its new API key alone on stdout. */
-int idemd_cmd_tenant_create(const idemd_config_t *cfg, const char *name);
+/* `idemd tenant ACTION [NAME]`: create (prints the new API key alone on
+ * stdout), rotate (prints the new key; the old one stops working),
+ * disable, enable, list. */
+int idemd_cmd_tenant(const idemd_config_t *cfg, const char *action,
+                     const char *name);
+
+/* What `idemd records` was asked. */
+typedef struct idemd_records_args {
+  int show;               /* records show: one record */
+  const char *tenant;     /* required */
+  const char *state;      /* list: NULL for any */
+  int64_t older_than_ms;  /* list: 0 for any */
+  int limit;              /* list */
+  const char *operation;  /* show */
+  const char *key;        /* show */
+} idemd_records_args_t;
+
+/* `idemd records ...`: lists a tenant's records, or shows one, with state,
+ * fingerprint, times, resource and provider reference. Only ever reads
+ * the named tenant's records. */
+int idemd_cmd_records(const idemd_config_t *cfg, const idemd_records_args_t *a);
 
 /* Creates or upgrades the schema. */
 int idemd_cmd_migrate(const idemd_config_t *cfg);

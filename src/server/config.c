@@ -52,6 +52,14 @@ static const struct option options[] = {
     {"--shutdown-timeout", "IDEMD_SHUTDOWN_TIMEOUT", K_DURATION,
      OFF(shutdown_timeout_ms), 0, 3600000, "10s",
      "on SIGTERM, how long requests in flight may take to finish"},
+    {"--sweep-interval", "IDEMD_SWEEP_INTERVAL", K_DURATION, OFF(sweep_interval_ms),
+     100, 86400000, "1m", "how often expired records are deleted"},
+    {"--sweep-batch", "IDEMD_SWEEP_BATCH", K_INT, OFF(sweep_batch), 1, 100000,
+     "500", "expired records deleted per transaction"},
+    {"--log-level", "IDEMD_LOG_LEVEL", K_TEXT, OFF(log_level), 0, 0, "info",
+     "debug, info (one line per request), warn or error"},
+    {"--log-key-secret", "IDEMD_LOG_KEY_SECRET", K_TEXT, OFF(log_key_secret), 0, 0,
+     "(kept in the db)", "secret for the key ids in logs; default: generated once"},
     {"--sandbox-delay", "IDEMD_SANDBOX_DELAY", K_DURATION,
      OFF(sandbox_delay_ms), 0, 600000, "0", "added latency of the sandbox provider"},
     {"--sandbox-decline-amount", "IDEMD_SANDBOX_DECLINE_AMOUNT", K_INT,
@@ -151,7 +159,8 @@ static int set_option(idemd_config_t *cfg, const struct option *o, const char *v
 void idemd_config_defaults(idemd_config_t *cfg) {
   memset(cfg, 0, sizeof *cfg);
   for (size_t i = 0; i < NOPTIONS; i++)
-    (void)set_option(cfg, &options[i], options[i].def);
+    if (options[i].def[0] != '(') /* "(...)" describes a computed default */
+      (void)set_option(cfg, &options[i], options[i].def);
 }
 
 static int bad_value(FILE *err, const char *name, const char *v) {
@@ -196,6 +205,9 @@ int idemd_config_parse(idemd_config_t *cfg, int argc, char **argv, FILE *err) {
     if (set_option(cfg, o, v) != 0)
       return bad_value(err, o->flag, v);
   }
+  if (strcmp(cfg->log_level, "debug") != 0 && strcmp(cfg->log_level, "info") != 0 &&
+      strcmp(cfg->log_level, "warn") != 0 && strcmp(cfg->log_level, "error") != 0)
+    return bad_value(err, "--log-level", cfg->log_level);
   if (strcmp(cfg->provider, "sandbox") != 0 &&
       strncmp(cfg->provider, "http://", 7) != 0 &&
       strncmp(cfg->provider, "https://", 8) != 0)
@@ -213,7 +225,11 @@ int idemd_config_parse(idemd_config_t *cfg, int argc, char **argv, FILE *err) {
 void idemd_config_usage(FILE *out) {
   fprintf(out,
           "usage: idemd [serve] [options]\n"
-          "       idemd tenant create NAME [--db ...]\n"
+          "       idemd tenant create|rotate|disable|enable NAME [--db ...]\n"
+          "       idemd tenant list [--db ...]\n"
+          "       idemd records --tenant NAME [--state pending|processing|completed|failed]\n"
+          "                     [--older-than DURATION] [--limit N] [--db ...]\n"
+          "       idemd records show --tenant NAME --operation OP --key KEY [--db ...]\n"
           "       idemd migrate [--db ...]\n"
           "       idemd sweep [--db ...]\n"
           "       idemd --help | --version\n\n"

@@ -19,6 +19,10 @@ typedef struct idemd_config {
   int64_t provider_timeout_ms; /* total deadline of one provider call */
   int64_t reconcile_interval_ms;
   int64_t shutdown_timeout_ms; /* bound on finishing requests at SIGTERM */
+  int64_t sweep_interval_ms;   /* how often expired records are deleted */
+  int sweep_batch;             /* records per delete transaction */
+  char log_level[8];           /* debug, info, warn, error */
+  char log_key_secret[256];    /* HMAC key for key ids; empty: kept in the db */
   int64_t sandbox_delay_ms; /* the sandbox provider's added latency */
   int64_t sandbox_decline_amount;     /* declined (402); 0: none */
   int64_t sandbox_uncertain_amount;   /* charged, answer lost (pending) */

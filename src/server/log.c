@@ -11,6 +11,18 @@
 #include "idem/clock.h"
 #include "idem/crypto.h"
 
+static int min_level = 1;
+
+static int level_of(const char *name) {
+  static const char *const names[] = {"debug", "info", "warn", "error"};
+  for (int i = 0; i < 4; i++)
+    if (strcmp(name, names[i]) == 0)
+      return i;
+  return 3;
+}
+
+void idemd_log_set_level(const char *level) { min_level = level_of(level); }
+
 static void timestamp(char *out, size_t len) {
   struct timeval tv;
   struct tm tm;
@@ -38,6 +50,8 @@ void idemd_log_event(const char *level, const char *msg, ...) {
   va_list ap;
   const char *k;
 
+  if (level_of(level) < min_level)
+    return;
   timestamp(ts, sizeof ts);
   line = json_pack("{s:s, s:s, s:s}", "ts", ts, "level", level, "msg", msg);
   if (line == NULL)
@@ -72,6 +86,8 @@ void idemd_log_request(const idemd_request_t *r) {
   char ts[40];
   json_t *line;
 
+  if (min_level > 1)
+    return;
   timestamp(ts, sizeof ts);
   line = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:f}", "ts", ts,
                    "level", "info", "msg", "request", "request_id",

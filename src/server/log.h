@@ -6,6 +6,10 @@
 
 #include "server/server.h"
 
+/* Sets the lowest level written: "debug", "info", "warn" or "error".
+ * Request lines are "info". Call once at start-up, before threads. */
+void idemd_log_set_level(const char *level);
+
 /* Writes the request line of `r`: time, request id, tenant, operation,
  * key id (never the raw key), outcome, status, latency. */
 void idemd_log_request(const idemd_request_t *r);

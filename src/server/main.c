@@ -1,6 +1,7 @@
 /* idemd's entry point: picks the command and parses its flags. */
 #include <curl/curl.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "server/commands.h"
@@ -18,6 +19,50 @@ static int parse_flags(idemd_config_t *cfg, int argc, char **argv) {
     return -1;
   }
   return 0;
+}
+
+/* Takes the flags of `idemd records` out of argv (the rest are the common
+ * flags such as --db). Returns the number of arguments left, or -1. */
+static int records_flags(int argc, char **argv, idemd_records_args_t *a) {
+  int kept = 0;
+  for (int i = 0; i < argc; i++) {
+    const char **slot = NULL;
+    const char *flag = argv[i];
+    if (strcmp(flag, "--tenant") == 0)
+      slot = &a->tenant;
+    else if (strcmp(flag, "--state") == 0)
+      slot = &a->state;
+    else if (strcmp(flag, "--operation") == 0)
+      slot = &a->operation;
+    else if (strcmp(flag, "--key") == 0)
+      slot = &a->key;
+    else if (strcmp(flag, "--older-than") != 0 && strcmp(flag, "--limit") != 0) {
+      argv[kept++] = argv[i];
+      continue;
+    }
+    if (i + 1 >= argc) {
+      fprintf(stderr, "idemd: option %s needs a value\n", flag);
+      return -1;
+    }
+    const char *v = argv[++i];
+    if (slot) {
+      *slot = v;
+    } else if (strcmp(flag, "--older-than") == 0) {
+      if (idemd_parse_duration(v, &a->older_than_ms) != 0) {
+        fprintf(stderr, "idemd: invalid value for --older-than: '%s'\n", v);
+        return -1;
+      }
+    } else {
+      char *end;
+      long n = strtol(v, &end, 10);
+      if (*end || n < 1 || n > 1000) {
+        fprintf(stderr, "idemd: --limit takes a number from 1 to 1000\n");
+        return -1;
+      }
+      a->limit = (int)n;
+    }
+  }
+  return kept;
 }
 
 int main(int argc, char **argv) {
@@ -44,12 +89,28 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "sweep") == 0)
     return parse_flags(&cfg, argc - 2, argv + 2) ? 2 : idemd_cmd_sweep(&cfg);
   if (strcmp(cmd, "tenant") == 0) {
-    if (argc < 4 || strcmp(argv[2], "create") != 0) {
-      fprintf(stderr, "usage: idemd tenant create NAME [--db ...]\n");
+    const char *action = argc > 2 ? argv[2] : "";
+    int list = strcmp(action, "list") == 0;
+    int first_flag = list ? 3 : 4;
+    if (argc < first_flag || (!list && argc > 3 && strncmp(argv[3], "--", 2) == 0)) {
+      fprintf(stderr, "usage: idemd tenant create|rotate|disable|enable NAME | list [--db ...]\n");
       return 2;
     }
-    return parse_flags(&cfg, argc - 4, argv + 4) ? 2
-                                                 : idemd_cmd_tenant_create(&cfg, argv[3]);
+    if (parse_flags(&cfg, argc - first_flag, argv + first_flag))
+      return 2;
+    return idemd_cmd_tenant(&cfg, action, list ? NULL : argv[3]);
+  }
+  if (strcmp(cmd, "records") == 0) {
+    idemd_records_args_t a = {0};
+    int first = 2, left;
+    if (argc > 2 && strcmp(argv[2], "show") == 0) {
+      a.show = 1;
+      first = 3;
+    }
+    left = records_flags(argc - first, argv + first, &a);
+    if (left < 0 || parse_flags(&cfg, left, argv + first))
+      return 2;
+    return idemd_cmd_records(&cfg, &a);
   }
   fprintf(stderr, "idemd: unknown command '%s' (see idemd --help)\n", cmd);
   return 2;

@@ -90,6 +90,9 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
              "could not settle.\n# TYPE idem_reconcile_unresolved gauge\n"
              "idem_reconcile_unresolved %lld\n",
           (long long)atomic_load_explicit(&m->reconcile_unresolved, memory_order_relaxed));
+  fprintf(f, "# HELP idem_records_swept_total Expired records deleted by the sweeper.\n"
+             "# TYPE idem_records_swept_total counter\nidem_records_swept_total %llu\n",
+          LOAD(m->records_swept));
   fprintf(f, "# HELP idem_records_pending Records whose provider outcome is unknown.\n"
              "# TYPE idem_records_pending gauge\nidem_records_pending %lld\n",
           (long long)g->pending);

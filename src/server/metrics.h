@@ -40,6 +40,7 @@ typedef struct idemd_metrics {
   atomic_uint_fast64_t store_errors;
   atomic_uint_fast64_t inflight_timeouts;
   atomic_uint_fast64_t reconcile_settled;
+  atomic_uint_fast64_t records_swept;
   atomic_int_fast64_t reconcile_unresolved; /* left by the last pass */
 } idemd_metrics_t;
 

@@ -23,6 +23,7 @@ typedef struct idemd_server {
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
   struct MHD_Daemon *daemon;
   idem_reconciler_t *reconciler;
+  struct idem__ticker *sweeper;
   atomic_int inflight; /* requests started and not yet answered */
   atomic_int draining; /* shutting down: answers close their connection */
   idemd_metrics_t metrics;

@@ -40,6 +40,10 @@ enum stmt_id {
   ST_SWEEP,
   ST_PING,
   ST_CLAIM,
+  ST_TENANT_BY_NAME,
+  ST_TENANT_UPDATE,
+  ST_TENANT_LIST,
+  ST_RECORDS_LIST,
   ST_COUNT_
 };
 
@@ -49,6 +53,7 @@ enum stmt_id {
   "owner_token, lease_expires_at, created_at, updated_at, expires_at"
 
 #define SCOPE_MATCH "tenant_id = $1 AND operation = $2 AND key = $3"
+#define TENANT_COLUMNS "id, name, key_lookup, key_hash, disabled, created_at"
 
 static const char *const stmt_sql[ST_COUNT_] = {
     [ST_RESERVE] =
@@ -100,8 +105,15 @@ static const char *const stmt_sql[ST_COUNT_] = {
     [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
                          "disabled, created_at) VALUES ($1, $2, $3, 0, $4) "
                          "RETURNING id",
-    [ST_TENANT_FIND] = "SELECT id, name, key_lookup, key_hash, disabled, "
-                       "created_at FROM tenants WHERE key_lookup = $1",
+    [ST_TENANT_FIND] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE key_lookup = $1",
+    [ST_TENANT_BY_NAME] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE name = $1",
+    [ST_TENANT_UPDATE] = "UPDATE tenants SET key_lookup = $2, key_hash = $3, "
+                         "disabled = $4 WHERE name = $1",
+    [ST_TENANT_LIST] = "SELECT " TENANT_COLUMNS " FROM tenants ORDER BY name LIMIT $1",
+    [ST_RECORDS_LIST] = "SELECT " RECORD_COLUMNS " FROM idempotency_records "
+                        "WHERE tenant_id = $1 AND ($2::text IS NULL OR state = $2) "
+                        "AND ($3::bigint = 0 OR updated_at < $3) "
+                        "ORDER BY updated_at DESC LIMIT $4",
     [ST_META_PUT] = "INSERT INTO meta (name, value) VALUES ($1, $2) "
                     "ON CONFLICT (name) DO NOTHING",
     [ST_META_GET] = "SELECT value FROM meta WHERE name = $1",
@@ -600,25 +612,111 @@ static int unhex(const char *hex, unsigned char *out, size_t len) {
   return 0;
 }
 
-static int pg_tenant_find(idem_store_t *base, const char *lookup,
-                          idem_tenant_t *out) {
-  const char *p[1] = {lookup};
+/* Copies row `i` of a result selecting TENANT_COLUMNS. */
+static void row_to_tenant(PGresult *res, int i, idem_tenant_t *out) {
+  memset(out, 0, sizeof *out);
+  out->id = strtoll(PQgetvalue(res, i, 0), NULL, 10);
+  idem_copy(out->name, sizeof out->name, PQgetvalue(res, i, 1));
+  idem_copy(out->key_lookup, sizeof out->key_lookup, PQgetvalue(res, i, 2));
+  if (strlen(PQgetvalue(res, i, 3)) != 2 * sizeof out->key_hash ||
+      unhex(PQgetvalue(res, i, 3), out->key_hash, sizeof out->key_hash) != 0)
+    memset(out->key_hash, 0, sizeof out->key_hash);
+  out->disabled = atoi(PQgetvalue(res, i, 4));
+  out->created_at = strtoll(PQgetvalue(res, i, 5), NULL, 10);
+}
+
+static int tenant_query(pg_store_t *s, enum stmt_id id, const char *arg,
+                        idem_tenant_t *out) {
+  const char *p[1] = {arg};
   PGresult *res;
   int rc;
 
   memset(out, 0, sizeof *out);
-  rc = query_row((pg_store_t *)base, ST_TENANT_FIND, 1, p, &res);
-  if (rc != IDEM_OK)
+  if ((rc = query_row(s, id, 1, p, &res)) != IDEM_OK)
     return rc;
-  out->id = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-  idem_copy(out->name, sizeof out->name, PQgetvalue(res, 0, 1));
-  idem_copy(out->key_lookup, sizeof out->key_lookup, PQgetvalue(res, 0, 2));
-  if (strlen(PQgetvalue(res, 0, 3)) != 2 * sizeof out->key_hash ||
-      unhex(PQgetvalue(res, 0, 3), out->key_hash, sizeof out->key_hash) != 0)
-    memset(out->key_hash, 0, sizeof out->key_hash);
-  out->disabled = atoi(PQgetvalue(res, 0, 4));
-  out->created_at = strtoll(PQgetvalue(res, 0, 5), NULL, 10);
+  row_to_tenant(res, 0, out);
   PQclear(res);
+  return IDEM_OK;
+}
+
+static int pg_tenant_find(idem_store_t *base, const char *lookup,
+                          idem_tenant_t *out) {
+  return tenant_query((pg_store_t *)base, ST_TENANT_FIND, lookup, out);
+}
+
+static int pg_tenant_by_name(idem_store_t *base, const char *name,
+                             idem_tenant_t *out) {
+  return tenant_query((pg_store_t *)base, ST_TENANT_BY_NAME, name, out);
+}
+
+static int pg_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
+  pg_store_t *s = (pg_store_t *)base;
+  char hash[IDEM_SHA256_HEX_LEN], disabled[24];
+  const char *p[4] = {t->name, t->key_lookup, hash,
+                      num(disabled, sizeof disabled, t->disabled)};
+  struct conn *c;
+  int rc, changed = 0;
+
+  idem_hex(t->key_hash, sizeof t->key_hash, hash);
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = run_cmd(c, ST_TENANT_UPDATE, 4, p, &changed);
+  conn_put(s, c);
+  if (rc == IDEM_OK && changed == 0)
+    rc = IDEM_ENOTFOUND;
+  return rc;
+}
+
+static int pg_tenant_list(idem_store_t *base, idem_tenant_t *out, int max, int *n) {
+  pg_store_t *s = (pg_store_t *)base;
+  char lim[16];
+  const char *p[1] = {num(lim, sizeof lim, max)};
+  struct conn *c;
+  PGresult *res;
+  int rc, rows;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  res = run(c, ST_TENANT_LIST, 1, p, &rc);
+  conn_put(s, c);
+  if (res == NULL)
+    return rc;
+  rows = PQntuples(res) < max ? PQntuples(res) : max;
+  for (int i = 0; i < rows; i++)
+    row_to_tenant(res, i, &out[i]);
+  PQclear(res);
+  *n = rows;
+  return IDEM_OK;
+}
+
+static int pg_records_list(idem_store_t *base, const idem_records_query_t *q,
+                           idem_record_t *out, int *n) {
+  pg_store_t *s = (pg_store_t *)base;
+  char t[24], before[24], lim[16];
+  const char *p[4] = {num(t, sizeof t, q->tenant_id),
+                      q->state == IDEM_STATE_NONE ? NULL : idem_state_name(q->state),
+                      num(before, sizeof before, q->updated_before),
+                      num(lim, sizeof lim, q->limit)};
+  struct conn *c;
+  PGresult *res;
+  int rc, rows;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  res = run(c, ST_RECORDS_LIST, 4, p, &rc);
+  conn_put(s, c);
+  if (res == NULL)
+    return rc;
+  rows = PQntuples(res) < q->limit ? PQntuples(res) : q->limit;
+  for (int i = 0; rc == IDEM_OK && i < rows; i++)
+    rc = row_to_record(res, i, &out[i]);
+  PQclear(res);
+  if (rc != IDEM_OK) {
+    for (int i = 0; i < rows; i++)
+      idem_record_reset(&out[i]);
+    return rc;
+  }
+  *n = rows;
   return IDEM_OK;
 }
 
@@ -902,4 +1000,8 @@ static const idem_store_methods_t pg_methods = {
     .sweep = pg_sweep,
     .count = pg_count,
     .claim = pg_claim,
+    .tenant_by_name = pg_tenant_by_name,
+    .tenant_update = pg_tenant_update,
+    .tenant_list = pg_tenant_list,
+    .records_list = pg_records_list,
 };

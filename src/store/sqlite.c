@@ -38,6 +38,10 @@ enum stmt_id {
   ST_PING,
   ST_CLAIM_SELECT,
   ST_CLAIM_UPDATE,
+  ST_TENANT_BY_NAME,
+  ST_TENANT_UPDATE,
+  ST_TENANT_LIST,
+  ST_RECORDS_LIST,
   ST_COUNT_
 };
 
@@ -47,6 +51,7 @@ enum stmt_id {
   "owner_token, lease_expires_at, created_at, updated_at, expires_at"
 
 #define SCOPE_MATCH "tenant_id = ?1 AND operation = ?2 AND key = ?3"
+#define TENANT_COLUMNS "id, name, key_lookup, key_hash, disabled, created_at"
 
 static const char *const stmt_sql[ST_COUNT_] = {
     [ST_BEGIN] = "BEGIN IMMEDIATE",
@@ -102,8 +107,15 @@ static const char *const stmt_sql[ST_COUNT_] = {
                         "tenant_id = ?2 AND kind = ?3",
     [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
                          "disabled, created_at) VALUES (?1, ?2, ?3, 0, ?4)",
-    [ST_TENANT_FIND] = "SELECT id, name, key_lookup, key_hash, disabled, "
-                       "created_at FROM tenants WHERE key_lookup = ?1",
+    [ST_TENANT_FIND] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE key_lookup = ?1",
+    [ST_TENANT_BY_NAME] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE name = ?1",
+    [ST_TENANT_UPDATE] = "UPDATE tenants SET key_lookup = ?2, key_hash = ?3, "
+                         "disabled = ?4 WHERE name = ?1",
+    [ST_TENANT_LIST] = "SELECT " TENANT_COLUMNS " FROM tenants ORDER BY name LIMIT ?1",
+    [ST_RECORDS_LIST] = "SELECT " RECORD_COLUMNS " FROM idempotency_records "
+                        "WHERE tenant_id = ?1 AND (?2 IS NULL OR state = ?2) "
+                        "AND (?3 = 0 OR updated_at < ?3) "
+                        "ORDER BY updated_at DESC LIMIT ?4",
     [ST_META_PUT] = "INSERT INTO meta (name, value) VALUES (?1, ?2) "
                     "ON CONFLICT (name) DO NOTHING",
     [ST_META_GET] = "SELECT value FROM meta WHERE name = ?1",
@@ -383,21 +395,8 @@ static int write_end(sqlite_store_t *s, struct conn *c, int ok) {
   return rc;
 }
 
-static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *out) {
-  sqlite3_stmt *st = stmt(c, ST_READ_RECORD);
-  int rc;
-  if (st == NULL)
-    return IDEM_ESTORE;
-  bind_scope(st, sc);
-  rc = sqlite3_step(st);
-  if (rc == SQLITE_DONE) {
-    sqlite3_reset(st);
-    return IDEM_ENOTFOUND;
-  }
-  if (rc != SQLITE_ROW) {
-    sqlite3_reset(st);
-    return fail(c->db, rc, "read record");
-  }
+/* Copies the current row of a statement selecting RECORD_COLUMNS. */
+static int row_to_record(sqlite3_stmt *st, idem_record_t *out) {
   idem_record_reset(out);
   out->tenant_id = sqlite3_column_int64(st, 0);
   idem_copy(out->operation, sizeof out->operation, col_text(st, 1));
@@ -405,13 +404,9 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
   idem_copy(out->fingerprint, sizeof out->fingerprint, col_text(st, 3));
   out->state = idem_state_parse(col_text(st, 4));
   out->response_status = sqlite3_column_int(st, 5);
-  if (sqlite3_column_type(st, 6) != SQLITE_NULL) {
-    out->response_body = strdup(col_text(st, 6));
-    if (out->response_body == NULL) {
-      sqlite3_reset(st);
-      return IDEM_ENOMEM;
-    }
-  }
+  if (sqlite3_column_type(st, 6) != SQLITE_NULL &&
+      (out->response_body = strdup(col_text(st, 6))) == NULL)
+    return IDEM_ENOMEM;
   idem_copy(out->location, sizeof out->location, col_text(st, 7));
   idem_copy(out->resource_id, sizeof out->resource_id, col_text(st, 8));
   idem_copy(out->provider_ref, sizeof out->provider_ref, col_text(st, 9));
@@ -421,8 +416,24 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
   out->created_at = sqlite3_column_int64(st, 13);
   out->updated_at = sqlite3_column_int64(st, 14);
   out->expires_at = sqlite3_column_int64(st, 15);
-  sqlite3_reset(st);
   return IDEM_OK;
+}
+
+static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *out) {
+  sqlite3_stmt *st = stmt(c, ST_READ_RECORD);
+  int rc;
+  if (st == NULL)
+    return IDEM_ESTORE;
+  bind_scope(st, sc);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW)
+    rc = row_to_record(st, out);
+  else if (rc == SQLITE_DONE)
+    rc = IDEM_ENOTFOUND;
+  else
+    rc = fail(c->db, rc, "read record");
+  sqlite3_reset(st);
+  return rc;
 }
 
 /* Applies an outcome to a record owned by `owner` (inside a write
@@ -654,9 +665,21 @@ static int sq_tenant_create(idem_store_t *base, idem_tenant_t *t) {
   return rc;
 }
 
-static int sq_tenant_find(idem_store_t *base, const char *lookup,
-                          idem_tenant_t *out) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
+/* Copies the current row of a statement selecting TENANT_COLUMNS. */
+static void row_to_tenant(sqlite3_stmt *st, idem_tenant_t *out) {
+  memset(out, 0, sizeof *out);
+  out->id = sqlite3_column_int64(st, 0);
+  idem_copy(out->name, sizeof out->name, col_text(st, 1));
+  idem_copy(out->key_lookup, sizeof out->key_lookup, col_text(st, 2));
+  if (sqlite3_column_bytes(st, 3) == (int)sizeof out->key_hash)
+    memcpy(out->key_hash, sqlite3_column_blob(st, 3), sizeof out->key_hash);
+  out->disabled = sqlite3_column_int(st, 4);
+  out->created_at = sqlite3_column_int64(st, 5);
+}
+
+/* Runs a one-parameter tenant query expected to return one row. */
+static int tenant_query(sqlite_store_t *s, enum stmt_id id, const char *arg,
+                        idem_tenant_t *out) {
   struct conn *c;
   sqlite3_stmt *st;
   int rc;
@@ -664,28 +687,117 @@ static int sq_tenant_find(idem_store_t *base, const char *lookup,
   memset(out, 0, sizeof *out);
   if ((rc = conn_get(s, &c)) != IDEM_OK)
     return rc;
-  if ((st = stmt(c, ST_TENANT_FIND)) == NULL) {
+  if ((st = stmt(c, id)) == NULL) {
     conn_put(s, c);
     return IDEM_ESTORE;
   }
-  bind_text(st, 1, lookup);
+  bind_text(st, 1, arg);
   rc = sqlite3_step(st);
   if (rc == SQLITE_ROW) {
-    out->id = sqlite3_column_int64(st, 0);
-    idem_copy(out->name, sizeof out->name, col_text(st, 1));
-    idem_copy(out->key_lookup, sizeof out->key_lookup, col_text(st, 2));
-    if (sqlite3_column_bytes(st, 3) == (int)sizeof out->key_hash)
-      memcpy(out->key_hash, sqlite3_column_blob(st, 3), sizeof out->key_hash);
-    out->disabled = sqlite3_column_int(st, 4);
-    out->created_at = sqlite3_column_int64(st, 5);
+    row_to_tenant(st, out);
     rc = IDEM_OK;
   } else if (rc == SQLITE_DONE) {
     rc = IDEM_ENOTFOUND;
   } else {
-    rc = fail(c->db, rc, "tenant find");
+    rc = fail(c->db, rc, "tenant query");
   }
   sqlite3_reset(st);
   conn_put(s, c);
+  return rc;
+}
+
+static int sq_tenant_find(idem_store_t *base, const char *lookup,
+                          idem_tenant_t *out) {
+  return tenant_query((sqlite_store_t *)base, ST_TENANT_FIND, lookup, out);
+}
+
+static int sq_tenant_by_name(idem_store_t *base, const char *name,
+                             idem_tenant_t *out) {
+  return tenant_query((sqlite_store_t *)base, ST_TENANT_BY_NAME, name, out);
+}
+
+static int sq_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) == IDEM_OK) {
+    if ((st = stmt(c, ST_TENANT_UPDATE)) == NULL) {
+      rc = IDEM_ESTORE;
+    } else {
+      bind_text(st, 1, t->name);
+      bind_text(st, 2, t->key_lookup);
+      sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
+      sqlite3_bind_int(st, 4, t->disabled);
+      rc = run(c, st, "tenant update");
+      if (rc == IDEM_OK && sqlite3_changes(c->db) == 0)
+        rc = IDEM_ENOTFOUND;
+    }
+    int end = write_end(s, c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
+static int sq_tenant_list(idem_store_t *base, idem_tenant_t *out, int max, int *n) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc, found = 0;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((st = stmt(c, ST_TENANT_LIST)) == NULL) {
+    conn_put(s, c);
+    return IDEM_ESTORE;
+  }
+  sqlite3_bind_int(st, 1, max);
+  while (found < max && (rc = sqlite3_step(st)) == SQLITE_ROW)
+    row_to_tenant(st, &out[found++]);
+  rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK : fail(c->db, rc, "tenant list");
+  sqlite3_reset(st);
+  conn_put(s, c);
+  *n = found;
+  return rc;
+}
+
+static int sq_records_list(idem_store_t *base, const idem_records_query_t *q,
+                           idem_record_t *out, int *n) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  sqlite3_stmt *st;
+  int rc, found = 0;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((st = stmt(c, ST_RECORDS_LIST)) == NULL) {
+    conn_put(s, c);
+    return IDEM_ESTORE;
+  }
+  sqlite3_bind_int64(st, 1, q->tenant_id);
+  bind_text(st, 2, q->state == IDEM_STATE_NONE ? NULL : idem_state_name(q->state));
+  sqlite3_bind_int64(st, 3, q->updated_before);
+  sqlite3_bind_int(st, 4, q->limit);
+  while (found < q->limit && (rc = sqlite3_step(st)) == SQLITE_ROW) {
+    if (row_to_record(st, &out[found++]) != IDEM_OK) {
+      rc = SQLITE_NOMEM;
+      break;
+    }
+  }
+  rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK : fail(c->db, rc, "records list");
+  sqlite3_reset(st);
+  conn_put(s, c);
+  if (rc != IDEM_OK) {
+    for (int i = 0; i < found; i++)
+      idem_record_reset(&out[i]);
+    found = 0;
+  }
+  *n = found;
   return rc;
 }
 
@@ -978,4 +1090,8 @@ static const idem_store_methods_t sqlite_methods = {
     .sweep = sq_sweep,
     .count = sq_count,
     .claim = sq_claim,
+    .tenant_by_name = sq_tenant_by_name,
+    .tenant_update = sq_tenant_update,
+    .tenant_list = sq_tenant_list,
+    .records_list = sq_records_list,
 };

@@ -158,3 +158,28 @@ int idem_store_claim(idem_store_t *store, int64_t now_ms, int64_t lease_ms,
     return IDEM_EINVAL;
   return store->methods->claim(store, now_ms, lease_ms, max, out, n);
 }
+
+int idem_store_tenant_by_name(idem_store_t *store, const char *name,
+                              idem_tenant_t *out) {
+  return store->methods->tenant_by_name(store, name, out);
+}
+
+int idem_store_tenant_update(idem_store_t *store, const idem_tenant_t *t) {
+  return store->methods->tenant_update(store, t);
+}
+
+int idem_store_tenant_list(idem_store_t *store, idem_tenant_t *out, int max,
+                           int *n) {
+  *n = 0;
+  if (max <= 0)
+    return IDEM_EINVAL;
+  return store->methods->tenant_list(store, out, max, n);
+}
+
+int idem_store_records_list(idem_store_t *store, const idem_records_query_t *q,
+                            idem_record_t *out, int *n) {
+  *n = 0;
+  if (q->limit <= 0)
+    return IDEM_EINVAL;
+  return store->methods->records_list(store, q, out, n);
+}

@@ -1,0 +1,204 @@
+/* Tools for the people who run idem: tenants (create, rotate, disable,
+ * enable, list) and records (list a tenant's, show one). They print to the
+ * operator's terminal; API keys are printed once and only hashes stored. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idem/clock.h"
+#include "server/auth.h"
+#include "server/commands.h"
+
+#define MAX_LIST 1000
+
+static void print_time(const char *label, int64_t ms) {
+  char when[32];
+  if (ms == 0) {
+    printf("%-16s -\n", label);
+    return;
+  }
+  idem_format_time(ms, when, sizeof when);
+  printf("%-16s %s\n", label, when);
+}
+
+static int store_failed(const char *what, int rc) {
+  fprintf(stderr, "idemd: %s failed: %s (%s)\n", what, idem_strerror(rc),
+          idem_store_last_error());
+  return 1;
+}
+
+static int tenant_create(idem_store_t *store, const char *name) {
+  char key[IDEMD_API_KEY_MAX + 1];
+  idem_tenant_t t;
+  int rc = idemd_api_key_new(name, &t, key);
+
+  if (rc == IDEM_EINVAL) {
+    fprintf(stderr, "idemd: a tenant name is 1 to 64 of A-Z a-z 0-9 . _ -\n");
+    return 2;
+  }
+  if (rc == IDEM_OK)
+    rc = idem_store_tenant_create(store, &t);
+  if (rc == IDEM_EEXIST) {
+    fprintf(stderr, "idemd: tenant '%s' already exists\n", name);
+    return 1;
+  }
+  if (rc != IDEM_OK)
+    return store_failed("tenant create", rc);
+  printf("%s\n", key);
+  return 0;
+}
+
+/* rotate, disable, enable: read the tenant, change it, write it back. */
+static int tenant_change(idem_store_t *store, const char *action, const char *name) {
+  char key[IDEMD_API_KEY_MAX + 1];
+  idem_tenant_t t, fresh;
+  int rc = idem_store_tenant_by_name(store, name, &t);
+
+  if (rc == IDEM_ENOTFOUND) {
+    fprintf(stderr, "idemd: no tenant named '%s'\n", name);
+    return 1;
+  }
+  if (rc != IDEM_OK)
+    return store_failed("tenant lookup", rc);
+  if (strcmp(action, "rotate") == 0) {
+    if ((rc = idemd_api_key_new(name, &fresh, key)) != IDEM_OK)
+      return store_failed("key generation", rc);
+    memcpy(t.key_lookup, fresh.key_lookup, sizeof t.key_lookup);
+    memcpy(t.key_hash, fresh.key_hash, sizeof t.key_hash);
+  } else {
+    t.disabled = strcmp(action, "disable") == 0;
+  }
+  if ((rc = idem_store_tenant_update(store, &t)) != IDEM_OK)
+    return store_failed("tenant update", rc);
+  if (strcmp(action, "rotate") == 0)
+    printf("%s\n", key);
+  else
+    fprintf(stderr, "idemd: tenant '%s' %sd\n", name, action);
+  return 0;
+}
+
+static int tenant_list(idem_store_t *store) {
+  idem_tenant_t *list = calloc(MAX_LIST, sizeof *list);
+  int n = 0, rc;
+
+  if (list == NULL)
+    return 1;
+  rc = idem_store_tenant_list(store, list, MAX_LIST, &n);
+  if (rc == IDEM_OK) {
+    printf("%-24s %-9s %s\n", "NAME", "STATUS", "CREATED");
+    for (int i = 0; i < n; i++) {
+      char when[32];
+      idem_format_time(list[i].created_at, when, sizeof when);
+      printf("%-24s %-9s %s\n", list[i].name,
+             list[i].disabled ? "disabled" : "active", when);
+    }
+  }
+  free(list);
+  return rc == IDEM_OK ? 0 : store_failed("tenant list", rc);
+}
+
+int idemd_cmd_tenant(const idemd_config_t *cfg, const char *action,
+                     const char *name) {
+  int list = strcmp(action, "list") == 0;
+  int known = list || strcmp(action, "create") == 0 || strcmp(action, "rotate") == 0 ||
+              strcmp(action, "disable") == 0 || strcmp(action, "enable") == 0;
+  idem_store_t *store;
+  int rc;
+
+  if (!known || (!list && name == NULL)) {
+    fprintf(stderr, "usage: idemd tenant create|rotate|disable|enable NAME | list [--db ...]\n");
+    return 2;
+  }
+  if ((store = idemd_open_store(cfg)) == NULL)
+    return 1;
+  if (list)
+    rc = tenant_list(store);
+  else if (strcmp(action, "create") == 0)
+    rc = tenant_create(store, name);
+  else
+    rc = tenant_change(store, action, name);
+  idem_store_close(store);
+  return rc;
+}
+
+static void show_record(const idem_record_t *r, const char *tenant) {
+  printf("%-16s %s\n%-16s %s\n%-16s %s\n%-16s %s\n", "tenant", tenant, "operation",
+         r->operation, "key", r->key, "state", idem_state_name(r->state));
+  printf("%-16s %s\n", "fingerprint", r->fingerprint);
+  if (r->response_status)
+    printf("%-16s %d\n", "response status", r->response_status);
+  printf("%-16s %s\n", "resource", r->resource_id[0] ? r->resource_id : "-");
+  printf("%-16s %s\n", "provider ref", r->provider_ref[0] ? r->provider_ref : "-");
+  printf("%-16s %s\n", "correlation id", r->correlation_id);
+  print_time("created", r->created_at);
+  print_time("updated", r->updated_at);
+  print_time("expires", r->expires_at);
+  if (r->state == IDEM_STATE_PROCESSING || r->owner_token[0])
+    print_time("lease until", r->lease_expires_at);
+  if (r->response_body)
+    printf("%-16s %s\n", "response", r->response_body);
+}
+
+int idemd_cmd_records(const idemd_config_t *cfg, const idemd_records_args_t *a) {
+  idem_records_query_t q = {0};
+  idem_record_t *list = NULL;
+  idem_store_t *store;
+  idem_tenant_t t;
+  int n = 0, rc;
+
+  if (a->tenant == NULL || (a->show && (a->operation == NULL || a->key == NULL))) {
+    fprintf(stderr, "usage: idemd records --tenant NAME [--state S] [--older-than D] [--limit N]\n"
+                    "       idemd records show --tenant NAME --operation OP --key KEY\n");
+    return 2;
+  }
+  if (a->state && idem_state_parse(a->state) == IDEM_STATE_NONE) {
+    fprintf(stderr, "idemd: --state is one of processing, completed, failed, pending\n");
+    return 2;
+  }
+  if ((store = idemd_open_store(cfg)) == NULL)
+    return 1;
+  rc = idem_store_tenant_by_name(store, a->tenant, &t);
+  if (rc == IDEM_ENOTFOUND) {
+    fprintf(stderr, "idemd: no tenant named '%s'\n", a->tenant);
+    idem_store_close(store);
+    return 1;
+  }
+  if (rc == IDEM_OK && a->show) {
+    idem_scope_t scope = {t.id, a->operation, a->key};
+    idem_record_t rec = {0};
+    /* now = 0: show the record even when it has expired */
+    rc = idem_store_lookup(store, &scope, 0, &rec);
+    if (rc == IDEM_OK)
+      show_record(&rec, t.name);
+    else if (rc == IDEM_ENOTFOUND)
+      fprintf(stderr, "idemd: no record for that tenant, operation and key\n");
+    idem_record_reset(&rec);
+    idem_store_close(store);
+    return rc == IDEM_OK ? 0 : rc == IDEM_ENOTFOUND ? 1 : store_failed("lookup", rc);
+  }
+  if (rc == IDEM_OK) {
+    q.tenant_id = t.id;
+    q.state = a->state ? idem_state_parse(a->state) : IDEM_STATE_NONE;
+    q.updated_before = a->older_than_ms ? idem_now_ms() - a->older_than_ms : 0;
+    q.limit = a->limit > 0 && a->limit < MAX_LIST ? a->limit : 100;
+    if ((list = calloc((size_t)q.limit, sizeof *list)) == NULL)
+      rc = IDEM_ENOMEM;
+    else
+      rc = idem_store_records_list(store, &q, list, &n);
+  }
+  if (rc == IDEM_OK) {
+    printf("%-10s %-15s %-6s %-28s %-20s %s\n", "STATE", "OPERATION", "STATUS",
+           "RESOURCE", "UPDATED", "KEY");
+    for (int i = 0; i < n; i++) {
+      char when[32];
+      idem_format_time(list[i].updated_at, when, sizeof when);
+      printf("%-10s %-15s %-6d %-28s %-20s %s\n", idem_state_name(list[i].state),
+             list[i].operation, list[i].response_status,
+             list[i].resource_id[0] ? list[i].resource_id : "-", when, list[i].key);
+      idem_record_reset(&list[i]);
+    }
+  }
+  free(list);
+  idem_store_close(store);
+  return rc == IDEM_OK ? 0 : store_failed("records", rc);
+}
