@@ -12,6 +12,9 @@ typedef struct idemd_config {
   char db[1024];
   char provider[256];
   int threads;
+  int max_connections;        /* served at once; beyond: 503 */
+  int max_header_bytes;       /* request line and headers, per connection */
+  int64_t request_timeout_ms; /* to receive a whole request */
   int64_t inflight_wait_ms; /* bound on waiting for an in-flight duplicate */
   int64_t key_ttl_ms;       /* lifetime of completed and failed records */
   int64_t lease_ms;         /* how long a processing owner holds its record */

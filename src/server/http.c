@@ -125,7 +125,8 @@ static enum MHD_Result serve_healthz(idemd_request_t *r) {
 
 static enum MHD_Result serve_metrics(idemd_request_t *r) {
   idemd_reply_headers_t h = {.content_type = "text/plain; version=0.0.4; charset=utf-8"};
-  idemd_store_gauges_t g = {-1, -1, 0};
+  idemd_store_gauges_t g = {-1, -1, 0, idemd_guard_cut(r->srv->guard),
+                           idemd_guard_refused(r->srv->guard)};
   int64_t oldest = 0;
   enum MHD_Result ret;
   char *text;
@@ -199,6 +200,12 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
 
   set_path(r, url);
   set_request_id(r);
+  if (idemd_guard_over_limit(r->conn_guard)) {
+    idemd_reply_headers_t h = {.retry_after = 1, .close = 1};
+    idemd_guard_count_refusal(r->srv->guard);
+    r->outcome = OUTCOME_ERROR;
+    return idemd_reply_error(r, 503, "too many connections, retry later", &h);
+  }
   d = match_route(url, r->resource_id, sizeof r->resource_id);
   if (d == NULL) {
     r->outcome = OUTCOME_INVALID;
@@ -250,6 +257,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     r->conn = conn;
     r->method = method;
     r->start_us = idem_mono_us();
+    r->conn_guard = idemd_guard_of(conn);
     *con_cls = r;
     atomic_fetch_add(&srv->inflight, 1);
     return on_headers(r, url);
@@ -278,6 +286,9 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
   }
   if (r->responded)
     return MHD_YES;
+  /* The request is all here: from now on it may take as long as its work
+   * takes (a provider call, a wait for a duplicate) without being cut. */
+  idemd_guard_busy(r->srv->guard, r->conn_guard, 1);
   return dispatch(r);
 }
 
@@ -292,6 +303,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     r->outcome = r->outcome ? r->outcome : OUTCOME_ERROR;
   /* The client left (or we closed) before the whole answer went out. */
   r->aborted = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
+  idemd_guard_busy(srv->guard, r->conn_guard, 0);
   idemd_metrics_request(&srv->metrics, r->op, r->outcome, idem_mono_us() - r->start_us);
   idemd_log_request(r);
   free(r->body);
@@ -309,6 +321,9 @@ int idemd_http_start(idemd_server_t *srv) {
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
   snprintf(port, sizeof port, "%d", srv->cfg.listen_port);
+  if ((srv->guard = idemd_guard_new(srv->cfg.request_timeout_ms,
+                                    srv->cfg.max_connections)) == NULL)
+    return -1;
   rc = getaddrinfo(srv->cfg.listen_host, port, &hints, &ai);
   if (rc != 0 || ai == NULL) {
     fprintf(stderr, "idemd: cannot resolve listen address '%s'\n", srv->cfg.listen_host);
@@ -321,8 +336,12 @@ int idemd_http_start(idemd_server_t *srv) {
       MHD_OPTION_SOCK_ADDR, ai->ai_addr,
       MHD_OPTION_THREAD_POOL_SIZE, (unsigned int)srv->cfg.threads,
       MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
+      MHD_OPTION_NOTIFY_CONNECTION, idemd_guard_notify, srv->guard,
+      /* Inactivity only; the guard enforces the whole-request deadline. */
       MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)30,
-      MHD_OPTION_CONNECTION_LIMIT, (unsigned int)4096,
+      /* Room above the cap to tell the extra clients 503. */
+      MHD_OPTION_CONNECTION_LIMIT, (unsigned int)(srv->cfg.max_connections + 64),
+      MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)srv->cfg.max_header_bytes,
       MHD_OPTION_END);
   freeaddrinfo(ai);
   if (srv->daemon == NULL) {
@@ -350,5 +369,7 @@ int idemd_http_stop(idemd_server_t *srv, int64_t timeout_ms) {
   }
   MHD_stop_daemon(srv->daemon);
   srv->daemon = NULL;
+  idemd_guard_free(srv->guard);
+  srv->guard = NULL;
   return left;
 }

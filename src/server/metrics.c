@@ -93,6 +93,15 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
   fprintf(f, "# HELP idem_records_swept_total Expired records deleted by the sweeper.\n"
              "# TYPE idem_records_swept_total counter\nidem_records_swept_total %llu\n",
           LOAD(m->records_swept));
+  fprintf(f, "# HELP idem_connections_cut_total Connections closed because their "
+             "request did not arrive within --request-timeout.\n"
+             "# TYPE idem_connections_cut_total counter\nidem_connections_cut_total %llu\n",
+          (unsigned long long)g->connections_cut);
+  fprintf(f, "# HELP idem_connections_refused_total Requests answered 503 because "
+             "--max-connections was reached.\n"
+             "# TYPE idem_connections_refused_total counter\n"
+             "idem_connections_refused_total %llu\n",
+          (unsigned long long)g->connections_refused);
   fprintf(f, "# HELP idem_records_pending Records whose provider outcome is unknown.\n"
              "# TYPE idem_records_pending gauge\nidem_records_pending %lld\n",
           (long long)g->pending);

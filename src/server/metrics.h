@@ -54,11 +54,14 @@ const char *idemd_outcome_name(idemd_outcome_t outcome);
 void idemd_metrics_request(idemd_metrics_t *m, idemd_op_t op,
                            idemd_outcome_t outcome, int64_t latency_us);
 
-/* Gauges read from the store at scrape time (-1 when it could not say). */
+/* Values read at scrape time from the store (-1 when it could not say)
+ * and from the connection guard. */
 typedef struct idemd_store_gauges {
   int64_t pending;
   int64_t processing;
   double oldest_pending_seconds; /* 0 when nothing is pending */
+  uint64_t connections_cut;      /* counter: missed the request deadline */
+  uint64_t connections_refused;  /* counter: beyond --max-connections */
 } idemd_store_gauges_t;
 
 /* Renders all metrics. Returns a malloc'd text the caller frees, or NULL

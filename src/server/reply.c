@@ -20,7 +20,7 @@ enum MHD_Result idemd_reply(idemd_request_t *r, int status, const char *body,
                           h && h->content_type ? h->content_type
                                                : "application/json");
   MHD_add_response_header(resp, "X-Request-Id", r->request_id);
-  if (atomic_load(&r->srv->draining))
+  if (atomic_load(&r->srv->draining) || (h && h->close))
     MHD_add_response_header(resp, MHD_HTTP_HEADER_CONNECTION, "close");
   if (h) {
     if (h->location && h->location[0])
@@ -36,6 +36,7 @@ enum MHD_Result idemd_reply(idemd_request_t *r, int status, const char *body,
     if (h->www_authenticate)
       MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
   }
+  idemd_guard_busy(r->srv->guard, r->conn_guard, 1);
   ret = MHD_queue_response(r->conn, (unsigned)status, resp);
   MHD_destroy_response(resp);
   r->status = status;

@@ -16,6 +16,7 @@ typedef struct idemd_reply_headers {
   const char *allow;       /* Allow, for 405 */
   int www_authenticate;    /* WWW-Authenticate: Bearer, for 401 */
   const char *content_type;/* default application/json */
+  int close;               /* adds Connection: close */
 } idemd_reply_headers_t;
 
 /* Sends `status` with `len` bytes of `body` (copied) and the headers in `h`

@@ -12,6 +12,7 @@
 #include "provider/provider.h"
 #include "provider/reconciler.h"
 #include "server/config.h"
+#include "server/guard.h"
 #include "server/metrics.h"
 
 #define IDEMD_MAX_BODY (64 * 1024)
@@ -22,6 +23,7 @@ typedef struct idemd_server {
   idem_provider_t *provider;
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
   struct MHD_Daemon *daemon;
+  idemd_guard_t *guard;
   idem_reconciler_t *reconciler;
   struct idem__ticker *sweeper;
   atomic_int inflight; /* requests started and not yet answered */
@@ -43,6 +45,7 @@ typedef enum idemd_route {
 typedef struct idemd_request {
   idemd_server_t *srv;
   struct MHD_Connection *conn;
+  void *conn_guard; /* the guard's record of this connection */
   idemd_route_t route;
   const char *method;
   char path[256];
