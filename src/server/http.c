@@ -347,8 +347,20 @@ int idemd_http_start(idemd_server_t *srv) {
   if (srv->daemon == NULL) {
     fprintf(stderr, "idemd: cannot listen on %s:%d\n", srv->cfg.listen_host,
             srv->cfg.listen_port);
+    idemd_guard_free(srv->guard);
+    srv->guard = NULL;
     return -1;
   }
+  /* The port actually bound (the configured one, or the kernel's pick for
+   * port 0). */
+  srv->port = srv->cfg.listen_port;
+  const union MHD_DaemonInfo *info = MHD_get_daemon_info(srv->daemon, MHD_DAEMON_INFO_LISTEN_FD);
+  struct sockaddr_storage bound;
+  socklen_t blen = sizeof bound;
+  if (info && getsockname(info->listen_fd, (struct sockaddr *)&bound, &blen) == 0)
+    srv->port = ntohs(bound.ss_family == AF_INET6
+                          ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                          : ((struct sockaddr_in *)&bound)->sin_port);
   return 0;
 }
 

@@ -23,6 +23,7 @@ typedef struct idemd_server {
   idem_provider_t *provider;
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
   struct MHD_Daemon *daemon;
+  int port; /* the port bound */
   idemd_guard_t *guard;
   idem_reconciler_t *reconciler;
   struct idem__ticker *sweeper;
@@ -77,6 +78,17 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_payments_get(idemd_request_t *r);
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_orders_get(idemd_request_t *r);
+
+/* Brings up a whole idemd from `cfg` into `srv` (zeroed): opens and
+ * migrates the store, loads the log secret, sets up the provider, starts
+ * HTTP (srv->port is the port bound, useful with port 0), the reconciler
+ * and the sweeper. Returns 0, or -1 with a message on stderr and nothing
+ * left running. */
+int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg);
+
+/* Stops what idemd_server_start() started: drains requests in flight
+ * (bounded by cfg.shutdown_timeout_ms), then stops and closes the rest. */
+void idemd_server_stop(idemd_server_t *srv);
 
 /* Starts serving `srv` (whose store and provider are open). Returns 0, or
  * -1 with a message on stderr. */
