@@ -4,9 +4,39 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static __thread char last_error[512];
+
+/* Fault injection for tests: when IDEM_FAULT_FILE names a file that
+ * exists, every store call fails as if the database were unreachable.
+ * Creating and removing the file turns the fault on and off while the
+ * server runs. The variable is read once; unset, this costs nothing. */
+static const char *fault_file(void) {
+  static const char *path;
+  static int read;
+  if (!read) {
+    path = getenv("IDEM_FAULT_FILE");
+    read = 1;
+  }
+  return path;
+}
+
+static int faulty(void) {
+  const char *path = fault_file();
+  if (path == NULL || access(path, F_OK) != 0)
+    return 0;
+  idem__store_set_error("injected fault (IDEM_FAULT_FILE)");
+  return 1;
+}
+
+#define FAULT_POINT()                                                          \
+  do {                                                                         \
+    if (faulty())                                                              \
+      return IDEM_ESTORE;                                                      \
+  } while (0)
 
 void idem__store_set_error(const char *fmt, ...) {
   va_list ap;
@@ -71,10 +101,14 @@ const char *idem_store_backend(const idem_store_t *store) {
 
 int idem_store_migrate(idem_store_t *store) { return store->methods->migrate(store); }
 
-int idem_store_ping(idem_store_t *store) { return store->methods->ping(store); }
+int idem_store_ping(idem_store_t *store) {
+  FAULT_POINT();
+  return store->methods->ping(store);
+}
 
 int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
                        idem_record_t *out, idem_reserve_result_t *result) {
+  FAULT_POINT();
   if (req->scope.operation == NULL || req->scope.key == NULL ||
       req->fingerprint == NULL || req->correlation_id == NULL)
     return IDEM_EINVAL;
@@ -89,6 +123,7 @@ int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
 }
 
 int idem_store_complete(idem_store_t *store, const idem_complete_t *c) {
+  FAULT_POINT();
   int rc;
   if (c->owner_token == NULL || c->owner_token[0] == '\0')
     return IDEM_EINVAL;
@@ -104,6 +139,7 @@ int idem_store_complete(idem_store_t *store, const idem_complete_t *c) {
 
 int idem_store_lookup(idem_store_t *store, const idem_scope_t *scope,
                       int64_t now_ms, idem_record_t *out) {
+  FAULT_POINT();
   return store->methods->lookup(store, scope, now_ms, out);
 }
 
@@ -118,6 +154,7 @@ int idem_store_wait(idem_store_t *store, const idem_scope_t *scope,
 
 int idem_store_resource_get(idem_store_t *store, int64_t tenant_id,
                             const char *kind, const char *id, char **body) {
+  FAULT_POINT();
   *body = NULL;
   return store->methods->resource_get(store, tenant_id, kind, id, body);
 }
@@ -128,6 +165,7 @@ int idem_store_tenant_create(idem_store_t *store, idem_tenant_t *t) {
 
 int idem_store_tenant_find(idem_store_t *store, const char *key_lookup,
                            idem_tenant_t *out) {
+  FAULT_POINT();
   return store->methods->tenant_find(store, key_lookup, out);
 }
 
@@ -139,6 +177,7 @@ int idem_store_meta_get_or_put(idem_store_t *store, const char *name,
 
 int idem_store_sweep(idem_store_t *store, int64_t now_ms, int batch,
                      int *deleted) {
+  FAULT_POINT();
   *deleted = 0;
   if (batch <= 0)
     return IDEM_EINVAL;
@@ -153,6 +192,7 @@ int idem_store_count(idem_store_t *store, const char *what, int64_t tenant_id,
 
 int idem_store_claim(idem_store_t *store, int64_t now_ms, int64_t lease_ms,
                      int max, idem_record_t *out, int *n) {
+  FAULT_POINT();
   *n = 0;
   if (max <= 0 || lease_ms <= 0)
     return IDEM_EINVAL;
