@@ -146,6 +146,25 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
   return ret;
 }
 
+/* GET /payments/{id}, GET /orders/{id}: the tenant's own resource. */
+static enum MHD_Result serve_resource(idemd_request_t *r, const char *kind,
+                                      const char *not_found) {
+  char *body = NULL;
+  enum MHD_Result ret;
+  int rc = idem_store_resource_get(r->srv->store, r->tenant.id, kind,
+                                   r->resource_id, &body);
+  if (rc == IDEM_ENOTFOUND) {
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_error(r, 404, not_found, NULL);
+  }
+  if (rc != IDEM_OK)
+    return idemd_reply_store_error(r, rc);
+  r->outcome = OUTCOME_READ;
+  ret = idemd_reply(r, 200, body, strlen(body), NULL);
+  free(body);
+  return ret;
+}
+
 /* The checks that need the whole body, then the route's handler. */
 static enum MHD_Result serve_create(idemd_request_t *r) {
   const char *ct, *raw;
@@ -180,9 +199,9 @@ static enum MHD_Result dispatch(idemd_request_t *r) {
   case ROUTE_METRICS:
     return serve_metrics(r);
   case ROUTE_PAYMENT:
-    return idemd_payments_get(r);
+    return serve_resource(r, "payment", "payment not found");
   case ROUTE_ORDER:
-    return idemd_orders_get(r);
+    return serve_resource(r, "order", "order not found");
   case ROUTE_PAYMENTS:
   case ROUTE_ORDERS:
     return serve_create(r);

@@ -56,20 +56,3 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
   free(text);
   return ret;
 }
-
-enum MHD_Result idemd_orders_get(idemd_request_t *r) {
-  char *body = NULL;
-  enum MHD_Result ret;
-  int rc = idem_store_resource_get(r->srv->store, r->tenant.id, "order",
-                                   r->resource_id, &body);
-  if (rc == IDEM_ENOTFOUND) {
-    r->outcome = OUTCOME_INVALID;
-    return idemd_reply_error(r, 404, "order not found", NULL);
-  }
-  if (rc != IDEM_OK)
-    return idemd_reply_store_error(r, rc);
-  r->outcome = OUTCOME_READ;
-  ret = idemd_reply(r, 200, body, strlen(body), NULL);
-  free(body);
-  return ret;
-}

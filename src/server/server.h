@@ -75,9 +75,7 @@ typedef struct idemd_request {
 /* Route handlers. Each sends exactly one reply and returns the result of
  * queueing it. `body` is the validated-as-object request body. */
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
-enum MHD_Result idemd_payments_get(idemd_request_t *r);
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
-enum MHD_Result idemd_orders_get(idemd_request_t *r);
 
 /* Brings up a whole idemd from `cfg` into `srv` (zeroed): opens and
  * migrates the store, loads the log secret, sets up the provider, starts

@@ -395,6 +395,26 @@ static int write_end(sqlite_store_t *s, struct conn *c, int ok) {
   return rc;
 }
 
+/* Runs `fn` in one write transaction on a pooled connection: commits when
+ * it returns IDEM_OK, rolls back otherwise. Every write goes through here,
+ * so the shape of a write is always: take the write lock, begin, work,
+ * commit, release. */
+static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
+  struct conn *c;
+  int rc, end;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = write_begin(s, c)) == IDEM_OK) {
+    rc = fn(c, arg);
+    end = write_end(s, c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
 /* Copies the current row of a statement selecting RECORD_COLUMNS. */
 static int row_to_record(sqlite3_stmt *st, idem_record_t *out) {
   idem_record_reset(out);
@@ -548,45 +568,40 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   return read_record(c, &req->scope, out);
 }
 
+struct reserve_args {
+  const idem_reserve_t *req;
+  const char *owner;
+  idem_record_t *out;
+  idem_reserve_result_t *result;
+};
+
+static int reserve_fn(struct conn *c, void *arg) {
+  struct reserve_args *a = arg;
+  return reserve_tx(c, a->req, a->owner, a->out, a->result);
+}
+
 static int sq_reserve(idem_store_t *base, const idem_reserve_t *req,
                       idem_record_t *out, idem_reserve_result_t *result) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
   char owner[IDEM_TOKEN_MAX + 1];
-  struct conn *c;
+  struct reserve_args a = {req, owner, out, result};
   int rc;
 
   if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
     return IDEM_ECRYPTO;
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = write_begin(s, c)) == IDEM_OK) {
-    rc = reserve_tx(c, req, owner, out, result);
-    int end = write_end(s, c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
-  }
-  conn_put(s, c);
+  rc = write_tx((sqlite_store_t *)base, reserve_fn, &a);
   if (rc != IDEM_OK)
     idem_record_reset(out);
   return rc;
 }
 
-static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c;
-  int rc;
+static int complete_fn(struct conn *c, void *arg) {
+  const idem_complete_t *cp = arg;
+  return apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
+                       cp->ttl_ms);
+}
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = write_begin(s, c)) == IDEM_OK) {
-    rc = apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome,
-                       cp->now_ms, cp->ttl_ms);
-    int end = write_end(s, c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
-  }
-  conn_put(s, c);
-  return rc;
+static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
+  return write_tx((sqlite_store_t *)base, complete_fn, (void *)cp);
 }
 
 static int sq_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
@@ -637,32 +652,24 @@ static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
   return rc;
 }
 
-static int sq_tenant_create(idem_store_t *base, idem_tenant_t *t) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c;
-  sqlite3_stmt *st;
+static int tenant_create_fn(struct conn *c, void *arg) {
+  idem_tenant_t *t = arg;
+  sqlite3_stmt *st = stmt(c, ST_TENANT_CREATE);
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = write_begin(s, c)) == IDEM_OK) {
-    if ((st = stmt(c, ST_TENANT_CREATE)) == NULL) {
-      rc = IDEM_ESTORE;
-    } else {
-      bind_text(st, 1, t->name);
-      bind_text(st, 2, t->key_lookup);
-      sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
-      sqlite3_bind_int64(st, 4, t->created_at);
-      rc = run(c, st, "tenant create");
-      if (rc == IDEM_OK)
-        t->id = sqlite3_last_insert_rowid(c->db);
-    }
-    int end = write_end(s, c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
-  }
-  conn_put(s, c);
+  if (st == NULL)
+    return IDEM_ESTORE;
+  bind_text(st, 1, t->name);
+  bind_text(st, 2, t->key_lookup);
+  sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
+  sqlite3_bind_int64(st, 4, t->created_at);
+  if ((rc = run(c, st, "tenant create")) == IDEM_OK)
+    t->id = sqlite3_last_insert_rowid(c->db);
   return rc;
+}
+
+static int sq_tenant_create(idem_store_t *base, idem_tenant_t *t) {
+  return write_tx((sqlite_store_t *)base, tenant_create_fn, t);
 }
 
 /* Copies the current row of a statement selecting TENANT_COLUMNS. */
@@ -716,32 +723,25 @@ static int sq_tenant_by_name(idem_store_t *base, const char *name,
   return tenant_query((sqlite_store_t *)base, ST_TENANT_BY_NAME, name, out);
 }
 
-static int sq_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c;
-  sqlite3_stmt *st;
+static int tenant_update_fn(struct conn *c, void *arg) {
+  const idem_tenant_t *t = arg;
+  sqlite3_stmt *st = stmt(c, ST_TENANT_UPDATE);
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = write_begin(s, c)) == IDEM_OK) {
-    if ((st = stmt(c, ST_TENANT_UPDATE)) == NULL) {
-      rc = IDEM_ESTORE;
-    } else {
-      bind_text(st, 1, t->name);
-      bind_text(st, 2, t->key_lookup);
-      sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
-      sqlite3_bind_int(st, 4, t->disabled);
-      rc = run(c, st, "tenant update");
-      if (rc == IDEM_OK && sqlite3_changes(c->db) == 0)
-        rc = IDEM_ENOTFOUND;
-    }
-    int end = write_end(s, c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
-  }
-  conn_put(s, c);
+  if (st == NULL)
+    return IDEM_ESTORE;
+  bind_text(st, 1, t->name);
+  bind_text(st, 2, t->key_lookup);
+  sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
+  sqlite3_bind_int(st, 4, t->disabled);
+  rc = run(c, st, "tenant update");
+  if (rc == IDEM_OK && sqlite3_changes(c->db) == 0)
+    rc = IDEM_ENOTFOUND;
   return rc;
+}
+
+static int sq_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
+  return write_tx((sqlite_store_t *)base, tenant_update_fn, (void *)t);
 }
 
 static int sq_tenant_list(idem_store_t *base, idem_tenant_t *out, int max, int *n) {
@@ -801,43 +801,40 @@ static int sq_records_list(idem_store_t *base, const idem_records_query_t *q,
   return rc;
 }
 
-static int sq_meta_get_or_put(idem_store_t *base, const char *name,
-                              const char *value, char **out) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c;
-  sqlite3_stmt *st;
+struct meta_args {
+  const char *name, *value;
+  char **out;
+};
+
+static int meta_fn(struct conn *c, void *arg) {
+  struct meta_args *a = arg;
+  sqlite3_stmt *st = stmt(c, ST_META_PUT);
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+  if (st == NULL)
+    return IDEM_ESTORE;
+  bind_text(st, 1, a->name);
+  bind_text(st, 2, a->value);
+  if ((rc = run(c, st, "meta put")) != IDEM_OK)
     return rc;
-  if ((rc = write_begin(s, c)) == IDEM_OK) {
-    if ((st = stmt(c, ST_META_PUT)) == NULL) {
-      rc = IDEM_ESTORE;
-    } else {
-      bind_text(st, 1, name);
-      bind_text(st, 2, value);
-      rc = run(c, st, "meta put");
-    }
-    if (rc == IDEM_OK) {
-      if ((st = stmt(c, ST_META_GET)) == NULL) {
-        rc = IDEM_ESTORE;
-      } else {
-        bind_text(st, 1, name);
-        int src = sqlite3_step(st);
-        if (src == SQLITE_ROW) {
-          *out = strdup(col_text(st, 0));
-          rc = *out ? IDEM_OK : IDEM_ENOMEM;
-        } else {
-          rc = fail(c->db, src, "meta get");
-        }
-        sqlite3_reset(st);
-      }
-    }
-    int end = write_end(s, c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
+  if ((st = stmt(c, ST_META_GET)) == NULL)
+    return IDEM_ESTORE;
+  bind_text(st, 1, a->name);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW) {
+    *a->out = strdup(col_text(st, 0));
+    rc = *a->out ? IDEM_OK : IDEM_ENOMEM;
+  } else {
+    rc = fail(c->db, rc, "meta get");
   }
-  conn_put(s, c);
+  sqlite3_reset(st);
+  return rc;
+}
+
+static int sq_meta_get_or_put(idem_store_t *base, const char *name,
+                              const char *value, char **out) {
+  struct meta_args a = {name, value, out};
+  int rc = write_tx((sqlite_store_t *)base, meta_fn, &a);
   if (rc != IDEM_OK) {
     free(*out);
     *out = NULL;
@@ -845,30 +842,29 @@ static int sq_meta_get_or_put(idem_store_t *base, const char *name,
   return rc;
 }
 
-static int sq_sweep(idem_store_t *base, int64_t now_ms, int batch, int *deleted) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c;
-  sqlite3_stmt *st;
+struct sweep_args {
+  int64_t now_ms;
+  int batch;
+  int *deleted;
+};
+
+static int sweep_fn(struct conn *c, void *arg) {
+  struct sweep_args *a = arg;
+  sqlite3_stmt *st = stmt(c, ST_SWEEP);
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = write_begin(s, c)) == IDEM_OK) {
-    if ((st = stmt(c, ST_SWEEP)) == NULL) {
-      rc = IDEM_ESTORE;
-    } else {
-      sqlite3_bind_int64(st, 1, now_ms);
-      sqlite3_bind_int(st, 2, batch);
-      rc = run(c, st, "sweep");
-      if (rc == IDEM_OK)
-        *deleted = sqlite3_changes(c->db);
-    }
-    int end = write_end(s, c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
-  }
-  conn_put(s, c);
+  if (st == NULL)
+    return IDEM_ESTORE;
+  sqlite3_bind_int64(st, 1, a->now_ms);
+  sqlite3_bind_int(st, 2, a->batch);
+  if ((rc = run(c, st, "sweep")) == IDEM_OK)
+    *a->deleted = sqlite3_changes(c->db);
   return rc;
+}
+
+static int sq_sweep(idem_store_t *base, int64_t now_ms, int batch, int *deleted) {
+  struct sweep_args a = {now_ms, batch, deleted};
+  return write_tx((sqlite_store_t *)base, sweep_fn, &a);
 }
 
 static int sq_count(idem_store_t *base, const char *what, int64_t tenant_id,
@@ -1015,62 +1011,63 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
   return IDEM_OK;
 }
 
-static int sq_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
-                    int max, idem_record_t *out, int *n) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c;
-  sqlite3_stmt *st;
-  int rc, found = 0;
+struct claim_args {
+  int64_t now_ms, lease_ms;
+  int max;
+  idem_record_t *out;
+  int found;
+};
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = write_begin(s, c)) != IDEM_OK) {
-    conn_put(s, c);
-    return rc;
-  }
+static int claim_fn(struct conn *c, void *arg) {
+  struct claim_args *a = arg;
+  sqlite3_stmt *st = stmt(c, ST_CLAIM_SELECT);
+  int rc;
+
   /* Inside the write transaction nobody else can change these rows, so
    * selecting and then updating them is one atomic step. */
-  if ((st = stmt(c, ST_CLAIM_SELECT)) == NULL) {
-    rc = IDEM_ESTORE;
-  } else {
-    sqlite3_bind_int64(st, 1, now_ms);
-    sqlite3_bind_int(st, 2, max);
-    while (found < max && (rc = sqlite3_step(st)) == SQLITE_ROW) {
-      out[found].tenant_id = sqlite3_column_int64(st, 0);
-      idem_copy(out[found].operation, sizeof out[found].operation, col_text(st, 1));
-      idem_copy(out[found].key, sizeof out[found].key, col_text(st, 2));
-      found++;
-    }
-    rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK : fail(c->db, rc, "claim");
-    sqlite3_reset(st);
+  if (st == NULL)
+    return IDEM_ESTORE;
+  sqlite3_bind_int64(st, 1, a->now_ms);
+  sqlite3_bind_int(st, 2, a->max);
+  while (a->found < a->max && (rc = sqlite3_step(st)) == SQLITE_ROW) {
+    idem_record_t *r = &a->out[a->found++];
+    r->tenant_id = sqlite3_column_int64(st, 0);
+    idem_copy(r->operation, sizeof r->operation, col_text(st, 1));
+    idem_copy(r->key, sizeof r->key, col_text(st, 2));
   }
-  for (int i = 0; rc == IDEM_OK && i < found; i++) {
-    idem_scope_t sc = {out[i].tenant_id, out[i].operation, out[i].key};
+  rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK : fail(c->db, rc, "claim");
+  sqlite3_reset(st);
+  for (int i = 0; rc == IDEM_OK && i < a->found; i++) {
+    char op[IDEM_OPERATION_MAX + 1], key[IDEM_KEY_MAX + 1];
     char token[IDEM_TOKEN_MAX + 1];
-    if (idem_random_token(token, IDEM_TOKEN_MAX) != IDEM_OK) {
-      rc = IDEM_ECRYPTO;
-      break;
-    }
-    if ((st = stmt(c, ST_CLAIM_UPDATE)) == NULL) {
-      rc = IDEM_ESTORE;
-      break;
-    }
+    idem_scope_t sc = {a->out[i].tenant_id, op, key};
+
+    memcpy(op, a->out[i].operation, sizeof op);
+    memcpy(key, a->out[i].key, sizeof key);
+    if (idem_random_token(token, IDEM_TOKEN_MAX) != IDEM_OK)
+      return IDEM_ECRYPTO;
+    if ((st = stmt(c, ST_CLAIM_UPDATE)) == NULL)
+      return IDEM_ESTORE;
     bind_scope(st, &sc);
     bind_text(st, 4, token);
-    sqlite3_bind_int64(st, 5, now_ms + lease_ms);
-    sqlite3_bind_int64(st, 6, now_ms);
+    sqlite3_bind_int64(st, 5, a->now_ms + a->lease_ms);
+    sqlite3_bind_int64(st, 6, a->now_ms);
     if ((rc = run(c, st, "claim update")) == IDEM_OK)
-      rc = read_record(c, &sc, &out[i]);
+      rc = read_record(c, &sc, &a->out[i]);
   }
-  int end = write_end(s, c, rc == IDEM_OK);
-  if (rc == IDEM_OK)
-    rc = end;
-  conn_put(s, c);
-  if (rc == IDEM_OK)
-    *n = found;
-  else
-    for (int i = 0; i < found; i++)
+  return rc;
+}
+
+static int sq_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
+                    int max, idem_record_t *out, int *n) {
+  struct claim_args a = {now_ms, lease_ms, max, out, 0};
+  int rc = write_tx((sqlite_store_t *)base, claim_fn, &a);
+  if (rc == IDEM_OK) {
+    *n = a.found;
+  } else {
+    for (int i = 0; i < a.found; i++)
       idem_record_reset(&out[i]);
+  }
   return rc;
 }
 
