@@ -11,6 +11,7 @@
 #include "store_impl.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +39,9 @@ enum stmt_id {
   ST_PING,
   ST_CLAIM_SELECT,
   ST_CLAIM_UPDATE,
+  ST_SAVEPOINT,
+  ST_ROLLBACK_TO,
+  ST_RELEASE,
   ST_TENANT_BY_NAME,
   ST_TENANT_UPDATE,
   ST_TENANT_LIST,
@@ -57,6 +61,9 @@ static const char *const stmt_sql[ST_COUNT_] = {
     [ST_BEGIN] = "BEGIN IMMEDIATE",
     [ST_COMMIT] = "COMMIT",
     [ST_ROLLBACK] = "ROLLBACK",
+    [ST_SAVEPOINT] = "SAVEPOINT one_write",
+    [ST_ROLLBACK_TO] = "ROLLBACK TO one_write",
+    [ST_RELEASE] = "RELEASE one_write",
     /* The one atomic reservation: the unique constraint picks the owner. An
      * expired record, or a failed one retried with the same request, is
      * taken over in the same statement. */
@@ -214,13 +221,36 @@ struct conn {
   struct conn *next;
 };
 
+/* A write waiting for the group-commit writer. */
+struct job {
+  int (*fn)(struct conn *, void *);
+  void *arg;
+  int rc;
+  int done;
+  struct job *next;
+};
+
+#define MAX_BATCH 256
+
 typedef struct sqlite_store {
   struct idem_store base;
   char *path;
   int busy_timeout_ms;
   pthread_mutex_t pool_lock;
   struct conn *free_conns;
-  pthread_mutex_t write_lock;
+  pthread_mutex_t write_lock; /* one write transaction at a time */
+
+  /* Group commit: callers queue their writes and sleep; one writer thread
+   * runs every queued write in one transaction (each in a savepoint) and
+   * one fsync, then wakes them all. */
+  pthread_mutex_t q_lock;
+  pthread_cond_t q_ready; /* the writer waits for work */
+  pthread_cond_t q_done;  /* callers wait for their batch */
+  struct job *q_head, *q_tail;
+  int stopping;
+  int writer_running;
+  pthread_t writer;
+  atomic_uint_fast64_t commits, writes;
 } sqlite_store_t;
 
 static const idem_store_methods_t sqlite_methods;
@@ -395,24 +425,100 @@ static int write_end(sqlite_store_t *s, struct conn *c, int ok) {
   return rc;
 }
 
-/* Runs `fn` in one write transaction on a pooled connection: commits when
- * it returns IDEM_OK, rolls back otherwise. Every write goes through here,
- * so the shape of a write is always: take the write lock, begin, work,
- * commit, release. */
-static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
-  struct conn *c;
-  int rc, end;
+/* Runs one statement of the savepoint family on the writer's connection. */
+static int savepoint(struct conn *c, enum stmt_id id) {
+  sqlite3_stmt *st = stmt(c, id);
+  return st ? run(c, st, "savepoint") : IDEM_ESTORE;
+}
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = write_begin(s, c)) == IDEM_OK) {
-    rc = fn(c, arg);
-    end = write_end(s, c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
+/* Runs a batch of writes in one transaction: each in its own savepoint, so
+ * a write that fails is undone alone; one COMMIT (one fsync) for all. A
+ * failed COMMIT fails every write of the batch. */
+static void run_batch(sqlite_store_t *s, struct conn *c, struct job *jobs) {
+  int rc = write_begin(s, c);
+  if (rc != IDEM_OK) {
+    for (struct job *j = jobs; j; j = j->next)
+      j->rc = rc;
+    return;
   }
-  conn_put(s, c);
-  return rc;
+  for (struct job *j = jobs; j; j = j->next) {
+    if ((j->rc = savepoint(c, ST_SAVEPOINT)) != IDEM_OK)
+      continue;
+    j->rc = j->fn(c, j->arg);
+    if (j->rc != IDEM_OK && savepoint(c, ST_ROLLBACK_TO) != IDEM_OK)
+      j->rc = IDEM_ESTORE;
+    if (savepoint(c, ST_RELEASE) != IDEM_OK && j->rc == IDEM_OK)
+      j->rc = IDEM_ESTORE;
+  }
+  rc = write_end(s, c, 1);
+  for (struct job *j = jobs; j; j = j->next)
+    if (rc != IDEM_OK && j->rc == IDEM_OK)
+      j->rc = rc;
+}
+
+static void *writer_loop(void *arg) {
+  sqlite_store_t *s = arg;
+  struct conn *c = NULL;
+
+  pthread_mutex_lock(&s->q_lock);
+  for (;;) {
+    struct job *batch, *last;
+    int n = 1, rc;
+
+    while (s->q_head == NULL && !s->stopping)
+      pthread_cond_wait(&s->q_ready, &s->q_lock);
+    if (s->q_head == NULL)
+      break; /* stopping, and every queued write has run */
+    /* Take what is queued now: while this batch syncs, the next forms. */
+    batch = last = s->q_head;
+    while (last->next && n < MAX_BATCH) {
+      last = last->next;
+      n++;
+    }
+    s->q_head = last->next;
+    if (s->q_head == NULL)
+      s->q_tail = NULL;
+    last->next = NULL;
+    pthread_mutex_unlock(&s->q_lock);
+
+    if (c == NULL && (rc = conn_get(s, &c)) != IDEM_OK) {
+      for (struct job *j = batch; j; j = j->next)
+        j->rc = rc;
+    } else {
+      run_batch(s, c, batch);
+      atomic_fetch_add(&s->commits, 1);
+      atomic_fetch_add(&s->writes, (uint_fast64_t)n);
+    }
+
+    pthread_mutex_lock(&s->q_lock);
+    for (struct job *j = batch; j; j = j->next)
+      j->done = 1; /* `batch` may be freed by its owners from here on */
+    pthread_cond_broadcast(&s->q_done);
+  }
+  pthread_mutex_unlock(&s->q_lock);
+  if (c)
+    conn_put(s, c);
+  return NULL;
+}
+
+/* Runs `fn` in a write transaction and returns once it is durable: IDEM_OK
+ * when it returned IDEM_OK and the commit reached the disk; otherwise its
+ * error, and nothing it did is kept. Every write of the store goes through
+ * here, and through the writer thread, which commits many at a time. */
+static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
+  struct job j = {fn, arg, IDEM_OK, 0, NULL};
+
+  pthread_mutex_lock(&s->q_lock);
+  if (s->q_tail)
+    s->q_tail->next = &j;
+  else
+    s->q_head = &j;
+  s->q_tail = &j;
+  pthread_cond_signal(&s->q_ready);
+  while (!j.done)
+    pthread_cond_wait(&s->q_done, &s->q_lock);
+  pthread_mutex_unlock(&s->q_lock);
+  return j.rc;
 }
 
 /* Copies the current row of a statement selecting RECORD_COLUMNS. */
@@ -974,7 +1080,16 @@ static int sq_migrate(idem_store_t *base) {
 
 static void sq_close(idem_store_t *base) {
   sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c = s->free_conns;
+  struct conn *c;
+
+  if (s->writer_running) {
+    pthread_mutex_lock(&s->q_lock);
+    s->stopping = 1;
+    pthread_cond_signal(&s->q_ready);
+    pthread_mutex_unlock(&s->q_lock);
+    pthread_join(s->writer, NULL);
+  }
+  c = s->free_conns;
   while (c) {
     struct conn *next = c->next;
     conn_free(c);
@@ -982,6 +1097,9 @@ static void sq_close(idem_store_t *base) {
   }
   pthread_mutex_destroy(&s->pool_lock);
   pthread_mutex_destroy(&s->write_lock);
+  pthread_mutex_destroy(&s->q_lock);
+  pthread_cond_destroy(&s->q_ready);
+  pthread_cond_destroy(&s->q_done);
   free(s->path);
   free(s);
 }
@@ -1001,12 +1119,20 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
   s->busy_timeout_ms = opts->busy_timeout_ms > 0 ? opts->busy_timeout_ms : 5000;
   pthread_mutex_init(&s->pool_lock, NULL);
   pthread_mutex_init(&s->write_lock, NULL);
+  pthread_mutex_init(&s->q_lock, NULL);
+  pthread_cond_init(&s->q_ready, NULL);
+  pthread_cond_init(&s->q_done, NULL);
   /* Open one connection now so a bad path fails here, not on a request. */
   if ((rc = conn_new(s, &c)) != IDEM_OK) {
     sq_close(&s->base);
     return rc;
   }
   conn_put(s, c);
+  if (pthread_create(&s->writer, NULL, writer_loop, s) != 0) {
+    sq_close(&s->base);
+    return IDEM_ENOMEM;
+  }
+  s->writer_running = 1;
   *out = &s->base;
   return IDEM_OK;
 }
