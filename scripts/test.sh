@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test twice: a normal
 # build with -Werror, then the same suite under AddressSanitizer and
-# UndefinedBehaviorSanitizer. Extra arguments go to ctest (e.g. -L unit).
+# UndefinedBehaviorSanitizer; then fuzzes briefly. Extra arguments go to
+# ctest (e.g. -L unit) and skip the fuzzing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,4 +24,9 @@ run() {
 CTEST_ARGS=("$@")
 run check -DCMAKE_BUILD_TYPE=RelWithDebInfo
 run asan -DCMAKE_BUILD_TYPE=Debug -DIDEM_SANITIZE=ON
+# A whole run (no ctest arguments) also fuzzes each target for 20 s
+# (scripts/fuzz.sh; about a minute in all, plus its clang build).
+if [ ${#CTEST_ARGS[@]} -eq 0 ]; then
+  scripts/fuzz.sh 20
+fi
 echo "== all tests passed (normal and ASan+UBSan builds)"

@@ -1,0 +1,143 @@
+/* Store faults (docs/hardening.md): with IDEM_FAULT_FILE set, idemd's
+ * every store call fails while that file exists, as if the database were
+ * unreachable. Then every request that needs the store answers 503 with
+ * only "error" and nothing from a library, /healthz is 503, the failures
+ * are counted, and nothing is half-written; once the file is gone the same
+ * process serves again, and a key first tried during the fault is free. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+#define PAYMENT "{\"amount\": 15990, \"currency\": \"BRL\", \"order_id\": \"ord_1\"}"
+#define ORDER                                                                            \
+  "{\"customer_id\":\"c1\",\"items\":[{\"sku\":\"A1\",\"quantity\":2,"                   \
+  "\"unit_price\":1000}],\"currency\":\"BRL\"}"
+#define COUNT_RECORDS "SELECT count(*) FROM idempotency_records"
+#define COUNT_RESOURCES "SELECT count(*) FROM resources"
+
+static double store_errors(h_server_t *s) {
+  static const char name[] = "\nidem_store_errors_total ";
+  h_resp_t r;
+  const char *p;
+  double v;
+  h_get(s, "/metrics", NULL, &r);
+  h_assert_status(&r, 200);
+  p = r.body ? strstr(r.body, name) : NULL;
+  if (p == NULL)
+    fail_msg("no idem_store_errors_total in /metrics");
+  v = strtod(p + sizeof name - 1, NULL);
+  h_resp_free(&r);
+  return v;
+}
+
+/* 503 with only a non-empty "error", no library text, and Retry-After. */
+static void assert_unavailable(const h_resp_t *r) {
+  h_assert_error(r, 503, NULL);
+  if (r->retry_after[0] == '\0')
+    fail_msg("503 for a store fault without Retry-After: %.300s", r->body);
+}
+
+static void test_store_fault_and_recovery(void **state) {
+  const char *tmp = getenv("TMPDIR");
+  char dir[256], fault[300], path[128];
+  h_server_t *s;
+  const char *token;
+  h_resp_t first, r;
+  double errors0;
+  int64_t records0, resources0;
+  pid_t pid;
+  int fd;
+  (void)state;
+
+  snprintf(dir, sizeof dir, "%s/idem-fault-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+  assert_non_null(mkdtemp(dir));
+  snprintf(fault, sizeof fault, "%s/store-down", dir);
+  /* idemd inherits the environment (less IDEMD_*): set it for the start. */
+  assert_int_equal(setenv("IDEM_FAULT_FILE", fault, 1), 0);
+  s = h_server_start(NULL);
+  unsetenv("IDEM_FAULT_FILE");
+  pid = s->pid;
+  token = h_tenant(s, "shop");
+
+  /* Before the fault: one payment, to read and replay during it. */
+  h_post(s, "/payments", token, "before", PAYMENT, &first);
+  h_assert_first(&first, 201);
+  snprintf(path, sizeof path, "/payments/%s", h_id(&first));
+  records0 = h_db_int(s, COUNT_RECORDS);
+  resources0 = h_db_int(s, COUNT_RESOURCES);
+  assert_int_equal(records0, 1);
+  errors0 = store_errors(s);
+
+  fd = open(fault, O_WRONLY | O_CREAT | O_EXCL, 0600);
+  assert_true(fd >= 0);
+  close(fd);
+
+  h_post(s, "/payments", token, "during", PAYMENT, &r);
+  assert_unavailable(&r);
+  h_resp_free(&r);
+  h_post(s, "/orders", token, "during-order", ORDER, &r);
+  assert_unavailable(&r);
+  h_resp_free(&r);
+  h_post(s, "/payments", token, "before", PAYMENT, &r); /* a replay needs the store too */
+  assert_unavailable(&r);
+  h_resp_free(&r);
+  h_get(s, path, token, &r);
+  assert_unavailable(&r);
+  h_resp_free(&r);
+  h_get(s, "/healthz", NULL, &r);
+  h_assert_error(&r, 503, NULL);
+  h_resp_free(&r);
+  /* Five requests failed on the store, and /metrics itself counts. */
+  if (store_errors(s) < errors0 + 5)
+    fail_msg("idem_store_errors_total went from %.0f to %.0f over five store failures",
+             errors0, store_errors(s));
+
+  assert_int_equal(unlink(fault), 0);
+  assert_int_equal(rmdir(dir), 0);
+
+  /* The same process serves again, and nothing was half-written. */
+  h_assert_healthy(s);
+  assert_int_equal(s->pid, pid);
+  h_assert_db(s, records0, COUNT_RECORDS);
+  h_assert_db(s, resources0, COUNT_RESOURCES);
+  h_assert_db(s, 0, "SELECT count(*) FROM idempotency_records WHERE key = ?1", "during");
+  h_assert_db(s, 0, "SELECT count(*) FROM idempotency_records WHERE key = ?1",
+              "during-order");
+
+  /* Keys tried during the fault are still free: fresh answers. */
+  h_post(s, "/payments", token, "during", PAYMENT, &r);
+  h_assert_first(&r, 201);
+  if (strcmp(h_id(&r), h_id(&first)) == 0)
+    fail_msg("a new key answered with the earlier payment %s", h_id(&first));
+  h_resp_free(&r);
+  h_post(s, "/orders", token, "during-order", ORDER, &r);
+  h_assert_first(&r, 201);
+  h_resp_free(&r);
+  h_post(s, "/payments", token, "before", PAYMENT, &r);
+  h_assert_replay_of(&r, &first);
+  h_resp_free(&r);
+  h_get(s, path, token, &r);
+  h_assert_status(&r, 200);
+  h_resp_free(&r);
+  h_assert_db(s, records0 + 2, COUNT_RECORDS);
+  h_assert_db(s, resources0 + 2, COUNT_RESOURCES);
+  h_resp_free(&first);
+  h_server_stop(s);
+}
+
+int main(int argc, char **argv) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_teardown(test_store_fault_and_recovery, h_teardown),
+  };
+  int rc;
+  h_init(argc, argv);
+  rc = cmocka_run_group_tests_name("integration: store faults", tests, NULL, NULL);
+  curl_global_cleanup();
+  return rc;
+}
