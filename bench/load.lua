@@ -1,0 +1,68 @@
+-- wrk script for idem's benchmark. Environment:
+--   IDEM_TOKEN   API key (Authorization: Bearer)
+--   IDEM_PATH    /payments or /orders
+--   IDEM_BODY    request body
+--   IDEM_MODE    new      a new Idempotency-Key on every request
+--                replay   IDEM_KEY on every request (created beforehand
+--                         with IDEM_BODY): every answer a replay
+--                mismatch IDEM_KEY with another body: every answer 422
+--                mixed    every other request a new key, the others
+--                         replays of the key just before
+--   IDEM_KEY     the key of replay and mismatch
+--   IDEM_EXPECT  the status every answer must have
+-- Prints one line: "result rps=... p50_ms=... p99_ms=... bad=N requests=N".
+local mode = os.getenv("IDEM_MODE") or "new"
+local expect = tonumber(os.getenv("IDEM_EXPECT") or "201")
+local body = os.getenv("IDEM_BODY") or '{"amount": 15990, "currency": "BRL"}'
+local other = body:gsub("}%s*$", ', "order_id": "other"}')
+local prefix = "b" .. tostring(os.time()) .. "-" .. tostring(math.random(1, 1e9)) .. "-"
+local counter = 0
+bad = 0 -- global: done() reads it from each thread with thread:get()
+local threads = {}
+
+function setup(thread)
+  table.insert(threads, thread)
+end
+
+wrk.method = "POST"
+wrk.path = os.getenv("IDEM_PATH") or "/payments"
+wrk.body = body
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer " .. (os.getenv("IDEM_TOKEN") or "")
+
+local fixed = os.getenv("IDEM_KEY") or "bench-key"
+
+request = function()
+  counter = counter + 1
+  local key, b = fixed, body
+  if mode == "new" then
+    key = prefix .. counter
+  elseif mode == "mismatch" then
+    b = other
+  elseif mode == "mixed" then
+    key = prefix .. (counter - counter % 2)
+  end
+  wrk.headers["Idempotency-Key"] = key
+  return wrk.format(nil, nil, nil, b)
+end
+
+response = function(status, headers, resp)
+  if status ~= expect then
+    bad = bad + 1
+  end
+end
+
+-- done() runs in its own Lua state: the threads' counts come through get().
+-- wrk's errors.status counts every status >= 400, expected or not, so it
+-- is not used; transport errors are.
+done = function(summary, latency, requests)
+  local secs = summary.duration / 1e6
+  local wrong = 0
+  for _, t in ipairs(threads) do
+    wrong = wrong + (t:get("bad") or 0)
+  end
+  local e = summary.errors
+  io.write(string.format("result rps=%.0f p50_ms=%.3f p99_ms=%.3f bad=%d requests=%d\n",
+    summary.requests / secs, latency:percentile(50) / 1000, latency:percentile(99) / 1000,
+    wrong + e.connect + e.read + e.write + e.timeout, summary.requests))
+end

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# idem's benchmark: prints figures, never passes or fails on time. It fails
+# loudly only when an answer under load had an unexpected status.
+#
+# In one run, on this machine:
+#   1. nginx answering POST /payments with a fixed 201: the HTTP ceiling;
+#   2. idemd on a fresh SQLite database, default (durable) settings:
+#      new-key payments, new-key orders, replays, key reuse with another
+#      body; req/s, p50, p99 and the ratio to nginx;
+#   3. the same on PostgreSQL (a throwaway cluster), with pgbench running
+#      the same statements as its baseline;
+#   4. a long run of mixed requests, reporting idemd's RSS before and after.
+#
+# Usage: bench/run.sh [--duration S] [--long N] [--skip-pg]
+#   --duration S  seconds per wrk run after a 2 s warm-up (default 10)
+#   --long N      requests in the RSS run (default 1000000; 0 skips it)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+duration=10
+long=1000000
+skip_pg=0
+while [ $# -gt 0 ]; do
+  case $1 in
+    --duration) duration=$2; shift 2 ;;
+    --long) long=$2; shift 2 ;;
+    --skip-pg) skip_pg=1; shift ;;
+    *) echo "usage: bench/run.sh [--duration S] [--long N] [--skip-pg]" >&2; exit 2 ;;
+  esac
+done
+
+"$repo/scripts/deps.sh" wrk nginx-light
+cmake -S "$repo" -B "$repo/build-bench" -DCMAKE_BUILD_TYPE=Release -DIDEM_BUILD_TESTS=OFF >/dev/null
+cmake --build "$repo/build-bench" -j"$(nproc)" >/dev/null
+idemd="$repo/build-bench/idemd"
+nginx=$(command -v nginx || echo /usr/sbin/nginx)
+
+run=$(mktemp -d /tmp/idem-bench.XXXXXX)
+pg=""
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  [ -f "$run/nginx.pid" ] && kill "$(cat "$run/nginx.pid")" 2>/dev/null || true
+  [ -n "$pg" ] && "$repo/scripts/pg-cluster.sh" destroy "$pg" >/dev/null 2>&1 || true
+  rm -rf "$run"
+}
+trap cleanup EXIT
+
+free_port() {
+  local p
+  while :; do
+    p=$((20000 + RANDOM % 20000))
+    (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || { echo "$p"; return; }
+  done
+}
+wait_http() {
+  for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$1/${2:-healthz}" && return 0; sleep 0.1; done
+  echo "bench: nothing answers on port $1" >&2; exit 1
+}
+
+failures=0
+baseline=0
+# wrk_run LABEL PORT MODE PATH BODY EXPECT [KEY] -> prints a line, sets $rps
+wrk_run() {
+  local label=$1 port=$2 mode=$3 path=$4 body=$5 expect=$6 key=${7:-bench-key}
+  local env=(IDEM_TOKEN="${token:-}" IDEM_MODE="$mode" IDEM_PATH="$path" IDEM_BODY="$body"
+             IDEM_EXPECT="$expect" IDEM_KEY="$key")
+  env "${env[@]}" wrk -t1 -c64 -d2s -s "$repo/bench/load.lua" "http://127.0.0.1:$port" >/dev/null 2>&1 || true
+  local out
+  out=$(env "${env[@]}" wrk -t1 -c64 -d"${duration}s" --latency -s "$repo/bench/load.lua" \
+        "http://127.0.0.1:$port" 2>&1 | grep '^result') || true
+  rps=$(sed -E 's/.*rps=([0-9]+).*/\1/' <<<"$out")
+  local p50 p99 bad ratio
+  p50=$(sed -E 's/.*p50_ms=([0-9.]+).*/\1/' <<<"$out")
+  p99=$(sed -E 's/.*p99_ms=([0-9.]+).*/\1/' <<<"$out")
+  bad=$(sed -E 's/.*bad=([0-9]+).*/\1/' <<<"$out")
+  ratio=$(awk -v a="${rps:-0}" -v b="$baseline" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
+  printf '%-44s %9s req/s  p50 %7s ms  p99 %7s ms  x%s of baseline\n' "$label" "${rps:-?}" "${p50:-?}" "${p99:-?}" "$ratio"
+  if [ -z "$out" ] || [ "${bad:-1}" != 0 ]; then
+    echo "bench: FAILED: $label: ${bad:-?} answers were not $expect" >&2
+    failures=$((failures + 1))
+  fi
+}
+
+pay='{"amount": 15990, "currency": "BRL"}'
+order='{"customer_id": "c1", "items": [{"sku": "A1", "quantity": 2, "unit_price": 1000}], "currency": "BRL"}'
+
+echo "== machine: $(nproc) cores; wrk -t1 -c64, ${duration}s per run after a 2 s warm-up"
+
+# 1. nginx: the HTTP ceiling.
+port_ng=$(free_port)
+mkdir -p "$run"/{body,proxy,fastcgi,uwsgi,scgi}
+cat >"$run/nginx.conf" <<NGINX
+worker_processes auto;
+pid $run/nginx.pid;
+error_log $run/nginx-error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  client_body_temp_path $run/body; proxy_temp_path $run/proxy;
+  fastcgi_temp_path $run/fastcgi; uwsgi_temp_path $run/uwsgi; scgi_temp_path $run/scgi;
+  server {
+    listen 127.0.0.1:$port_ng;
+    location = /payments {
+      default_type application/json;
+      return 201 '{"id":"pay_0123456789abcdefghijklmn","amount":15990,"currency":"BRL","order_id":null,"status":"succeeded","created_at":"2026-01-01T00:00:00Z"}';
+    }
+  }
+}
+NGINX
+"$nginx" -c "$run/nginx.conf" 2>/dev/null
+wait_http "$port_ng" payments
+token=""
+wrk_run "nginx: fixed 201 for POST /payments" "$port_ng" new /payments "$pay" 201
+baseline=${rps:-0}
+kill "$(cat "$run/nginx.pid")"; rm -f "$run/nginx.pid"
+
+# 2. idemd on SQLite, default settings.
+bench_idemd() { # NAME DB -> runs the four cases against a fresh idemd
+  local name=$1 db=$2 port
+  port=$(free_port)
+  token=$("$idemd" tenant create bench --db "$db")
+  "$idemd" serve --db "$db" --listen "127.0.0.1:$port" 2>"$run/idemd-$name.log" &
+  pids+=($!)
+  wait_http "$port"
+  curl -s -o /dev/null -X POST "http://127.0.0.1:$port/payments" -H "Authorization: Bearer $token" \
+    -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-key' -d "$pay"
+  wrk_run "idemd $name: new-key POST /payments" "$port" new /payments "$pay" 201
+  wrk_run "idemd $name: new-key POST /orders" "$port" new /orders "$order" 201
+  wrk_run "idemd $name: replays of one key" "$port" replay /payments "$pay" 201 bench-key
+  wrk_run "idemd $name: key reused with another body" "$port" mismatch /payments "$pay" 422 bench-key
+  idemd_pid=${pids[-1]}
+  idemd_port=$port
+}
+bench_idemd sqlite "$run/idem.db"
+
+# 4. The long mixed run, on the SQLite server just measured.
+rss() { awk '/VmRSS/ { print $2 }' "/proc/$1/status"; }
+if [ "$long" -gt 0 ]; then
+  rss_start=$(rss "$idemd_pid")
+  per_s=${rps:-5000}
+  secs=$(( long / (per_s > 0 ? per_s : 5000) + 1 ))
+  out=$(env IDEM_TOKEN="$token" IDEM_MODE=mixed IDEM_PATH=/payments IDEM_BODY="$pay" IDEM_EXPECT=201 \
+        wrk -t1 -c64 -d"${secs}s" -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 | grep '^result') || true
+  rss_end=$(rss "$idemd_pid")
+  reqs=$(sed -E 's/.*requests=([0-9]+).*/\1/' <<<"$out")
+  bad=$(sed -E 's/.*bad=([0-9]+).*/\1/' <<<"$out")
+  echo "long mixed run: ${reqs:-?} requests in ${secs}s; idemd RSS ${rss_start} KiB at start, ${rss_end} KiB at end ($(( (rss_end - rss_start) / 1024 )) MiB growth)"
+  [ "${bad:-1}" = 0 ] || { echo "bench: FAILED: long run: ${bad:-?} unexpected answers" >&2; failures=$((failures + 1)); }
+fi
+kill "$idemd_pid"; wait "$idemd_pid" 2>/dev/null || true
+
+# 3. PostgreSQL, against pgbench running the same statements.
+if [ "$skip_pg" = 0 ]; then
+  pg=$(mktemp -d /tmp/idem-pg.XXXXXX)
+  url=$("$repo/scripts/pg-cluster.sh" start "$pg")
+  "$idemd" migrate --db "$url" 2>/dev/null
+  psql "$url" -qc "INSERT INTO tenants (name, key_lookup, key_hash, created_at) VALUES ('pgbench', 'pgbench', 'x', 0)"
+  cat >"$run/pgbench.sql" <<'SQL'
+\set k random(1, 2000000000)
+BEGIN;
+INSERT INTO idempotency_records (tenant_id, operation, key, fingerprint, state, correlation_id, owner_token, lease_expires_at, created_at, updated_at, resource_id)
+  VALUES ((SELECT id FROM tenants WHERE name = 'pgbench'), 'create_payment', :client_id || '-' || :k, 'f', 'processing', 'c', 'o', 1, 1, 1, 'pb_' || :client_id || '_' || :k)
+  ON CONFLICT (tenant_id, operation, key) DO NOTHING;
+INSERT INTO resources (id, tenant_id, kind, status, body, created_at, updated_at)
+  VALUES ('pb_' || :client_id || '_' || :k, (SELECT id FROM tenants WHERE name = 'pgbench'), 'payment', 'pending', '{}', 1, 1) ON CONFLICT DO NOTHING;
+INSERT INTO outbox (resource_id, tenant_id, operation, key, created_at, next_attempt_at)
+  VALUES ('pb_' || :client_id || '_' || :k, 1, 'create_payment', :client_id || '-' || :k, 1, 1) ON CONFLICT DO NOTHING;
+COMMIT;
+BEGIN;
+UPDATE idempotency_records SET state = 'completed', response_status = 201, response_body = '{}', owner_token = NULL, updated_at = 2, expires_at = 3
+  WHERE operation = 'create_payment' AND key = :client_id || '-' || :k AND state = 'processing' AND owner_token = 'o';
+UPDATE resources SET status = 'succeeded', updated_at = 2 WHERE id = 'pb_' || :client_id || '_' || :k;
+DELETE FROM outbox WHERE resource_id = 'pb_' || :client_id || '_' || :k;
+COMMIT;
+SQL
+  tps=$(pgbench -n -c 64 -j 2 -T "$duration" -f "$run/pgbench.sql" "$url" 2>/dev/null |
+        awk '/^tps/ { print int($3) }' | tail -n 1)
+  echo "pgbench, the two transactions of one payment (-c 64):  ${tps:-?} payments/s"
+  baseline=${tps:-0}
+  bench_idemd postgresql "$url"
+  kill "$idemd_pid"; wait "$idemd_pid" 2>/dev/null || true
+fi
+
+if [ "$failures" -gt 0 ]; then
+  echo "bench: $failures run(s) had unexpected answers" >&2
+  exit 1
+fi
