@@ -1,0 +1,222 @@
+/* The idem command: `idem request METHOD URL [JSON]` sends one request
+ * through the client library (include/idem/client.h), retrying it under one
+ * Idempotency-Key, and turns how it ended into an exit status for scripts. */
+#include <curl/curl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idem/client.h"
+
+#define EXIT_DONE 0
+#define EXIT_LOCAL 1
+#define EXIT_USAGE 2
+#define EXIT_REJECTED 3
+#define EXIT_GAVE_UP 4
+#define EXIT_PENDING 5
+#define MAX_TIME_S_LIMIT 86400.0
+#define MAX_ATTEMPTS_LIMIT 1000
+#define METHOD_CAP 16
+
+static const char usage_text[] =
+    "usage: idem request [options] METHOD URL [JSON]\n"
+    "       idem --help\n"
+    "\n"
+    "Sends METHOD URL with an Idempotency-Key, and sends the same request again,\n"
+    "with the same key, after a connection error, a timeout, a 5xx or a 409\n"
+    "(waiting as Retry-After says, or a backoff with full jitter). A 202 is\n"
+    "followed: its Location is read until the outcome is known, then the request\n"
+    "is sent once more and the server replays its final answer. Any other 4xx\n"
+    "is final. JSON, when given, is sent as the body (application/json).\n"
+    "\n"
+    "options:\n"
+    "  --token T         API key, sent as Authorization: Bearer T\n"
+    "                    (default: the IDEM_TOKEN environment variable)\n"
+    "  --key K           the Idempotency-Key (default: a new random UUID v4);\n"
+    "                    reuse the printed key to retry the same intent later\n"
+    "  --max-time S      stop after S seconds in all, waits included (default 30)\n"
+    "  --max-attempts N  send the request at most N times (default 8)\n"
+    "\n"
+    "Prints the final answer's body on stdout and one line on stderr:\n"
+    "  idem: STATUS key=KEY attempts=N [polls=P] [what went wrong]\n"
+    "\n"
+    "exit status:\n"
+    "  0  a 2xx answer (202 excepted)\n"
+    "  1  a local failure: an answer over 1 MiB, out of memory, no randomness\n"
+    "  2  bad usage (also a URL that is not http:// or https://, a bad key)\n"
+    "  3  an answer that retrying cannot change: a 4xx other than 409\n"
+    "     (402 declined, 422 invalid, 401, ...), or a 1xx/3xx\n"
+    "  4  gave up: attempts or time ran out on connection errors, timeouts,\n"
+    "     5xx or 409; the outcome is unknown: retry with the same --key\n"
+    "  5  still pending: the last answer was 202 when the time ran out;\n"
+    "     retry later with the same --key\n";
+
+__attribute__((format(printf, 1, 2))) static int usage_error(const char *fmt, ...) {
+  va_list ap;
+  fprintf(stderr, "idem: ");
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "\n(see idem --help)\n");
+  return EXIT_USAGE;
+}
+
+/* The value of an option given as "--name VALUE" or "--name=VALUE" at
+ * argv[*i]; advances *i past it. NULL when argv[*i] is not that option;
+ * sets *missing when it is but has no value. */
+static const char *option(int argc, char **argv, int *i, const char *name, int *missing) {
+  size_t n = strlen(name);
+  const char *a = argv[*i];
+
+  if (strncmp(a, name, n) != 0)
+    return NULL;
+  if (a[n] == '=')
+    return a + n + 1;
+  if (a[n] != '\0')
+    return NULL;
+  if (*i + 1 >= argc) {
+    *missing = 1;
+    return NULL;
+  }
+  *i += 1;
+  return argv[*i];
+}
+
+static int parse_seconds(const char *s, int64_t *ms) {
+  char *end;
+  double v = strtod(s, &end);
+  if (end == s || *end != '\0' || !(v > 0) || v > MAX_TIME_S_LIMIT)
+    return -1;
+  *ms = (int64_t)(v * 1000.0 + 0.5);
+  return *ms > 0 ? 0 : -1;
+}
+
+static int parse_attempts(const char *s, int *n) {
+  char *end;
+  long v = strtol(s, &end, 10);
+  if (end == s || *end != '\0' || v < 1 || v > MAX_ATTEMPTS_LIMIT)
+    return -1;
+  *n = (int)v;
+  return 0;
+}
+
+static int exit_status(idem_client_outcome_t outcome) {
+  switch (outcome) {
+  case IDEM_CLIENT_DONE:
+    return EXIT_DONE;
+  case IDEM_CLIENT_REJECTED:
+    return EXIT_REJECTED;
+  case IDEM_CLIENT_GAVE_UP:
+    return EXIT_GAVE_UP;
+  case IDEM_CLIENT_PENDING:
+    return EXIT_PENDING;
+  default:
+    return EXIT_LOCAL;
+  }
+}
+
+static void report(const idem_client_result_t *r) {
+  if (r->body_len > 0) {
+    fwrite(r->body, 1, r->body_len, stdout);
+    if (r->body[r->body_len - 1] != '\n')
+      putchar('\n');
+  }
+  fflush(stdout);
+  fprintf(stderr, "idem: %ld key=%s attempts=%d", r->status, r->key, r->attempts);
+  if (r->polls > 0)
+    fprintf(stderr, " polls=%d", r->polls);
+  if (r->outcome != IDEM_CLIENT_DONE)
+    fprintf(stderr, " %s", idem_client_outcome_str(r->outcome));
+  if ((r->outcome == IDEM_CLIENT_GAVE_UP || r->outcome == IDEM_CLIENT_FAILED) &&
+      r->error[0])
+    fprintf(stderr, ": %s", r->error);
+  fputc('\n', stderr);
+}
+
+static int request_command(int argc, char **argv) {
+  idem_client_opts_t opts;
+  idem_client_request_t req = {0};
+  idem_client_result_t res;
+  const char *positional[3];
+  char method[METHOD_CAP + 1];
+  int npos = 0, rc;
+
+  idem_client_opts_default(&opts);
+  req.token = getenv("IDEM_TOKEN");
+  for (int i = 0; i < argc; i++) {
+    const char *v;
+    int missing = 0;
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      fputs(usage_text, stdout);
+      return EXIT_DONE;
+    } else if ((v = option(argc, argv, &i, "--token", &missing)) != NULL) {
+      req.token = v;
+    } else if ((v = option(argc, argv, &i, "--key", &missing)) != NULL) {
+      req.key = v;
+    } else if ((v = option(argc, argv, &i, "--max-time", &missing)) != NULL) {
+      if (parse_seconds(v, &opts.max_time_ms) != 0)
+        return usage_error(
+            "--max-time takes seconds, more than 0 and at most 86400: '%s'", v);
+    } else if ((v = option(argc, argv, &i, "--max-attempts", &missing)) != NULL) {
+      if (parse_attempts(v, &opts.max_attempts) != 0)
+        return usage_error("--max-attempts takes a whole number from 1 to 1000: '%s'", v);
+    } else if (missing) {
+      return usage_error("%s needs a value", argv[i]);
+    } else if (argv[i][0] == '-' && argv[i][1] != '\0') {
+      return usage_error("unknown option '%s'", argv[i]);
+    } else if (npos < 3) {
+      positional[npos++] = argv[i];
+    } else {
+      return usage_error("too many arguments: '%s'", argv[i]);
+    }
+  }
+  if (npos < 2)
+    return usage_error("request needs METHOD and URL");
+  if (strlen(positional[0]) > METHOD_CAP)
+    return usage_error("not an HTTP method: '%s'", positional[0]);
+  for (size_t i = 0; i <= strlen(positional[0]); i++)
+    method[i] = (char)(positional[0][i] >= 'a' && positional[0][i] <= 'z'
+                           ? positional[0][i] - 'a' + 'A'
+                           : positional[0][i]);
+  req.method = method;
+  req.url = positional[1];
+  req.body = npos > 2 ? positional[2] : NULL;
+  if (req.token != NULL && req.token[0] == '\0')
+    req.token = NULL;
+
+  rc = idem_client_request(&req, &opts, &res);
+  if (rc == IDEM_EINVAL)
+    return usage_error("%s", "invalid request: METHOD must be letters, URL http:// or "
+                             "https://, the key 1-255 visible ASCII characters, the "
+                             "token visible ASCII");
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idem: %s\n", idem_strerror(rc));
+    return EXIT_LOCAL;
+  }
+  report(&res);
+  rc = exit_status(res.outcome);
+  idem_client_result_free(&res);
+  return rc;
+}
+
+int main(int argc, char **argv) {
+  int status;
+
+  if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
+                    strcmp(argv[1], "help") == 0)) {
+    fputs(usage_text, stdout);
+    return EXIT_DONE;
+  }
+  if (argc < 2 || strcmp(argv[1], "request") != 0) {
+    fputs(usage_text, stderr);
+    return EXIT_USAGE;
+  }
+  if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+    fprintf(stderr, "idem: cannot initialise libcurl\n");
+    return EXIT_LOCAL;
+  }
+  status = request_command(argc - 2, argv + 2);
+  curl_global_cleanup();
+  return status;
+}
