@@ -76,16 +76,15 @@ static void read_charge(const struct answer *a, idem_charge_result_t *out) {
 }
 
 /* Whether a failed transfer certainly sent nothing: the connection was
- * refused or never made. */
+ * refused or never made, or not one byte of the request went out. The
+ * connect time says nothing here: on a reused keep-alive connection it is
+ * 0 although the request was sent (and maybe charged). */
 static int nothing_sent(CURL *c, CURLcode rc) {
-  curl_off_t connected = 0;
+  long sent = -1;
   if (rc == CURLE_COULDNT_CONNECT || rc == CURLE_COULDNT_RESOLVE_HOST ||
       rc == CURLE_COULDNT_RESOLVE_PROXY)
     return 1;
-  if (curl_easy_getinfo(c, CURLINFO_CONNECT_TIME_T, &connected) == CURLE_OK &&
-      connected == 0)
-    return 1;
-  return 0;
+  return curl_easy_getinfo(c, CURLINFO_REQUEST_SIZE, &sent) == CURLE_OK && sent == 0;
 }
 
 static void http_charge(idem_provider_t *base, const idem_charge_t *ch,
