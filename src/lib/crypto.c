@@ -6,10 +6,24 @@
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
+#include <pthread.h>
+
+/* OpenSSL 3 looks an algorithm up in its providers on every implicit use
+ * (EVP_sha256() in a one-shot call); fetching it once saves that work on
+ * every request. */
+static EVP_MD *sha256_md;
+static pthread_once_t sha256_once = PTHREAD_ONCE_INIT;
+
+static void fetch_sha256(void) { sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL); }
+
+static const EVP_MD *sha256(void) {
+  pthread_once(&sha256_once, fetch_sha256);
+  return sha256_md ? sha256_md : EVP_sha256();
+}
 
 int idem_sha256(const void *data, size_t len, unsigned char out[IDEM_SHA256_LEN]) {
   unsigned int n = 0;
-  if (EVP_Digest(data, len, out, &n, EVP_sha256(), NULL) != 1 || n != IDEM_SHA256_LEN)
+  if (EVP_Digest(data, len, out, &n, sha256(), NULL) != 1 || n != IDEM_SHA256_LEN)
     return IDEM_ECRYPTO;
   return IDEM_OK;
 }
@@ -17,7 +31,7 @@ int idem_sha256(const void *data, size_t len, unsigned char out[IDEM_SHA256_LEN]
 int idem_hmac_sha256(const void *key, size_t key_len, const void *data, size_t len,
                      unsigned char out[IDEM_SHA256_LEN]) {
   unsigned int n = 0;
-  if (HMAC(EVP_sha256(), key, (int)key_len, data, len, out, &n) == NULL ||
+  if (HMAC(sha256(), key, (int)key_len, data, len, out, &n) == NULL ||
       n != IDEM_SHA256_LEN)
     return IDEM_ECRYPTO;
   return IDEM_OK;

@@ -45,7 +45,7 @@ static const struct option options[] = {
     {"--max-connections", "IDEMD_MAX_CONNECTIONS", K_INT, OFF(max_connections), 1,
      100000, "1000", "connections served at once; beyond it, 503"},
     {"--max-header-bytes", "IDEMD_MAX_HEADER_BYTES", K_INT, OFF(max_header_bytes),
-     4096, 1048576, "32768", "memory for one request's line and headers (else 431)"},
+     4096, 1048576, "16384", "memory for one request's line and headers (else 431)"},
     {"--request-timeout", "IDEMD_REQUEST_TIMEOUT", K_DURATION, OFF(request_timeout_ms),
      100, 3600000, "10s", "time a client has to send a whole request"},
     {"--inflight-wait", "IDEMD_INFLIGHT_WAIT", K_DURATION, OFF(inflight_wait_ms),
