@@ -287,15 +287,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     r->body_seen += n;
     if (r->responded)
       return MHD_YES;
-    if (r->body_len + n > IDEMD_MAX_BODY) {
+    if (!r->body_too_large && r->body_len + n > IDEMD_MAX_BODY) {
       r->body_too_large = 1;
       free(r->body);
       r->body = NULL;
       r->body_len = 0;
-      return r->body_seen > DISCARD_LIMIT ? MHD_NO : MHD_YES;
     }
-    if (r->body_too_large)
-      return MHD_YES;
+    if (r->body_too_large) /* drop it; past the discard limit, hang up */
+      return r->body_seen > DISCARD_LIMIT ? MHD_NO : MHD_YES;
     if (r->body == NULL && (r->body = malloc(IDEMD_MAX_BODY + 1)) == NULL)
       return MHD_NO;
     memcpy(r->body + r->body_len, upload_data, n);
