@@ -1,0 +1,889 @@
+#!/usr/bin/env python3
+"""Checks docs/openapi.yaml against the real idemd.
+
+Starts the idemd binary given as the first argument on a fresh temp dir,
+SQLite file and loopback port (sandbox flags make it decline, lose and fail
+to reach the provider for chosen amounts, and make payments slow enough for
+a duplicate to get 409), drives every documented route through every status
+it can produce, and checks each answer against the document:
+
+  - the path and method are documented (or the answer is one of the
+    x-unmatched-responses: 404 for an unknown path, 405 with Allow for a
+    method the path does not take);
+  - the status is documented for that operation;
+  - the Content-Type is a documented media type and the body validates
+    against the documented JSON Schema (HEAD: no body);
+  - required response headers are present and every documented header that
+    is present matches its schema;
+  - security: an operation that needs credentials answers 401 without
+    them, one that does not never answers 401;
+  - a request body the server accepted validates against the documented
+    request schema, and the bodies the server rejected field by field (422)
+    are rejected by that schema too;
+  - Idempotent-Replayed: true exactly when the body has "replayed": true.
+
+Then every documented status of every operation must have been produced,
+except the few listed in NOT_PRODUCED with the reason. Finally the checker
+checks itself: a series of broken copies of the document must each be
+rejected on the same recorded answers.
+
+Only the Python standard library, PyYAML and jsonschema (Debian packages
+python3, python3-yaml, python3-jsonschema); HTTP only to 127.0.0.1.
+
+usage: check_openapi.py PATH/TO/idemd [PATH/TO/openapi.yaml]
+"""
+
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import jsonschema
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_DOC = os.path.join(HERE, '..', '..', 'docs', 'openapi.yaml')
+
+METHODS = ('get', 'put', 'post', 'delete', 'options', 'head', 'patch', 'trace')
+
+# Documented statuses this test cannot make the server produce, and why.
+NOT_PRODUCED = {
+    '500': 'only when idemd runs out of memory',
+}
+
+# Sandbox amounts (see `idemd --help`).
+DECLINE, UNCERTAIN, UNAVAILABLE = 4020, 2020, 5030
+SANDBOX_DELAY = '300ms'   # every charge takes this long...
+INFLIGHT_WAIT = '50ms'    # ...so a duplicate gives up waiting: 409
+
+SANITIZER_MARKS = ('ERROR: AddressSanitizer', 'ERROR: LeakSanitizer',
+                   'runtime error:', 'ThreadSanitizer')
+
+# Never through a proxy, whatever the environment says.
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class Failure(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# The document
+
+
+def load_doc(path):
+    try:
+        with open(path, encoding='utf-8') as f:
+            doc = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise Failure('cannot read %s: %s' % (path, e))
+    if not isinstance(doc, dict):
+        raise Failure('%s is not a YAML mapping' % path)
+    return doc
+
+
+def pointer(doc, ref):
+    if not ref.startswith('#/'):
+        raise Failure('only local $ref are supported: %s' % ref)
+    node = doc
+    for part in ref[2:].split('/'):
+        part = part.replace('~1', '/').replace('~0', '~')
+        if not isinstance(node, dict) or part not in node:
+            raise Failure('$ref %s does not resolve' % ref)
+        node = node[part]
+    return node
+
+
+def deref(doc, node, depth=0):
+    """A copy of `node` with every local $ref replaced by its target."""
+    if depth > 64:
+        raise Failure('$ref nesting too deep (a cycle?)')
+    if isinstance(node, dict):
+        if '$ref' in node:
+            target = deref(doc, pointer(doc, node['$ref']), depth + 1)
+            rest = {k: v for k, v in node.items() if k != '$ref'}
+            if not rest:
+                return target
+            # OpenAPI 3.1 lets a schema $ref have siblings: both apply.
+            return {'allOf': [target, deref(doc, rest, depth + 1)]}
+        return {k: deref(doc, v, depth + 1) for k, v in node.items()}
+    if isinstance(node, list):
+        return [deref(doc, v, depth + 1) for v in node]
+    return node
+
+
+def sanity(doc):
+    """Structural checks of the document itself; returns problems."""
+    problems = []
+    if not str(doc.get('openapi', '')).startswith('3.1'):
+        problems.append('openapi is not 3.1.x')
+    for k in ('title', 'version'):
+        if not (doc.get('info') or {}).get(k):
+            problems.append('info.%s missing' % k)
+    schemes = ((doc.get('components') or {}).get('securitySchemes') or {})
+    for name, s in schemes.items():
+        if s.get('type') == 'http' and s.get('scheme') != 'bearer':
+            problems.append('security scheme %s is not bearer' % name)
+    try:
+        full = deref(doc, doc)
+    except Failure as e:
+        return problems + [str(e)]
+    for path, item in (full.get('paths') or {}).items():
+        for method, op in item.items():
+            if method not in METHODS:
+                continue
+            where = '%s %s' % (method.upper(), path)
+            for req in op.get('security', full.get('security', [])):
+                for name in req:
+                    if name not in schemes:
+                        problems.append('%s: unknown security scheme %s' % (where, name))
+            if not op.get('responses'):
+                problems.append('%s: no responses' % where)
+            for status, resp in (op.get('responses') or {}).items():
+                if not re.fullmatch(r'[1-5][0-9][0-9]', str(status)):
+                    problems.append('%s: response key %r is not a status' % (where, status))
+                if not resp.get('description'):
+                    problems.append('%s %s: no description' % (where, status))
+            for names in re.findall(r'{([^}]+)}', path):
+                params = [p for p in item.get('parameters', []) + op.get('parameters', [])
+                          if p.get('in') == 'path' and p.get('name') == names]
+                if not params:
+                    problems.append('%s: path parameter {%s} not declared' % (where, names))
+    for schema in iter_schemas(full):
+        try:
+            jsonschema.Draft202012Validator.check_schema(schema)
+        except jsonschema.exceptions.SchemaError as e:
+            problems.append('invalid JSON Schema: %s' % e.message)
+    return problems
+
+
+def iter_schemas(node):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == 'schema' and isinstance(v, dict):
+                yield v
+            else:
+                yield from iter_schemas(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from iter_schemas(v)
+
+
+def validator(schema):
+    return jsonschema.Draft202012Validator(schema)
+
+
+def schema_errors(schema, value):
+    return [e.message for e in validator(schema).iter_errors(value)]
+
+
+def path_regex(template):
+    out, pos = '', 0
+    for m in re.finditer(r'{([^}]+)}', template):
+        out += re.escape(template[pos:m.start()]) + '(?P<%s>[^/]+)' % m.group(1)
+        pos = m.end()
+    return re.compile(out + re.escape(template[pos:]))
+
+
+def match_path(full, path):
+    """(template, path item) of the documented path `path` falls under, or
+    (None, None). A path parameter that does not match its schema does not
+    match."""
+    for template, item in (full.get('paths') or {}).items():
+        m = path_regex(template).fullmatch(path)
+        if not m:
+            continue
+        ok = True
+        for name, value in m.groupdict().items():
+            params = [p for p in item.get('parameters', [])
+                      if p.get('in') == 'path' and p.get('name') == name]
+            for op in item.values():
+                if isinstance(op, dict):
+                    params += [p for p in op.get('parameters', [])
+                               if p.get('in') == 'path' and p.get('name') == name]
+            for p in params[:1]:
+                if schema_errors(p.get('schema', {}), value):
+                    ok = False
+        if ok:
+            return template, item
+    return None, None
+
+
+def header_value(schema, raw):
+    """The header string as the type its schema names (headers are text)."""
+    t = schema.get('type')
+    if t == 'integer':
+        return int(raw) if re.fullmatch(r'-?[0-9]+', raw) else raw
+    if t == 'number':
+        try:
+            return float(raw)
+        except ValueError:
+            return raw
+    if t == 'boolean':
+        return {'true': True, 'false': False}.get(raw, raw)
+    return raw
+
+
+# ---------------------------------------------------------------------------
+# Checking answers
+
+
+def check_response(resp, ex, where):
+    problems = []
+    hdrs = ex['headers']
+    for name, h in (resp.get('headers') or {}).items():
+        if name.lower() == 'content-type':
+            continue  # OpenAPI: described by `content`
+        raw = hdrs.get(name.lower())
+        if raw is None:
+            if h.get('required'):
+                problems.append('%s: required header %s missing' % (where, name))
+            continue
+        schema = h.get('schema') or {}
+        for msg in schema_errors(schema, header_value(schema, raw)):
+            problems.append('%s: header %s %r: %s' % (where, name, raw, msg))
+
+    content = resp.get('content')
+    ctype = hdrs.get('content-type', '').split(';')[0].strip().lower()
+    body = ex['body']
+    if not content:
+        if body:
+            problems.append('%s: a body although none is documented' % where)
+        return problems
+    if ctype not in {k.lower() for k in content}:
+        problems.append('%s: Content-Type %r not documented (%s)'
+                        % (where, ctype, ', '.join(content)))
+        return problems
+    if ex['method'] == 'HEAD':
+        if body:
+            problems.append('%s: HEAD answered with a body' % where)
+        return problems
+    media = {k.lower(): v for k, v in content.items()}[ctype] or {}
+    schema = media.get('schema')
+    if schema is None:
+        return problems
+    if ctype == 'application/json':
+        try:
+            value = json.loads(body.decode('utf-8'))
+        except (UnicodeDecodeError, ValueError):
+            return problems + ['%s: body is not JSON: %.200r' % (where, body)]
+    else:
+        try:
+            value = body.decode('utf-8')
+        except UnicodeDecodeError:
+            return problems + ['%s: body is not UTF-8 text' % where]
+    for msg in schema_errors(schema, value):
+        problems.append('%s: body %s does not match the schema: %s'
+                        % (where, json.dumps(value)[:300] if ctype == 'application/json'
+                           else repr(value[:120]), msg))
+    return problems
+
+
+def operation_security(full, op):
+    return op.get('security', full.get('security', []))
+
+
+def check_exchange(full, ex):
+    """Problems with one recorded answer; also returns the key it covers."""
+    problems = []
+    method, path, status = ex['method'], ex['path'], str(ex['status'])
+    where = '%s %s -> %s (%s)' % (method, path, status, ex['label'])
+    if 'x-request-id' not in ex['headers']:
+        problems.append('%s: no X-Request-Id' % where)
+
+    template, item = match_path(full, path)
+    op = item.get(method.lower()) if item else None
+    if op is None:
+        unmatched = full.get('x-unmatched-responses') or {}
+        want = '404' if template is None else '405'
+        if status != want or status not in unmatched:
+            problems.append('%s: %s is not documented (%s); expected the documented %s '
+                            'of x-unmatched-responses' % (
+                                where, '%s %s' % (method, path),
+                                'unknown path' if template is None else
+                                'method not documented for ' + template, want))
+            return problems, None
+        problems += check_response(unmatched[status], ex, where)
+        if status == '405':
+            allow = {m.strip() for m in ex['headers'].get('allow', '').split(',') if m.strip()}
+            documented = {m.upper() for m in item if m in METHODS}
+            if allow != documented:
+                problems.append('%s: Allow %s but the document has %s for %s'
+                                % (where, sorted(allow), sorted(documented), template))
+        return problems, ('x-unmatched-responses', status)
+
+    key = (template, method.lower())
+    responses = {str(k): v for k, v in (op.get('responses') or {}).items()}
+    if status not in responses:
+        problems.append('%s: status %s is not documented for %s %s (documented: %s)'
+                        % (where, status, method, template, ', '.join(sorted(responses))))
+        return problems, None
+    problems += check_response(responses[status], ex, where)
+
+    # Security as documented.
+    secured = bool(operation_security(full, op))
+    sent_auth = 'authorization' in {k.lower() for k in ex['req_headers']}
+    if not secured and status == '401':
+        problems.append('%s: 401 although the document says no security' % where)
+    if secured and not sent_auth and status != '401':
+        problems.append('%s: answered %s without credentials although the document '
+                        'requires them' % (where, status))
+
+    # Required header parameters: missing one cannot succeed.
+    params = (item.get('parameters') or []) + (op.get('parameters') or [])
+    sent = {k.lower() for k in ex['req_headers']}
+    for p in params:
+        if p.get('in') == 'header' and p.get('required') and p['name'].lower() not in sent:
+            if status.startswith('2'):
+                problems.append('%s: succeeded without the required header %s'
+                                % (where, p['name']))
+
+    # The request body, as documented.
+    rb = ((op.get('requestBody') or {}).get('content') or {}).get('application/json')
+    if rb and rb.get('schema') is not None and ex.get('req_json') is not None:
+        errs = schema_errors(rb['schema'], ex['req_json'])
+        body = parse_json(ex['body']) if ex['method'] != 'HEAD' else None
+        validation_422 = status == '422' and isinstance(body, dict) and 'errors' in body
+        accepted = status in ('201', '202', '402', '409') or (
+            status == '422' and not validation_422)
+        if accepted and errs:
+            problems.append('%s: the server accepted a body the documented request '
+                            'schema rejects: %s' % (where, errs[0]))
+        if validation_422 and ex.get('schema_must_reject') and not errs:
+            problems.append('%s: the server rejected the body field by field but the '
+                            'documented request schema accepts it: %s'
+                            % (where, json.dumps(ex['req_json'])[:200]))
+
+    # Replays, as documented for Idempotent-Replayed.
+    body = parse_json(ex['body']) if ex['method'] != 'HEAD' else None
+    replayed_header = ex['headers'].get('idempotent-replayed') == 'true'
+    replayed_body = isinstance(body, dict) and body.get('replayed') is True
+    if replayed_header != replayed_body:
+        problems.append('%s: Idempotent-Replayed %s but body replayed %s'
+                        % (where, replayed_header, replayed_body))
+    return problems, (key, status)
+
+
+def parse_json(raw):
+    try:
+        return json.loads(raw.decode('utf-8'))
+    except (UnicodeDecodeError, ValueError):
+        return None
+
+
+def check_all(doc, exchanges):
+    """Every problem of the document against the recorded answers."""
+    problems = sanity(doc)
+    try:
+        full = deref(doc, doc)
+    except Failure as e:
+        return problems + [str(e)]
+    covered = set()
+    for ex in exchanges:
+        p, cov = check_exchange(full, ex)
+        problems += p
+        if cov:
+            covered.add(cov)
+        if ex.get('expect') is not None and ex['status'] != ex['expect']:
+            problems.append('%s %s (%s): expected %s, got %s: %.200r' % (
+                ex['method'], ex['path'], ex['label'], ex['expect'], ex['status'], ex['body']))
+    # Every documented status was produced (or is excused).
+    for template, item in (full.get('paths') or {}).items():
+        for method, op in item.items():
+            if method not in METHODS:
+                continue
+            for status in op.get('responses') or {}:
+                status = str(status)
+                if status in NOT_PRODUCED:
+                    continue
+                if ((template, method), status) not in covered:
+                    problems.append('%s %s: documented status %s was never produced'
+                                    % (method.upper(), template, status))
+    for status in (full.get('x-unmatched-responses') or {}):
+        if status not in NOT_PRODUCED and ('x-unmatched-responses', str(status)) not in covered:
+            problems.append('x-unmatched-responses: %s was never produced' % status)
+    return problems
+
+
+# ---------------------------------------------------------------------------
+# The server
+
+
+def free_port():
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(('127.0.0.1', 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def clean_env():
+    return {k: v for k, v in os.environ.items() if not k.startswith('IDEMD_')}
+
+
+class Server:
+    def __init__(self, idemd, flags):
+        self.idemd = idemd
+        self.dir = tempfile.mkdtemp(prefix='idem-openapi-')
+        self.db = os.path.join(self.dir, 'idem.db')
+        self.log = os.path.join(self.dir, 'idemd.log')
+        self.flags = flags
+        self.proc = None
+        self.port = None
+
+    def cli(self, *args):
+        r = subprocess.run([self.idemd] + list(args) + ['--db', self.db],
+                           capture_output=True, text=True, env=clean_env(), timeout=30)
+        if r.returncode != 0:
+            raise Failure('idemd %s failed (%d): %s' % (' '.join(args), r.returncode, r.stderr))
+        return r.stdout
+
+    def start(self):
+        for _ in range(5):
+            self.port = free_port()
+            logf = open(self.log, 'ab')
+            self.proc = subprocess.Popen(
+                [self.idemd, 'serve', '--db', self.db,
+                 '--listen', '127.0.0.1:%d' % self.port] + self.flags,
+                stdout=logf, stderr=logf, env=clean_env())
+            logf.close()
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    with OPENER.open('http://127.0.0.1:%d/healthz' % self.port, timeout=2) as r:
+                        if r.status == 200:
+                            return
+                except (OSError, urllib.error.URLError):
+                    pass
+                time.sleep(0.05)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+                raise Failure('idemd did not become healthy:\n' + self.log_text()[-2000:])
+        raise Failure('idemd could not start (port races?):\n' + self.log_text()[-2000:])
+
+    def stop(self):
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise Failure('idemd did not exit within 30 s of SIGTERM')
+
+    def log_text(self):
+        try:
+            with open(self.log, encoding='utf-8', errors='replace') as f:
+                return f.read()
+        except OSError:
+            return ''
+
+    def sql(self, statement):
+        """Runs one statement on the database (used to break and mend the
+        store while idemd runs)."""
+        con = sqlite3.connect(self.db, timeout=10, isolation_level=None)
+        try:
+            return con.execute(statement).fetchall()
+        finally:
+            con.close()
+
+
+# ---------------------------------------------------------------------------
+# Driving the API
+
+
+class Driver:
+    def __init__(self, server):
+        self.s = server
+        self.base = 'http://127.0.0.1:%d' % server.port
+        self.exchanges = []
+        self.lock = threading.Lock()
+
+    def call(self, method, path, expect, label, token=None, key=None, body=None,
+             ctype='application/json', headers=None, chunked=False, reject=False):
+        """One request; records the answer. `body`: a dict/list (sent as
+        JSON), bytes (sent as is) or None. `reject`: a body the documented
+        request schema must reject (the server answers 422 field by field)."""
+        h = dict(headers or {})
+        if token is not None:
+            h['Authorization'] = 'Bearer ' + token
+        if key is not None:
+            h['Idempotency-Key'] = key
+        req_json = None
+        data = None
+        if body is not None:
+            if isinstance(body, (bytes, bytearray)):
+                data = bytes(body)
+                req_json = parse_json(data)
+            else:
+                req_json = body
+                data = json.dumps(body).encode()
+            if ctype is not None:
+                h['Content-Type'] = ctype
+        sent = data
+        if chunked and data is not None:
+            half = len(data) // 2
+            sent = iter([data[:half], data[half:]])  # urllib: Transfer-Encoding: chunked
+        status, hdrs, raw = None, {}, b''
+        for attempt in range(3):
+            req = urllib.request.Request(self.base + path, data=sent, method=method, headers=h)
+            try:
+                with OPENER.open(req, timeout=30) as resp:
+                    status, hdrs, raw = resp.status, resp.headers, resp.read()
+            except urllib.error.HTTPError as e:
+                status, hdrs, raw = e.code, e.headers, e.read()
+            except (ConnectionError, urllib.error.URLError) as e:
+                # The server may answer early (413) and close while we send.
+                if attempt == 2:
+                    raise Failure('%s %s (%s): %s' % (method, path, label, e))
+                if chunked and data is not None:
+                    sent = iter([data[:len(data) // 2], data[len(data) // 2:]])
+                time.sleep(0.1)
+                continue
+            break
+        ex = {
+            'method': method, 'path': path, 'label': label, 'expect': expect,
+            'req_headers': h, 'req_json': req_json if isinstance(req_json, dict) else None,
+            'schema_must_reject': reject,
+            'status': status, 'headers': {k.lower(): v for k, v in hdrs.items()},
+            'body': raw,
+        }
+        with self.lock:
+            self.exchanges.append(ex)
+        return ex
+
+
+def body_json(ex):
+    return parse_json(ex['body'])
+
+
+def drive(d, tok, other, server):
+    P = '/payments'
+    O = '/orders'
+    order = {'customer_id': 'c1', 'items': [{'sku': 'A1', 'quantity': 2, 'unit_price': 1000}],
+             'currency': 'BRL'}
+
+    # --- POST /payments: every outcome, first answers and replays.
+    first = d.call('POST', P, 201, 'new payment', tok, 'pay-new',
+                   {'amount': 15990, 'currency': 'BRL', 'order_id': 'ord_42'},
+                   headers={'X-Request-Id': 'openapi-check-1'})
+    if first['headers'].get('x-request-id') != 'openapi-check-1':
+        raise Failure('X-Request-Id was not echoed: %r' % first['headers'].get('x-request-id'))
+    d.call('POST', P, 201, 'replay (same body, other spelling)', tok, 'pay-new',
+           {'order_id': 'ord_42', 'amount': '15990'})
+    d.call('POST', P, 201, 'digits, default currency, charset', tok, 'pay-digits',
+           {'amount': '007'}, ctype='application/json; charset=utf-8')
+    d.call('POST', P, 201, 'quoted key, null fields', tok, '"pay-quoted"',
+           {'amount': 100, 'currency': None, 'order_id': None})
+    declined = d.call('POST', P, 402, 'declined', tok, 'pay-declined', {'amount': DECLINE})
+    d.call('POST', P, 402, 'declined, replay', tok, 'pay-declined', {'amount': DECLINE})
+    pending = d.call('POST', P, 202, 'outcome unknown', tok, 'pay-pending', {'amount': UNCERTAIN})
+    d.call('POST', P, 202, 'outcome unknown, replay', tok, 'pay-pending', {'amount': UNCERTAIN})
+    d.call('POST', P, 503, 'provider unreachable', tok, 'pay-unavailable',
+           {'amount': UNAVAILABLE})
+    d.call('POST', P, 503, 'provider unreachable, runs again', tok, 'pay-unavailable',
+           {'amount': UNAVAILABLE})
+    d.call('POST', P, 422, 'key reused with another body', tok, 'pay-new', {'amount': 1})
+    d.call('POST', P, 422, 'key of a declined payment reused', tok, 'pay-declined',
+           {'amount': 1})
+    for label, bad in [
+        ('amount 0', {'amount': 0}),
+        ('amount -5', {'amount': -5}),
+        ('amount 1.5', {'amount': 1.5}),
+        ('amount missing', {'currency': 'BRL'}),
+        ('amount not digits', {'amount': '100; DROP TABLE payments'}),
+        ('amount a bool', {'amount': True}),
+        ('currency lower case', {'amount': 1, 'currency': 'brl'}),
+        ('order_id empty', {'amount': 1, 'order_id': ''}),
+        ('order_id a number', {'amount': 1, 'order_id': 7}),
+        ('order_id with a space', {'amount': 1, 'order_id': 'a b'}),
+        ('unknown field', {'amount': 1, 'fee': 2}),
+    ]:
+        d.call('POST', P, 422, label, tok, 'pay-invalid', bad, reject=True)
+    d.call('POST', P, 201, 'key left free by the 422s', tok, 'pay-invalid', {'amount': 5})
+
+    # 409: a duplicate while the first (slow provider) is still processing.
+    slow = {}
+    t = threading.Thread(target=lambda: slow.update(
+        ex=d.call('POST', P, 201, 'slow original', tok, 'pay-slow', {'amount': 777})))
+    t.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rows = server.sql("SELECT count(*) FROM idempotency_records WHERE key = 'pay-slow' "
+                          "AND state = 'processing'")
+        if rows[0][0] >= 1:
+            break
+        time.sleep(0.01)
+    else:
+        raise Failure('the slow payment never showed up as processing')
+    d.call('POST', P, 409, 'duplicate while processing', tok, 'pay-slow', {'amount': 777})
+    t.join(30)
+    if t.is_alive():
+        raise Failure('the slow payment never answered')
+
+    # The check order, step by step (SPEC section 3).
+    big = b'{"amount": 1, "pad": "' + b'x' * (70 * 1024) + b'"}'
+    d.call('POST', P, 401, 'no credentials (even with a bad everything)', None, None, b'[',
+           ctype='text/plain')
+    d.call('POST', P, 401, 'wrong key', 'idem_000000000000_' + '0' * 40, 'k', {'amount': 1})
+    d.call('POST', P, 401, 'not a bearer', None, 'k', {'amount': 1},
+           headers={'Authorization': 'Basic dXNlcjpwYXNz'})
+    d.call('POST', P, 413, 'over 64 KiB (Content-Length), bad type', tok, None, big,
+           ctype='text/plain')
+    d.call('POST', P, 413, 'over 64 KiB (chunked)', tok, 'pay-big', big, chunked=True)
+    d.call('POST', P, 415, 'text/plain, no key', tok, None, {'amount': 1}, ctype='text/plain')
+    d.call('POST', P, 415, 'application/jsonx', tok, 'k', {'amount': 1},
+           ctype='application/jsonx')
+    d.call('POST', P, 400, 'no key, body not JSON', tok, None, b'{not json')
+    d.call('POST', P, 400, 'blank key', tok, '   ', {'amount': 1})
+    d.call('POST', P, 400, 'key too long', tok, 'k' * 256, {'amount': 1})
+    d.call('POST', P, 400, 'not JSON', tok, 'pay-400', b'{not json')
+    d.call('POST', P, 400, 'an array', tok, 'pay-400', b'[1]')
+    d.call('POST', P, 400, 'duplicate keys', tok, 'pay-400', b'{"amount":1,"amount":2}')
+    d.call('POST', P, 400, 'too deep', tok, 'pay-400', b'{"a":' * 40 + b'1' + b'}' * 40)
+
+    # --- POST /orders
+    o1 = d.call('POST', O, 201, 'new order', tok, 'order-1', order)
+    d.call('POST', O, 201, 'order replay', tok, 'order-1',
+           {'items': [{'unit_price': '1000', 'quantity': 2, 'sku': 'A1'}], 'customer_id': 'c1'})
+    d.call('POST', O, 201, 'same key as a payment: unrelated', tok, 'pay-new', order)
+    d.call('POST', O, 422, 'order key reused', tok, 'order-1', dict(order, customer_id='c2'))
+    for label, bad in [
+        ('no items', {'customer_id': 'c1', 'items': []}),
+        ('items missing', {'customer_id': 'c1'}),
+        ('customer_id missing', {'items': order['items']}),
+        ('quantity 0', {'customer_id': 'c1',
+                        'items': [{'sku': 'A1', 'quantity': 0, 'unit_price': 1}]}),
+        ('unit_price 1.5', {'customer_id': 'c1',
+                            'items': [{'sku': 'A1', 'quantity': 1, 'unit_price': 1.5}]}),
+        ('sku too long', {'customer_id': 'c1',
+                          'items': [{'sku': 'S' * 65, 'quantity': 1, 'unit_price': 1}]}),
+        ('item unknown field', {'customer_id': 'c1',
+                                'items': [{'sku': 'A', 'quantity': 1, 'unit_price': 1,
+                                           'x': 1}]}),
+        ('item not an object', {'customer_id': 'c1', 'items': [1]}),
+        ('101 items', {'customer_id': 'c1',
+                       'items': [{'sku': 'A', 'quantity': 1, 'unit_price': 1}] * 101}),
+    ]:
+        d.call('POST', O, 422, label, tok, 'order-invalid', bad, reject=True)
+    d.call('POST', O, 401, 'no credentials', None, 'order-x', order)
+    d.call('POST', O, 413, 'over 64 KiB', tok, 'order-big', big)
+    d.call('POST', O, 415, 'no JSON type', tok, 'order-x', order, ctype='text/plain')
+    d.call('POST', O, 400, 'no key', tok, None, order)
+    d.call('POST', O, 400, 'key with a control byte', tok, 'a\tb\x7f', order)
+    d.call('POST', O, 400, 'scalar body', tok, 'order-x', b'42')
+
+    # --- GET and HEAD of one resource
+    pay_id = body_json(first)['id']
+    for path in ('/payments/' + pay_id, '/payments/' + body_json(declined)['id'],
+                 '/payments/' + body_json(pending)['id']):
+        d.call('GET', path, 200, 'read a payment', tok)
+    d.call('HEAD', '/payments/' + pay_id, 200, 'head a payment', tok)
+    d.call('GET', '/payments/pay_doesnotexist', 404, 'no such payment', tok)
+    d.call('GET', '/payments/' + pay_id, 404, "another tenant's payment", other)
+    d.call('HEAD', '/payments/pay_doesnotexist', 404, 'head no such payment', tok)
+    d.call('GET', '/payments/' + pay_id, 401, 'no credentials')
+    d.call('HEAD', '/payments/' + pay_id, 401, 'head, no credentials')
+    ord_id = body_json(o1)['id']
+    d.call('GET', '/orders/' + ord_id, 200, 'read an order', tok)
+    d.call('HEAD', '/orders/' + ord_id, 200, 'head an order', tok)
+    d.call('GET', '/orders/ord_doesnotexist', 404, 'no such order', tok)
+    d.call('GET', '/orders/' + ord_id, 404, "another tenant's order", other)
+    d.call('HEAD', '/orders/' + ord_id, 404, "head another tenant's order", other)
+    d.call('GET', '/orders/' + ord_id, 401, 'no credentials', 'idem_bad')
+    d.call('HEAD', '/orders/' + ord_id, 401, 'head, no credentials')
+
+    # --- /healthz and /metrics, no credentials needed
+    d.call('GET', '/healthz', 200, 'healthz')
+    d.call('HEAD', '/healthz', 200, 'head healthz')
+    d.call('GET', '/healthz', 200, 'healthz with any credentials', 'whatever')
+    m = d.call('GET', '/metrics', 200, 'metrics')
+    d.call('HEAD', '/metrics', 200, 'head metrics')
+    text = m['body'].decode('utf-8', 'replace')
+    for name in ('idem_requests_total{operation="create_payment",outcome="new"}',
+                 'idem_records_pending 1', 'idem_request_duration_seconds_bucket'):
+        if name not in text:
+            raise Failure('/metrics lacks %r' % name)
+
+    # --- unmatched: unknown paths (before credentials) and methods
+    for path in ('/nowhere', '/payments/', '/payments/has-dash', '/orders/a/b', '/Payments',
+                 '/payments/' + 'x' * 64):
+        d.call('GET', path, 404, 'unknown path')
+    d.call('POST', '/nowhere', 404, 'unknown path, POST', tok, 'k', {'amount': 1})
+    for method, path in (('GET', P), ('HEAD', P), ('PUT', O), ('DELETE', '/payments/' + pay_id),
+                         ('POST', '/payments/' + pay_id), ('POST', '/healthz'),
+                         ('PATCH', '/metrics'), ('OPTIONS', O), ('DELETE', '/orders/x')):
+        d.call(method, path, 405, 'method not allowed')
+
+    # --- the store fails: 503 (authentication reads tenants; healthz reads meta)
+    server.sql('ALTER TABLE tenants RENAME TO tenants_broken')
+    try:
+        d.call('POST', P, 503, 'store failure', tok, 'pay-store', {'amount': 1})
+        d.call('POST', O, 503, 'store failure', tok, 'order-store', order)
+        d.call('GET', '/payments/' + pay_id, 503, 'store failure', tok)
+        d.call('HEAD', '/payments/' + pay_id, 503, 'store failure', tok)
+        d.call('GET', '/orders/' + ord_id, 503, 'store failure', tok)
+        d.call('HEAD', '/orders/' + ord_id, 503, 'store failure', tok)
+        d.call('GET', '/healthz', 200, 'healthz: tenants are not its business')
+    finally:
+        server.sql('ALTER TABLE tenants_broken RENAME TO tenants')
+    server.sql('ALTER TABLE meta RENAME TO meta_broken')
+    try:
+        d.call('GET', '/healthz', 503, 'store unreachable')
+        d.call('HEAD', '/healthz', 503, 'store unreachable')
+    finally:
+        server.sql('ALTER TABLE meta_broken RENAME TO meta')
+    d.call('GET', '/healthz', 200, 'store back')
+    d.call('GET', '/payments/' + pay_id, 200, 'store back', tok)
+
+
+# ---------------------------------------------------------------------------
+# The checker checks itself
+
+
+def mutations(doc):
+    """(what, broken copy of doc) pairs; each must be rejected."""
+    def m(what, fn):
+        c = copy.deepcopy(doc)
+        fn(c)
+        return what, c
+    paths = lambda c: c['paths']
+    schemas = lambda c: c['components']['schemas']
+    return [
+        m('402 removed from POST /payments',
+          lambda c: paths(c)['/payments']['post']['responses'].pop('402')),
+        m('503 removed from GET /healthz',
+          lambda c: paths(c)['/healthz']['get']['responses'].pop('503')),
+        m('path /orders/{id} removed', lambda c: paths(c).pop('/orders/{id}')),
+        m('HEAD of /metrics removed', lambda c: paths(c)['/metrics'].pop('head')),
+        m('a status never produced documented',
+          lambda c: paths(c)['/healthz']['get']['responses'].update(
+              {'418': {'description': 'teapot'}})),
+        m('payment with a required field the server does not send',
+          lambda c: schemas(c)['PaymentAnswer']['required'].append('fee')),
+        m('order status renamed',
+          lambda c: schemas(c)['Order']['properties'].update({'status': {'const': 'open'}})),
+        m('error body may not have "error"',
+          lambda c: schemas(c)['Error'].update({'required': ['message']})),
+        m('Location pattern changed',
+          lambda c: c['components']['headers']['PaymentLocation']['schema'].update(
+              {'pattern': '^/charges/'})),
+        m('a required header the server does not send',
+          lambda c: c['components']['responses']['Unauthorized']['headers'].update(
+              {'X-Trace': {'required': True, 'schema': {'type': 'string'}}})),
+        m('Retry-After must be at least 5',
+          lambda c: c['components']['headers']['RetryAfter']['schema'].update({'minimum': 5})),
+        m('metrics documented as JSON',
+          lambda c: paths(c)['/metrics']['get']['responses']['200'].update(
+              {'content': {'application/json': {'schema': {'type': 'object'}}}})),
+        m('/metrics documented as needing credentials',
+          lambda c: paths(c)['/metrics']['get'].pop('security')),
+        m('POST /payments documented without security',
+          lambda c: paths(c)['/payments']['post'].update({'security': []})),
+        m('request amount at most 100',
+          lambda c: schemas(c)['PositiveInteger']['oneOf'][0].update({'maximum': 100})),
+        m('request accepts unknown fields',
+          lambda c: schemas(c)['PaymentRequest'].update({'additionalProperties': True})),
+        m('405 not documented', lambda c: c['x-unmatched-responses'].pop('405')),
+        m('Allow values changed',
+          lambda c: c['components']['headers']['Allow']['schema'].update({'enum': ['POST']})),
+        m('GET documented for /payments',
+          lambda c: paths(c)['/payments'].update({'get': copy.deepcopy(
+              paths(c)['/payments/{id}']['get'])})),
+        m('payment id pattern narrowed',
+          lambda c: c['components']['parameters']['PaymentId']['schema'].update(
+              {'pattern': '^pay_[0-9]+$'})),
+    ]
+
+
+# ---------------------------------------------------------------------------
+
+
+def main(argv):
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    idemd = argv[1]
+    doc_path = argv[2] if len(argv) > 2 else DEFAULT_DOC
+    try:
+        doc = load_doc(doc_path)
+    except Failure as e:
+        print('check_openapi: FAIL: %s' % e)
+        return 1
+
+    server = Server(idemd, [
+        '--sandbox-decline-amount', str(DECLINE),
+        '--sandbox-uncertain-amount', str(UNCERTAIN),
+        '--sandbox-unavailable-amount', str(UNAVAILABLE),
+        '--sandbox-delay', SANDBOX_DELAY,
+        '--inflight-wait', INFLIGHT_WAIT,
+        '--reconcile-interval', '1h',   # pending stays pending
+    ])
+    ok = False
+    try:
+        tok = server.cli('tenant', 'create', 'api').strip()
+        other = server.cli('tenant', 'create', 'other').strip()
+        server.start()
+        d = Driver(server)
+        drive(d, tok, other, server)
+        rc = server.stop()
+        log = server.log_text()
+        if rc != 0:
+            raise Failure('idemd exited %s after SIGTERM' % rc)
+        for mark in SANITIZER_MARKS:
+            if mark in log:
+                raise Failure('sanitizer report in the idemd log:\n' + log[-4000:])
+
+        problems = check_all(doc, d.exchanges)
+        produced = sorted({(e['method'], str(e['status'])) for e in d.exchanges})
+        print('check_openapi: %d answers checked against %s' % (len(d.exchanges), doc_path))
+        print('check_openapi: produced ' + ', '.join('%s %s' % p for p in produced))
+        if problems:
+            print('check_openapi: FAIL, %d problem(s):' % len(problems))
+            for p in problems:
+                print('  - ' + p)
+            return 1
+
+        # The checker must reject broken documents on the same answers.
+        blind = []
+        broken_docs = mutations(doc)
+        for what, broken in broken_docs:
+            if not check_all(broken, d.exchanges):
+                blind.append(what)
+        if blind:
+            print('check_openapi: FAIL, the checker did not notice: ' + '; '.join(blind))
+            return 1
+        print('check_openapi: self-test: each of %d broken copies of the document is '
+              'rejected' % len(broken_docs))
+        print('check_openapi: OK')
+        ok = True
+        return 0
+    except Failure as e:
+        print('check_openapi: FAIL: %s' % e)
+        return 1
+    finally:
+        try:
+            server.stop()
+        except Failure:
+            pass
+        if ok or not os.environ.get('IDEM_TEST_KEEP'):
+            shutil.rmtree(server.dir, ignore_errors=True)
+        else:
+            print('check_openapi: kept %s' % server.dir)
+
+
+if __name__ == '__main__':
+    sys.exit(main(sys.argv))
