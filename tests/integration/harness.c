@@ -1,16 +1,20 @@
 /* The integration harness: runs the real idemd binary as a user would and
- * gives the tests HTTP, raw-socket and database helpers (see harness.h). */
+ * gives the tests HTTP, raw-socket and database helpers (see harness.h), on
+ * SQLite or, when IDEM_TEST_STORE_URL says so, on PostgreSQL. */
 #define _GNU_SOURCE
 #include "harness.h"
 
 #include <arpa/inet.h>
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <libpq-fe.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <sqlite3.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,8 +35,11 @@ const char H_NO_CONTENT_TYPE[] = "(omit Content-Type)";
 #define MAX_BODY (16 * 1024 * 1024)
 #define START_TIMEOUT_S 30.0
 #define STOP_TIMEOUT_S 20.0
+#define MAX_PARAMS 16
 
 static const char *idemd_path;
+/* IDEM_TEST_STORE_URL when it names a PostgreSQL cluster; NULL: SQLite. */
+static const char *store_url;
 
 /* Answers not yet freed: a failed assertion jumps past h_resp_free(), and
  * h_teardown() frees what is left so leak reports show real leaks only. */
@@ -151,8 +158,180 @@ void h_init(int argc, char **argv) {
             idemd_path ? idemd_path : "");
     exit(2);
   }
+  store_url = getenv("IDEM_TEST_STORE_URL");
+  if (store_url && store_url[0] == '\0')
+    store_url = NULL;
+  if (store_url && strncmp(store_url, "postgresql://", 13) != 0 &&
+      strncmp(store_url, "postgres://", 11) != 0) {
+    fprintf(stderr, "IDEM_TEST_STORE_URL must be a postgresql:// URL (got '%s')\n",
+            store_url);
+    exit(2);
+  }
+  fprintf(stderr, "integration tests on %s\n",
+          store_url ? "PostgreSQL (a database per server)" : "SQLite (a file per server)");
   curl_global_init(CURL_GLOBAL_DEFAULT);
   signal(SIGPIPE, SIG_IGN);
+}
+
+int h_store_is_pg(void) {
+  return store_url != NULL;
+}
+
+const char *h_store_url(void) {
+  return store_url;
+}
+
+/* ---- PostgreSQL databases ------------------------------------------- */
+
+/* Server notices ("database ... does not exist, skipping") are not news. */
+static void pg_quiet(void *arg, const char *message) {
+  (void)arg;
+  (void)message;
+}
+
+/* `url` with its database (the path) replaced by `dbname`:
+ * postgresql:///postgres?host=/tmp/x -> postgresql:///idem_t_1?host=/tmp/x.
+ * Returns 0, or -1 when it does not fit. */
+static int pg_url_with_db(const char *url, const char *dbname, char *out, size_t cap) {
+  const char *auth = strstr(url, "://");
+  const char *path, *rest;
+  int n;
+  if (auth == NULL)
+    return -1;
+  auth += 3;
+  path = auth + strcspn(auth, "/?"); /* the authority ends at '/' or '?' */
+  rest = *path == '/' ? path + strcspn(path, "?") : path;
+  n = snprintf(out, cap, "%.*s/%s%s", (int)(path - url), url, dbname, rest);
+  return n > 0 && (size_t)n < cap ? 0 : -1;
+}
+
+/* Runs one statement on the cluster's maintenance database (the URL as
+ * given). Returns 0, or -1 with libpq's message in why. */
+static int pg_admin(const char *sql, char *why, size_t whylen) {
+  PGconn *c = PQconnectdb(store_url);
+  PGresult *r;
+  int ok;
+  if (c == NULL || PQstatus(c) != CONNECTION_OK) {
+    snprintf(why, whylen, "cannot connect to %s: %s", store_url,
+             c ? PQerrorMessage(c) : "out of memory");
+    PQfinish(c);
+    return -1;
+  }
+  PQsetNoticeProcessor(c, pg_quiet, NULL);
+  r = PQexec(c, sql);
+  ok = PQresultStatus(r) == PGRES_COMMAND_OK;
+  if (!ok)
+    snprintf(why, whylen, "%s: %s", sql, PQresultErrorMessage(r));
+  PQclear(r);
+  PQfinish(c);
+  return ok ? 0 : -1;
+}
+
+/* Creates a database with a fresh random name; its name goes to dbname and
+ * idemd's URL for it to url. Returns 0 or -1 with a reason. */
+static int pg_create_db(char *dbname, size_t namecap, char *url, size_t urlcap, char *why,
+                        size_t whylen) {
+  unsigned char rnd[6] = {0};
+  char sql[128];
+  int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || read(fd, rnd, sizeof rnd) != (ssize_t)sizeof rnd) {
+    /* not random, but unique enough within one cluster and one process */
+    static atomic_uint counter;
+    unsigned v = (unsigned)getpid() * 2654435761u ^ (unsigned)h_wall_ms() ^
+                 atomic_fetch_add(&counter, 1);
+    memcpy(rnd, &v, sizeof v);
+  }
+  if (fd >= 0)
+    close(fd);
+  snprintf(dbname, namecap, "idem_t_%02x%02x%02x%02x%02x%02x", rnd[0], rnd[1], rnd[2],
+           rnd[3], rnd[4], rnd[5]);
+  if (pg_url_with_db(store_url, dbname, url, urlcap) != 0) {
+    snprintf(why, whylen, "IDEM_TEST_STORE_URL is too long");
+    return -1;
+  }
+  snprintf(sql, sizeof sql, "CREATE DATABASE %s", dbname);
+  return pg_admin(sql, why, whylen);
+}
+
+static void pg_drop_db(const char *dbname) {
+  char sql[128], why[512];
+  snprintf(sql, sizeof sql, "DROP DATABASE IF EXISTS %s WITH (FORCE)", dbname);
+  if (pg_admin(sql, why, sizeof why) != 0)
+    fprintf(stderr, "harness: could not drop database %s: %s\n", dbname, why);
+}
+
+/* CREATE DATABASE takes about half a second (it copies and syncs a
+ * template), as long as the rest of a server's start. So one database is
+ * kept ready: a thread makes the next while the test uses the last. */
+static pthread_mutex_t spare_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t spare_changed = PTHREAD_COND_INITIALIZER;
+static char spare_name[64], spare_url[512];
+static int spare_ready, spare_stopping, spare_started;
+static pthread_t spare_thread;
+
+static void *spare_main(void *arg) {
+  (void)arg;
+  pthread_mutex_lock(&spare_lock);
+  for (;;) {
+    char name[64], url[512], why[512];
+    int rc;
+    while (spare_ready && !spare_stopping)
+      pthread_cond_wait(&spare_changed, &spare_lock);
+    if (spare_stopping)
+      break;
+    pthread_mutex_unlock(&spare_lock);
+    rc = pg_create_db(name, sizeof name, url, sizeof url, why, sizeof why);
+    pthread_mutex_lock(&spare_lock);
+    if (rc == 0) {
+      memcpy(spare_name, name, sizeof name);
+      memcpy(spare_url, url, sizeof url);
+      spare_ready = 1;
+      pthread_cond_broadcast(&spare_changed);
+    } else if (!spare_stopping) {
+      /* the cluster may be down on purpose (test_pg_restart): retry later */
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_sec += 1;
+      pthread_cond_timedwait(&spare_changed, &spare_lock, &ts);
+    }
+  }
+  pthread_mutex_unlock(&spare_lock);
+  return NULL;
+}
+
+/* At exit: stop the thread and drop the database it kept ready. */
+static void spare_stop(void) {
+  pthread_mutex_lock(&spare_lock);
+  spare_stopping = 1;
+  pthread_cond_broadcast(&spare_changed);
+  pthread_mutex_unlock(&spare_lock);
+  if (spare_started)
+    pthread_join(spare_thread, NULL);
+  if (spare_ready)
+    pg_drop_db(spare_name);
+  spare_ready = 0;
+}
+
+/* A fresh database for a server: the one kept ready if there is one (the
+ * thread then makes the next), else one made now. */
+static int pg_new_db(char *dbname, size_t namecap, char *url, size_t urlcap, char *why,
+                     size_t whylen) {
+  int took = 0;
+  pthread_mutex_lock(&spare_lock);
+  if (!spare_started && !spare_stopping &&
+      pthread_create(&spare_thread, NULL, spare_main, NULL) == 0) {
+    spare_started = 1;
+    atexit(spare_stop);
+  }
+  if (spare_ready && strlen(spare_name) < namecap && strlen(spare_url) < urlcap) {
+    snprintf(dbname, namecap, "%s", spare_name);
+    snprintf(url, urlcap, "%s", spare_url);
+    spare_ready = 0;
+    took = 1;
+    pthread_cond_broadcast(&spare_changed);
+  }
+  pthread_mutex_unlock(&spare_lock);
+  return took ? 0 : pg_create_db(dbname, namecap, url, urlcap, why, whylen);
 }
 
 /* The environment without IDEMD_* variables, so a developer's settings
@@ -328,10 +507,11 @@ static void set_flags(h_server_t *s, const char *const *flags) {
   }
 }
 
-h_server_t *h_server_start(const char *const *flags) {
+/* Starts a server on `db` (NULL: a new database of its own). */
+static h_server_t *start_on(const char *db, const char *const *flags) {
   const char *tmp = getenv("TMPDIR");
   h_server_t *s = calloc(1, sizeof *s);
-  char why[512];
+  char why[1024];
   int slot = -1;
 
   assert_non_null(s);
@@ -344,15 +524,41 @@ h_server_t *h_server_start(const char *const *flags) {
   snprintf(s->dir, sizeof s->dir, "%s/idem-it-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
   if (mkdtemp(s->dir) == NULL)
     fail_msg("mkdtemp: %s", strerror(errno));
-  snprintf(s->db, sizeof s->db, "%s/idem.db", s->dir);
   snprintf(s->log, sizeof s->log, "%s/idemd.log", s->dir);
   snprintf(s->cli_log, sizeof s->cli_log, "%s/cli.log", s->dir);
+  if (db != NULL) {
+    if (strlen(db) >= sizeof s->db)
+      fail_msg("database name too long: %s", db);
+    snprintf(s->db, sizeof s->db, "%s", db);
+  } else if (store_url == NULL) {
+    snprintf(s->db, sizeof s->db, "%s/idem.db", s->dir);
+  } else if (pg_new_db(s->pg_dbname, sizeof s->pg_dbname, s->db, sizeof s->db, why,
+                          sizeof why) != 0) {
+    s->pg_dbname[0] = '\0';
+    fail_msg("cannot create a PostgreSQL database: %s", why);
+  }
   set_flags(s, flags);
   if (launch(s, why, sizeof why) != 0) {
     print_log_tail(s);
     fail_msg("idemd did not start: %s", why);
   }
+  /* The store really is the one meant (its "listening" line names it). */
+  if (!logged_since(s->log, 0,
+                    strncmp(s->db, "postgres", 8) == 0 ? "\"store\":\"postgresql\""
+                                                       : "\"store\":\"sqlite\"")) {
+    print_log_tail(s);
+    fail_msg("idemd does not run on the store in %s", s->db);
+  }
   return s;
+}
+
+h_server_t *h_server_start(const char *const *flags) {
+  return start_on(NULL, flags);
+}
+
+h_server_t *h_server_start_on(const char *db, const char *const *flags) {
+  assert_non_null(db);
+  return start_on(db, flags);
 }
 
 void h_server_restart(h_server_t *s, const char *const *flags) {
@@ -419,18 +625,27 @@ int h_teardown(void **state) {
   char why[1024], first[1024] = "";
   (void)state;
   h_context_clear();
+  /* Every server first: several may share one database. */
+  for (int i = 0; i < MAX_SERVERS; i++) {
+    h_server_t *s = servers[i];
+    if (s && stop(s, why, sizeof why) != 0 && first[0] == '\0') {
+      print_log_tail(s);
+      snprintf(first, sizeof first, "%s", why);
+    }
+  }
   for (int i = 0; i < MAX_SERVERS; i++) {
     h_server_t *s = servers[i];
     if (s == NULL)
       continue;
-    if (stop(s, why, sizeof why) != 0 && first[0] == '\0') {
-      print_log_tail(s);
-      snprintf(first, sizeof first, "%s", why);
-    }
-    if (getenv("IDEM_TEST_KEEP") == NULL)
+    PQfinish(s->pg);
+    if (getenv("IDEM_TEST_KEEP") == NULL) {
       rm_rf(s->dir);
-    else
-      fprintf(stderr, "kept %s\n", s->dir);
+      if (s->pg_dbname[0])
+        pg_drop_db(s->pg_dbname);
+    } else {
+      fprintf(stderr, "kept %s%s%s\n", s->dir, s->pg_dbname[0] ? " and database " : "",
+              s->pg_dbname);
+    }
     for (int k = 0; s->flags[k]; k++)
       free(s->flags[k]);
     free(s);
@@ -847,6 +1062,16 @@ static void *job_main(void *p) {
 }
 
 void h_together(h_server_t *s, const h_req_t *reqs, int n, h_resp_t *out) {
+  h_server_t **each = calloc((size_t)n, sizeof *each);
+  assert_non_null(each);
+  for (int i = 0; i < n; i++)
+    each[i] = s;
+  h_together_on(each, reqs, n, out);
+  free(each);
+}
+
+void h_together_on(h_server_t *const *servers_of, const h_req_t *reqs, int n,
+                   h_resp_t *out) {
   pthread_barrier_t barrier;
   pthread_t *threads = calloc((size_t)n, sizeof *threads);
   struct job *jobs = calloc((size_t)n, sizeof *jobs);
@@ -855,7 +1080,7 @@ void h_together(h_server_t *s, const h_req_t *reqs, int n, h_resp_t *out) {
   assert_non_null(jobs);
   assert_int_equal(pthread_barrier_init(&barrier, NULL, (unsigned)n), 0);
   for (int i = 0; i < n; i++) {
-    jobs[i] = (struct job){s, &reqs[i], &out[i], curl_easy_init(), &barrier};
+    jobs[i] = (struct job){servers_of[i], &reqs[i], &out[i], curl_easy_init(), &barrier};
     assert_non_null(jobs[i].c);
   }
   for (int i = 0; i < n; i++)
@@ -871,8 +1096,8 @@ void h_together(h_server_t *s, const h_req_t *reqs, int n, h_resp_t *out) {
 
 /* ---- the database -------------------------------------------------- */
 
-/* Runs sql with text parameters; returns SQLITE_ROW with the statement
- * positioned on the first row, SQLITE_DONE for none, or an error. */
+/* SQLite: runs sql with text parameters; returns SQLITE_ROW with the
+ * statement positioned on the first row, SQLITE_DONE for none, or an error. */
 static int query(h_server_t *s, sqlite3 **db, sqlite3_stmt **st, const char *sql,
                  va_list ap) {
   const char *p;
@@ -896,67 +1121,173 @@ static void query_done(sqlite3 *db, sqlite3_stmt *st) {
   sqlite3_close(db);
 }
 
+/* The SQL with ?N placeholders written as $N, outside quoted literals and
+ * identifiers (the same length; malloc'd). */
+static char *pg_sql(const char *sql) {
+  char *out = strdup(sql);
+  char quote = 0;
+  if (out == NULL)
+    return NULL;
+  for (size_t i = 0; out[i]; i++) {
+    char c = out[i];
+    if (quote) {
+      if (c == quote)
+        quote = 0; /* '' inside a literal closes and reopens it: still right */
+    } else if (c == '\'' || c == '"') {
+      quote = c;
+    } else if (c == '?' && isdigit((unsigned char)out[i + 1])) {
+      out[i] = '$';
+    }
+  }
+  return out;
+}
+
+/* PostgreSQL: runs sql on the server's database through the harness's own
+ * read-only connection, opened on first use and again when it broke (the
+ * cluster may have been restarted). Returns the result (PGRES_TUPLES_OK;
+ * the caller clears it) or NULL with the reason in why. */
+static PGresult *pg_query(h_server_t *s, const char *sql, va_list ap, char *why,
+                          size_t whylen) {
+  const char *params[MAX_PARAMS];
+  const char *p;
+  char *q = pg_sql(sql);
+  int n = 0;
+
+  if (q == NULL) {
+    snprintf(why, whylen, "out of memory");
+    return NULL;
+  }
+  while ((p = va_arg(ap, const char *)) != NULL) {
+    if (n == MAX_PARAMS) {
+      snprintf(why, whylen, "more than %d parameters", MAX_PARAMS);
+      free(q);
+      return NULL;
+    }
+    params[n++] = p;
+  }
+  for (int attempt = 0; attempt < 2; attempt++) {
+    PGresult *res;
+    if (s->pg == NULL || PQstatus(s->pg) != CONNECTION_OK) {
+      PQfinish(s->pg);
+      s->pg = PQconnectdb(s->db);
+      if (s->pg == NULL || PQstatus(s->pg) != CONNECTION_OK) {
+        snprintf(why, whylen, "cannot connect: %s",
+                 s->pg ? PQerrorMessage(s->pg) : "out of memory");
+        continue;
+      }
+      PQsetNoticeProcessor(s->pg, pg_quiet, NULL);
+      PQclear(PQexec(s->pg, "SET default_transaction_read_only = on"));
+    }
+    res = PQexecParams(s->pg, q, n, NULL, params, NULL, NULL, 0);
+    if (PQresultStatus(res) == PGRES_TUPLES_OK) {
+      free(q);
+      return res;
+    }
+    snprintf(why, whylen, "%s", PQresultErrorMessage(res));
+    PQclear(res);
+    if (PQstatus(s->pg) == CONNECTION_OK)
+      break; /* the query itself failed: no second try */
+  }
+  free(q);
+  return NULL;
+}
+
+/* The first column of the first row as an integer (NULL reads as 0).
+ * Returns 1 with *v set, 0 when there is no row, -1 with a reason. */
+static int first_int(h_server_t *s, const char *sql, va_list ap, int64_t *v, char *why,
+                     size_t whylen) {
+  int found;
+  *v = 0;
+  if (store_url) {
+    PGresult *res = pg_query(s, sql, ap, why, whylen);
+    if (res == NULL)
+      return -1;
+    found = PQntuples(res) > 0 && PQnfields(res) > 0;
+    if (found && !PQgetisnull(res, 0, 0))
+      *v = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    PQclear(res);
+    return found;
+  } else {
+    sqlite3 *db = NULL;
+    sqlite3_stmt *st;
+    int rc = query(s, &db, &st, sql, ap);
+    if (rc == SQLITE_ROW)
+      *v = sqlite3_column_int64(st, 0);
+    else if (rc != SQLITE_DONE)
+      snprintf(why, whylen, "%s (%d)", db ? sqlite3_errmsg(db) : "open failed", rc);
+    query_done(db, st);
+    return rc == SQLITE_ROW ? 1 : rc == SQLITE_DONE ? 0 : -1;
+  }
+}
+
+/* Same, as text: *v is malloc'd, NULL for a NULL value. */
+static int first_text(h_server_t *s, const char *sql, va_list ap, char **v, char *why,
+                      size_t whylen) {
+  int found;
+  *v = NULL;
+  if (store_url) {
+    PGresult *res = pg_query(s, sql, ap, why, whylen);
+    if (res == NULL)
+      return -1;
+    found = PQntuples(res) > 0 && PQnfields(res) > 0;
+    if (found && !PQgetisnull(res, 0, 0))
+      *v = strdup(PQgetvalue(res, 0, 0));
+    PQclear(res);
+    return found;
+  } else {
+    sqlite3 *db = NULL;
+    sqlite3_stmt *st;
+    int rc = query(s, &db, &st, sql, ap);
+    if (rc == SQLITE_ROW && sqlite3_column_type(st, 0) != SQLITE_NULL)
+      *v = strdup((const char *)sqlite3_column_text(st, 0));
+    else if (rc != SQLITE_ROW && rc != SQLITE_DONE)
+      snprintf(why, whylen, "%s (%d)", db ? sqlite3_errmsg(db) : "open failed", rc);
+    query_done(db, st);
+    return rc == SQLITE_ROW ? 1 : rc == SQLITE_DONE ? 0 : -1;
+  }
+}
+
 int64_t h__db_int(h_server_t *s, const char *sql, ...) {
-  sqlite3 *db = NULL;
-  sqlite3_stmt *st;
-  int64_t v = 0;
+  char why[1024] = "no row";
+  int64_t v;
   va_list ap;
   int rc;
 
   va_start(ap, sql);
-  rc = query(s, &db, &st, sql, ap);
+  rc = first_int(s, sql, ap, &v, why, sizeof why);
   va_end(ap);
-  if (rc == SQLITE_ROW)
-    v = sqlite3_column_int64(st, 0);
-  if (rc != SQLITE_ROW) {
-    char msg[512];
-    snprintf(msg, sizeof msg, "%s", db ? sqlite3_errmsg(db) : "open failed");
-    query_done(db, st);
-    fail_msg("query '%s': %s (%d)", sql, msg, rc);
-  }
-  query_done(db, st);
+  if (rc != 1)
+    fail_msg("query '%s': %s", sql, why);
   return v;
 }
 
 char *h__db_text(h_server_t *s, const char *sql, ...) {
-  sqlite3 *db = NULL;
-  sqlite3_stmt *st;
-  char *v = NULL;
+  char why[1024] = "";
+  char *v;
   va_list ap;
   int rc;
 
   va_start(ap, sql);
-  rc = query(s, &db, &st, sql, ap);
+  rc = first_text(s, sql, ap, &v, why, sizeof why);
   va_end(ap);
-  if (rc == SQLITE_ROW && sqlite3_column_type(st, 0) != SQLITE_NULL)
-    v = strdup((const char *)sqlite3_column_text(st, 0));
-  if (rc != SQLITE_ROW && rc != SQLITE_DONE) {
-    char msg[512];
-    snprintf(msg, sizeof msg, "%s", db ? sqlite3_errmsg(db) : "open failed");
-    query_done(db, st);
-    fail_msg("query '%s': %s (%d)", sql, msg, rc);
-  }
-  query_done(db, st);
+  if (rc < 0)
+    fail_msg("query '%s': %s", sql, why);
   return v;
 }
 
 int h__db_wait(h_server_t *s, int timeout_ms, const char *sql, ...) {
   double deadline = h_now() + timeout_ms / 1000.0;
   for (;;) {
-    sqlite3 *db = NULL;
-    sqlite3_stmt *st;
-    int64_t v = 0;
+    char why[1024] = "no row";
+    int64_t v;
     va_list ap;
     int rc;
 
     va_start(ap, sql);
-    rc = query(s, &db, &st, sql, ap);
+    rc = first_int(s, sql, ap, &v, why, sizeof why);
     va_end(ap);
-    if (rc == SQLITE_ROW)
-      v = sqlite3_column_int64(st, 0);
-    query_done(db, st);
-    if (rc != SQLITE_ROW)
-      fail_msg("query '%s' failed (%d)", sql, rc);
+    if (rc != 1)
+      fail_msg("query '%s' failed: %s", sql, why);
     if (v >= 1)
       return 1;
     if (h_now() > deadline)
@@ -985,20 +1316,16 @@ void h_context_clear(void) {
            __VA_ARGS__)
 
 void h__assert_db(h_server_t *s, int64_t want, const char *sql, ...) {
-  sqlite3 *db = NULL;
-  sqlite3_stmt *st;
-  int64_t v = 0;
+  char why[1024] = "no row";
+  int64_t v;
   va_list ap;
   int rc;
 
   va_start(ap, sql);
-  rc = query(s, &db, &st, sql, ap);
+  rc = first_int(s, sql, ap, &v, why, sizeof why);
   va_end(ap);
-  if (rc == SQLITE_ROW)
-    v = sqlite3_column_int64(st, 0);
-  query_done(db, st);
-  if (rc != SQLITE_ROW)
-    FAIL("query '%s' failed (%d)", sql, rc);
+  if (rc != 1)
+    FAIL("query '%s' failed: %s", sql, why);
   if (v != want)
     FAIL("'%s' gives %lld, want %lld", sql, (long long)v, (long long)want);
 }
@@ -1006,8 +1333,8 @@ void h__assert_db(h_server_t *s, int64_t want, const char *sql, ...) {
 /* Library or internal text that must never reach an HTTP body. */
 static void assert_no_internals(const h_resp_t *r) {
   static const char *const leaks[] = {
-      "sqlite",  "select ", "insert ", "update ", "constraint",
-      "jansson", "/src/",   ".c:",     "stack",   "segfault"};
+      "sqlite",  "select ", "insert ", "update ", "constraint", "jansson",
+      "/src/",   ".c:",     "stack",   "segfault", "postgres",  "libpq"};
   for (size_t i = 0; i < sizeof leaks / sizeof *leaks; i++)
     if (r->body && strcasestr(r->body, leaks[i]))
       FAIL("error body shows internals ('%s'): %.600s", leaks[i], r->body);

@@ -1,8 +1,16 @@
-/* The integration harness: starts the real idemd on a fresh temp dir and a
- * free loopback port, creates tenants through its command line, talks HTTP
- * to it with libcurl (or raw bytes over a socket), and reads its SQLite file
- * directly. Functions that fail the test (cmocka) are marked "fails"; only
- * call those from the main thread. */
+/* The integration harness: starts the real idemd on a fresh temp dir, a
+ * fresh database and a free loopback port, creates tenants through its
+ * command line, talks HTTP to it with libcurl (or raw bytes over a socket),
+ * and reads its database directly.
+ *
+ * The store: a SQLite file in the server's temp dir by default; when the
+ * environment variable IDEM_TEST_STORE_URL names a PostgreSQL cluster
+ * (postgresql://... or postgres://..., as scripts/with-pg.sh sets it), each
+ * server gets a database of its own on that cluster instead (created at
+ * start, dropped at teardown), and the database helpers below run on libpq.
+ *
+ * Functions that fail the test (cmocka) are marked "fails"; only call those
+ * from the main thread. */
 #ifndef IDEM_TEST_HARNESS_H
 #define IDEM_TEST_HARNESS_H
 
@@ -23,13 +31,17 @@
  * h_teardown() stops it and removes the dir. */
 typedef struct h_server {
   char dir[256];
-  char db[300];
+  char db[512];      /* what idemd gets as --db: a SQLite file or a PostgreSQL URL */
   char log[300];     /* idemd's stderr and stdout */
   char cli_log[300]; /* stderr of `idemd tenant create` */
   int port;
   pid_t pid;
   int running;
   char *flags[H_MAX_FLAGS + 1];
+  char pg_dbname[64]; /* PostgreSQL: the database this server created and
+                         h_teardown() drops; "" when it shares another's */
+  void *pg;           /* PostgreSQL: the harness's own connection (PGconn *)
+                         for the database helpers; NULL until first used */
 } h_server_t;
 
 /* A request. Zero-initialise and set what matters. */
@@ -75,8 +87,18 @@ double h_now(void);
 int64_t h_wall_ms(void);
 
 /* Starts `idemd serve` with `flags` (NULL-terminated, may be NULL) on a new
- * temp dir and waits for GET /healthz 200. Fails. */
+ * temp dir and a new database (see the top of this file) and waits for
+ * GET /healthz 200. Fails. */
 h_server_t *h_server_start(const char *const *flags);
+/* Starts one more idemd, on a new temp dir and port, that shares the
+ * database `db` (normally another server's ->db: several instances on one
+ * PostgreSQL database). The database stays owned by the server that made
+ * it. Fails. */
+h_server_t *h_server_start_on(const char *db, const char *const *flags);
+/* 1 when the servers run on PostgreSQL (IDEM_TEST_STORE_URL), else 0. */
+int h_store_is_pg(void);
+/* The cluster URL from IDEM_TEST_STORE_URL, or NULL on SQLite. */
+const char *h_store_url(void);
 /* Starts the same (stopped) server again on its dir and database, with new
  * flags, on a new port. Fails. */
 void h_server_restart(h_server_t *s, const char *const *flags);
@@ -84,7 +106,8 @@ void h_server_restart(h_server_t *s, const char *const *flags);
  * nor the CLI's has a sanitizer report. Fails. */
 void h_server_stop(h_server_t *s);
 /* cmocka teardown: stops every server still running (asserting as above),
- * removes their temp dirs (kept when IDEM_TEST_KEEP is set). */
+ * removes their temp dirs and drops their PostgreSQL databases (both kept
+ * when IDEM_TEST_KEEP is set). */
 int h_teardown(void **state);
 
 /* Runs `idemd tenant create NAME --db DB`; returns its API key (malloc'd,
@@ -110,10 +133,15 @@ void h_raw_post(h_server_t *s, const char *path, const char *token, const char *
  * and then send reqs[i]; out[i] gets its answer. Fails only if threads
  * cannot be created. */
 void h_together(h_server_t *s, const h_req_t *reqs, int n, h_resp_t *out);
+/* Same, but reqs[i] goes to servers[i] (several instances at once). */
+void h_together_on(h_server_t *const *servers, const h_req_t *reqs, int n, h_resp_t *out);
 void h_resp_free(h_resp_t *r);
 
 /* Reads the database (read-only) and returns the integer in the first
- * column of the first row. Parameters are text, bound as ?1, ?2, ... Fails. */
+ * column of the first row. Parameters are text, bound as ?1, ?2, ... (on
+ * PostgreSQL they become $1, $2, ..., outside quoted literals; the schema
+ * has the same tables and the views payments and orders on both stores,
+ * but functions and catalogs differ: see h_store_is_pg()). Fails. */
 int64_t h__db_int(h_server_t *s, const char *sql, ...);
 #define h_db_int(s, ...) h__db_int((s), __VA_ARGS__, (const char *)NULL)
 /* Same, as text (malloc'd; NULL for no row or a NULL value). Fails. */

@@ -737,9 +737,12 @@ static void test_sql_looking_input(void **state) {
   assert_non_null(v);
   assert_string_equal(v, customer);
   free(v);
-  v = h_db_text(
-      s, "SELECT json_extract(body, '$.items[0].sku') FROM resources WHERE id = ?1",
-      h_id(&first));
+  v = h_db_text(s,
+                h_store_is_pg()
+                    ? "SELECT body::jsonb #>> '{items,0,sku}' FROM resources WHERE id = ?1"
+                    : "SELECT json_extract(body, '$.items[0].sku') FROM resources "
+                      "WHERE id = ?1",
+                h_id(&first));
   assert_non_null(v);
   assert_string_equal(v, sku);
   free(v);
@@ -747,8 +750,12 @@ static void test_sql_looking_input(void **state) {
 
   /* Everything is still there. */
   h_assert_db(s, 5,
-              "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN "
-              "('meta', 'tenants', 'idempotency_records', 'resources', 'outbox')");
+              h_store_is_pg()
+                  ? "SELECT count(*) FROM information_schema.tables WHERE table_schema = "
+                    "current_schema() AND table_type = 'BASE TABLE' AND table_name IN "
+                    "('meta', 'tenants', 'idempotency_records', 'resources', 'outbox')"
+                  : "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name IN "
+                    "('meta', 'tenants', 'idempotency_records', 'resources', 'outbox')");
   h_assert_db(s, 1, "SELECT count(*) FROM tenants");
   h_assert_db(s, 8, "SELECT count(*) FROM idempotency_records WHERE state = 'completed'");
   h_assert_db(s, 8, "SELECT count(*) FROM resources");
