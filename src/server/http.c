@@ -20,9 +20,10 @@
 #include "server/reply.h"
 #include "server/validate.h"
 
-/* Past the cap we keep reading (and dropping) a little so the client can
- * read its 413; beyond this we just close the connection. */
-#define DISCARD_LIMIT (1024 * 1024)
+/* Past the 64 KiB cap we keep reading, and dropping, up to this much so the
+ * client can read its 413 (libmicrohttpd answers only once the upload is
+ * over); beyond it we close the connection. Memory does not grow either way. */
+#define DISCARD_LIMIT (8 * 1024 * 1024)
 
 struct route_def {
   const char *prefix; /* exact path, or prefix of "/{id}" routes */
