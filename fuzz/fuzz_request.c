@@ -178,12 +178,13 @@ static int hex_digit(char c) {
                                 : -1;
 }
 
-/* Whether the server will see `path` as /metrics: it percent-decodes the
- * path, and an encoded NUL ends it ("/metrics%00x" is /metrics). */
+/* Whether the server will see `path` as /metrics: the query goes, the rest
+ * is percent-decoded, and an encoded NUL ends it ("/metrics%00x" is
+ * /metrics). */
 static int is_metrics(const char *path) {
   char decoded[16];
   size_t n = 0;
-  for (const char *c = path; *c && n < sizeof decoded - 1; c++) {
+  for (const char *c = path; *c && *c != '?' && n < sizeof decoded - 1; c++) {
     char ch = *c;
     if (ch == '%' && hex_digit(c[1]) >= 0 && hex_digit(c[2]) >= 0) {
       ch = (char)(hex_digit(c[1]) * 16 + hex_digit(c[2]));
@@ -326,13 +327,28 @@ static void build(const uint8_t *data, size_t size, request_t *rq) {
 static int exchange(const buf_t *req, buf_t *answer) {
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)srv.port)};
   int64_t deadline = idem_mono_ms() + ANSWER_TIMEOUT_MS;
+  /* Reset on close: hundreds of thousands of exchanges would otherwise
+   * leave as many TIME_WAIT sockets and run out of loopback ports. */
+  struct linger reset = {1, 0};
   size_t sent = 0;
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  int fd = -1, rc = -1;
 
-  FUZZ_CHECK(fd >= 0, "socket: %s", strerror(errno));
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  FUZZ_CHECK(connect(fd, (struct sockaddr *)&a, sizeof a) == 0, "connect: %s",
-             strerror(errno));
+  /* A new socket per try: libFuzzer's timer signal can interrupt connect,
+   * and ports in TIME_WAIT from elsewhere can run out for a moment. */
+  for (int tries = 0; rc != 0 && tries < 100; tries++) {
+    if (fd >= 0) {
+      close(fd);
+      usleep(10000);
+    }
+    fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    FUZZ_CHECK(fd >= 0, "socket: %s", strerror(errno));
+    setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+    rc = connect(fd, (struct sockaddr *)&a, sizeof a);
+    FUZZ_CHECK(rc == 0 || errno == EINTR || errno == EADDRNOTAVAIL, "connect: %s",
+               strerror(errno));
+  }
+  FUZZ_CHECK(rc == 0, "connect: %s (100 tries)", strerror(errno));
   for (;;) {
     struct pollfd pfd = {fd, POLLIN | (sent < req->n ? POLLOUT : 0), 0};
     int64_t left = deadline - idem_mono_ms();
