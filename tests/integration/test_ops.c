@@ -3,13 +3,16 @@
  * or generated, /healthz and /metrics and the counters they move, SIGTERM
  * letting the requests in flight finish, the sweeper, and the tenant and
  * record tools of the command line run against a live server. */
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -259,6 +262,54 @@ static double metric(const char *text, const char *name) {
   return -1;
 }
 
+/* ---- counters ---------------------------------------------------------- */
+
+#define PAY_COUNTER(outcome)                                                             \
+  "idem_requests_total{operation=\"create_payment\",outcome=\"" outcome "\"}"
+
+static const char *const pay_outcomes[] = {PAY_COUNTER("new"),       PAY_COUNTER("replay"),
+                                           PAY_COUNTER("mismatch"),  PAY_COUNTER("invalid"),
+                                           PAY_COUNTER("in_flight"), PAY_COUNTER("pending"),
+                                           PAY_COUNTER("read"),      PAY_COUNTER("error")};
+#define NPAY_OUTCOMES (sizeof pay_outcomes / sizeof *pay_outcomes)
+
+/* GET /metrics; fails unless it answers 200. Caller frees with h_resp_free. */
+static void get_metrics(h_server_t *s, h_resp_t *r) {
+  h_get(s, "/metrics", NULL, r);
+  h_assert_status(r, 200);
+}
+
+/* The current values of pay_outcomes[] (each must be listed). */
+static void read_pay_counters(h_server_t *s, double *out) {
+  h_resp_t r;
+  get_metrics(s, &r);
+  for (size_t i = 0; i < NPAY_OUTCOMES; i++) {
+    out[i] = metric(r.body, pay_outcomes[i]);
+    if (out[i] < 0)
+      fail_msg("%s is not in /metrics", pay_outcomes[i]);
+  }
+  h_resp_free(&r);
+}
+
+/* Reads the counters until each has moved by at least want[i] from
+ * base[i] (base NULL: from zero), at most 5 s: a request is counted once
+ * its answer is out, possibly just after the client has read it, and
+ * requests on different connections may be counted in any order. */
+static void settle_pay_counters(h_server_t *s, const double *base, const double *want,
+                                double *out) {
+  double deadline = h_now() + 5;
+  for (;;) {
+    int all = 1;
+    read_pay_counters(s, out);
+    for (size_t i = 0; i < NPAY_OUTCOMES; i++)
+      all = all && out[i] - (base ? base[i] : 0) >= want[i];
+    if (all || h_now() > deadline)
+      return;
+    struct timespec ts = {0, 10 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+}
+
 /* /healthz and /metrics answer without credentials; the metrics of SPEC
  * section 5 are there and count what happened. */
 static void test_health_and_metrics(void **state) {
@@ -283,6 +334,13 @@ static void test_health_and_metrics(void **state) {
   h_post(s, "/payments", tok, "m-2", "{\"amount\": 7070}", &r);
   h_assert_first(&r, 202);
   h_resp_free(&r);
+
+  {
+    /* new, replay, pending: counted once each answer is out */
+    const double want[NPAY_OUTCOMES] = {1, 1, 0, 0, 0, 1, 0, 0};
+    double seen[NPAY_OUTCOMES];
+    settle_pay_counters(s, NULL, want, seen);
+  }
 
   h_get(s, "/healthz", NULL, &r);
   h_assert_status(&r, 200);
@@ -369,44 +427,14 @@ static void test_sigterm_lets_request_finish(void **state) {
   h_server_stop(s);
 }
 
-/* ---- counters ---------------------------------------------------------- */
-
-#define PAY_COUNTER(outcome)                                                             \
-  "idem_requests_total{operation=\"create_payment\",outcome=\"" outcome "\"}"
-
-static const char *const pay_outcomes[] = {PAY_COUNTER("new"),       PAY_COUNTER("replay"),
-                                           PAY_COUNTER("mismatch"),  PAY_COUNTER("invalid"),
-                                           PAY_COUNTER("in_flight"), PAY_COUNTER("pending"),
-                                           PAY_COUNTER("read"),      PAY_COUNTER("error")};
-#define NPAY_OUTCOMES (sizeof pay_outcomes / sizeof *pay_outcomes)
-
-/* GET /metrics; fails unless it answers 200. Caller frees with h_resp_free. */
-static void get_metrics(h_server_t *s, h_resp_t *r) {
-  h_get(s, "/metrics", NULL, r);
-  h_assert_status(r, 200);
-}
-
-/* The current values of pay_outcomes[] (each must be listed). */
-static void read_pay_counters(h_server_t *s, double *out) {
-  h_resp_t r;
-  get_metrics(s, &r);
-  for (size_t i = 0; i < NPAY_OUTCOMES; i++) {
-    out[i] = metric(r.body, pay_outcomes[i]);
-    if (out[i] < 0)
-      fail_msg("%s is not in /metrics", pay_outcomes[i]);
-  }
-  h_resp_free(&r);
-}
-
 /* One request of each outcome on POST /payments moves its own counter by
- * one and no other. The counters are bumped once the answer is out, so
- * wait (bounded) for the last to show, then compare exactly. */
+ * one and no other. */
 static void test_request_counters(void **state) {
   h_server_t *s = h_server_start(NULL);
   const char *tok = h_tenant(s, "acme");
+  const double warm[NPAY_OUTCOMES] = {1, 0, 0, 0, 0, 0, 0, 0};
   const double want[NPAY_OUTCOMES] = {1, 1, 1, 1, 0, 0, 0, 0};
   double before[NPAY_OUTCOMES], after[NPAY_OUTCOMES];
-  double deadline;
   h_resp_t r;
   (void)state;
 
@@ -414,7 +442,7 @@ static void test_request_counters(void **state) {
   h_post(s, "/payments", tok, "warm-up", PAYMENT, &r);
   h_assert_first(&r, 201);
   h_resp_free(&r);
-  read_pay_counters(s, before);
+  settle_pay_counters(s, NULL, warm, before);
 
   h_post(s, "/payments", tok, "count-1", PAYMENT, &r); /* new */
   h_assert_first(&r, 201);
@@ -430,14 +458,7 @@ static void test_request_counters(void **state) {
   h_assert_field_error(&r, "amount");
   h_resp_free(&r);
 
-  deadline = h_now() + 5;
-  do {
-    read_pay_counters(s, after);
-    if (after[3] - before[3] >= 1)
-      break;
-    struct timespec ts = {0, 10 * 1000000L};
-    nanosleep(&ts, NULL);
-  } while (h_now() < deadline);
+  settle_pay_counters(s, before, want, after);
   for (size_t i = 0; i < NPAY_OUTCOMES; i++) {
     h_context("%s: before %.0f, after %.0f", pay_outcomes[i], before[i], after[i]);
     assert_true(after[i] - before[i] == want[i]);
@@ -1004,6 +1025,99 @@ static void test_sigterm_drains_load(void **state) {
   free(log);
 }
 
+/* ---- no arguments at all ---------------------------------------------- */
+
+/* SPEC sections 5 and 6: `idemd` alone serves, with the defaults, on SQLite
+ * in the current directory. The port comes from IDEMD_LISTEN (an
+ * environment variable, not a flag) so the test does not take 8080. */
+static void test_no_arguments_serves(void **state) {
+  char dir[] = "/tmp/idem-noargs-XXXXXX";
+  char listen[64], db[300], log[300];
+  h_server_t at = {0};
+  int status = 0, up = 0, exited = 0;
+  pid_t pid;
+  h_resp_t r;
+  (void)state;
+
+  assert_non_null(mkdtemp(dir));
+  {
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    assert_true(fd >= 0);
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    assert_int_equal(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    at.port = ntohs(a.sin_port);
+    close(fd);
+  }
+  snprintf(listen, sizeof listen, "127.0.0.1:%d", at.port);
+  snprintf(db, sizeof db, "%s/idem.db", dir);
+  snprintf(log, sizeof log, "%s/idemd.log", dir);
+  pid = fork();
+  assert_true(pid >= 0);
+  if (pid == 0) {
+    char *const argv[] = {(char *)idemd_bin, NULL};
+    char *env[] = {NULL, NULL, NULL, NULL};
+    char e_listen[96], e_asan[512], e_ubsan[512];
+    int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const char *asan = getenv("ASAN_OPTIONS"), *ubsan = getenv("UBSAN_OPTIONS");
+    int k = 0;
+    if (fd < 0 || chdir(dir) != 0)
+      _exit(126);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    snprintf(e_listen, sizeof e_listen, "IDEMD_LISTEN=%s", listen);
+    env[k++] = e_listen;
+    if (asan) {
+      snprintf(e_asan, sizeof e_asan, "ASAN_OPTIONS=%s", asan);
+      env[k++] = e_asan;
+    }
+    if (ubsan) {
+      snprintf(e_ubsan, sizeof e_ubsan, "UBSAN_OPTIONS=%s", ubsan);
+      env[k++] = e_ubsan;
+    }
+    execve(idemd_bin, argv, env);
+    _exit(127);
+  }
+  for (int i = 0; i < 1000 && !up && !exited; i++) {
+    h_get(&at, "/healthz", NULL, &r);
+    up = r.status == 200;
+    h_resp_free(&r);
+    if (!up && waitpid(pid, &status, WNOHANG) == pid)
+      exited = 1;
+    if (!up && !exited) {
+      struct timespec ts = {0, 10 * 1000000L};
+      nanosleep(&ts, NULL);
+    }
+  }
+  if (!exited) {
+    kill(pid, SIGTERM);
+    assert_int_equal(waitpid(pid, &status, 0), pid);
+  }
+  {
+    char *text = h_read_file(log, NULL);
+    char out[600], p[320];
+    int made = access(db, F_OK) == 0;
+    int clean = text == NULL || (strstr(text, "Sanitizer") == NULL &&
+                                 strstr(text, "runtime error") == NULL);
+    int ok = up && WIFEXITED(status) && WEXITSTATUS(status) == 0 && made && clean;
+    snprintf(out, sizeof out, "%s", text ? text : "");
+    free(text);
+    unlink(db);
+    snprintf(p, sizeof p, "%s-wal", db);
+    unlink(p);
+    snprintf(p, sizeof p, "%s-shm", db);
+    unlink(p);
+    unlink(log);
+    rmdir(dir);
+    if (!ok)
+      fail_msg("`idemd` with no arguments (IDEMD_LISTEN=%s) %s; exit status 0x%x; ./idem.db "
+               "%s; output: %s",
+               listen, up ? "served" : "never served", status, made ? "made" : "not made",
+               out);
+  }
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_log_lines_hide_keys, h_teardown),
@@ -1015,6 +1129,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_sweeper_deletes_only_expired, h_teardown),
       cmocka_unit_test_teardown(test_tenant_rotate_disable_enable, h_teardown),
       cmocka_unit_test_teardown(test_records_tools, h_teardown),
+      cmocka_unit_test(test_no_arguments_serves),
   };
   int rc;
   h_init(argc, argv);
