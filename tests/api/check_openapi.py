@@ -4,12 +4,15 @@
 Starts the idemd binary given as the first argument on a fresh temp dir,
 SQLite file and loopback port (sandbox flags make it decline, lose and fail
 to reach the provider for chosen amounts, and make payments slow enough for
-a duplicate to get 409), drives every documented route through every status
-it can produce, and checks each answer against the document:
+a duplicate to get 409; IDEM_FAULT_FILE makes its store fail on demand; a
+second idemd with --max-connections 1 answers 503 to a second connection),
+drives every documented route through every status it can produce, and
+checks each answer against the document:
 
   - the path and method are documented (or the answer is one of the
     x-unmatched-responses: 404 for an unknown path, 405 with Allow for a
-    method the path does not take);
+    method the path does not take, 503 at --max-connections; or, without
+    X-Request-Id, one of the x-transport-responses libmicrohttpd writes);
   - the status is documented for that operation;
   - the Content-Type is a documented media type and the body validates
     against the documented JSON Schema (HEAD: no body);
@@ -57,10 +60,21 @@ DEFAULT_DOC = os.path.join(HERE, '..', '..', 'docs', 'openapi.yaml')
 
 METHODS = ('get', 'put', 'post', 'delete', 'options', 'head', 'patch', 'trace')
 
-# Documented statuses this test cannot make the server produce, and why.
+# Documented statuses this test cannot make the server produce, and why:
+# (where, status); where is an operation's path template, '*' for any, or
+# the name of a root extension.
 NOT_PRODUCED = {
-    '500': 'only when idemd runs out of memory',
+    ('*', '500'): 'only when idemd runs out of memory',
+    ('x-transport-responses', '400'):
+        'a malformed Content-Length or chunk, which urllib does not send '
+        '(fuzz/fuzz_request and tests/integration/test_limits.c send raw bytes)',
+    ('x-transport-responses', '505'):
+        'a request line with another HTTP version, which urllib does not send',
 }
+
+
+def excused(where, status):
+    return ('*', status) in NOT_PRODUCED or (where, status) in NOT_PRODUCED
 
 # Sandbox amounts (see `idemd --help`).
 DECLINE, UNCERTAIN, UNAVAILABLE = 4020, 2020, 5030
@@ -261,6 +275,8 @@ def check_response(resp, ex, where):
         if body:
             problems.append('%s: a body although none is documented' % where)
         return problems
+    if not ctype and resp.get('x-content-type-missing') and len(content) == 1:
+        ctype = next(iter(content)).lower()  # documented: sent without the header
     if ctype not in {k.lower() for k in content}:
         problems.append('%s: Content-Type %r not documented (%s)'
                         % (where, ctype, ', '.join(content)))
@@ -299,14 +315,22 @@ def check_exchange(full, ex):
     problems = []
     method, path, status = ex['method'], ex['path'], str(ex['status'])
     where = '%s %s -> %s (%s)' % (method, path, status, ex['label'])
+    transport = {str(k): v for k, v in (full.get('x-transport-responses') or {}).items()}
     if 'x-request-id' not in ex['headers']:
-        problems.append('%s: no X-Request-Id' % where)
+        # Not written by idemd: only a documented transport answer may say so.
+        if status not in transport:
+            problems.append('%s: no X-Request-Id, and %s is not one of the '
+                            'x-transport-responses' % (where, status))
+            return problems, None
+        return check_response(transport[status], ex, where), ('x-transport-responses', status)
 
     template, item = match_path(full, path)
     op = item.get(method.lower()) if item else None
     if op is None:
-        unmatched = full.get('x-unmatched-responses') or {}
+        unmatched = {str(k): v for k, v in (full.get('x-unmatched-responses') or {}).items()}
         want = '404' if template is None else '405'
+        if status == '503' and status in unmatched:
+            want = '503'  # the connection cap comes before the routes
         if status != want or status not in unmatched:
             problems.append('%s: %s is not documented (%s); expected the documented %s '
                             'of x-unmatched-responses' % (
@@ -405,14 +429,16 @@ def check_all(doc, exchanges):
                 continue
             for status in op.get('responses') or {}:
                 status = str(status)
-                if status in NOT_PRODUCED:
+                if excused(template, status):
                     continue
                 if ((template, method), status) not in covered:
                     problems.append('%s %s: documented status %s was never produced'
                                     % (method.upper(), template, status))
-    for status in (full.get('x-unmatched-responses') or {}):
-        if status not in NOT_PRODUCED and ('x-unmatched-responses', str(status)) not in covered:
-            problems.append('x-unmatched-responses: %s was never produced' % status)
+    for ext in ('x-unmatched-responses', 'x-transport-responses'):
+        for status in (full.get(ext) or {}):
+            status = str(status)
+            if not excused(ext, status) and (ext, status) not in covered:
+                problems.append('%s: %s was never produced' % (ext, status))
     return problems
 
 
@@ -438,6 +464,9 @@ class Server:
         self.dir = tempfile.mkdtemp(prefix='idem-openapi-')
         self.db = os.path.join(self.dir, 'idem.db')
         self.log = os.path.join(self.dir, 'idemd.log')
+        # While this file exists, every store call of this idemd fails
+        # (IDEM_FAULT_FILE, a test hook: docs/hardening.md).
+        self.fault = os.path.join(self.dir, 'store-fault')
         self.flags = flags
         self.proc = None
         self.port = None
@@ -453,10 +482,12 @@ class Server:
         for _ in range(5):
             self.port = free_port()
             logf = open(self.log, 'ab')
+            env = clean_env()
+            env['IDEM_FAULT_FILE'] = self.fault
             self.proc = subprocess.Popen(
                 [self.idemd, 'serve', '--db', self.db,
                  '--listen', '127.0.0.1:%d' % self.port] + self.flags,
-                stdout=logf, stderr=logf, env=clean_env())
+                stdout=logf, stderr=logf, env=env)
             logf.close()
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline and self.proc.poll() is None:
@@ -492,13 +523,30 @@ class Server:
             return ''
 
     def sql(self, statement):
-        """Runs one statement on the database (used to break and mend the
-        store while idemd runs)."""
+        """Runs one read on the database."""
         con = sqlite3.connect(self.db, timeout=10, isolation_level=None)
         try:
             return con.execute(statement).fetchall()
         finally:
             con.close()
+
+    def store_fault(self, on):
+        if on:
+            open(self.fault, 'w').close()
+        elif os.path.exists(self.fault):
+            os.unlink(self.fault)
+
+
+def stop_clean(server):
+    """SIGTERM; the exit status must be 0 and the log free of sanitizer
+    reports."""
+    rc = server.stop()
+    log = server.log_text()
+    if rc != 0:
+        raise Failure('idemd exited %s after SIGTERM:\n%s' % (rc, log[-2000:]))
+    for mark in SANITIZER_MARKS:
+        if mark in log:
+            raise Failure('sanitizer report in the idemd log:\n' + log[-4000:])
 
 
 # ---------------------------------------------------------------------------
@@ -506,10 +554,10 @@ class Server:
 
 
 class Driver:
-    def __init__(self, server):
+    def __init__(self, server, exchanges=None):
         self.s = server
         self.base = 'http://127.0.0.1:%d' % server.port
-        self.exchanges = []
+        self.exchanges = exchanges if exchanges is not None else []
         self.lock = threading.Lock()
 
     def call(self, method, path, expect, label, token=None, key=None, body=None,
@@ -728,8 +776,21 @@ def drive(d, tok, other, server):
                          ('PATCH', '/metrics'), ('OPTIONS', O), ('DELETE', '/orders/x')):
         d.call(method, path, 405, 'method not allowed')
 
-    # --- the store fails: 503 (authentication reads tenants; healthz reads meta)
-    server.sql('ALTER TABLE tenants RENAME TO tenants_broken')
+    # --- request line and headers over --max-header-bytes: 431, any route
+    pad = {'X-Pad': 'p' * (20 * 1024)}
+    for method, path, t in (('POST', P, tok), ('POST', O, tok), ('GET', '/payments/' + pay_id, tok),
+                            ('HEAD', '/payments/' + pay_id, tok),
+                            ('GET', '/orders/' + ord_id, tok), ('HEAD', '/orders/' + ord_id, tok),
+                            ('GET', '/healthz', None), ('HEAD', '/healthz', None),
+                            ('GET', '/metrics', None), ('HEAD', '/metrics', None),
+                            ('GET', '/nowhere', None)):
+        # No body: idemd hangs up after the 431, and a body still being sent
+        # would meet a closed socket.
+        d.call(method, path, 431, 'headers over --max-header-bytes', t, 'k-431', None,
+               headers=pad)
+
+    # --- the store fails: 503 everywhere it is needed; /metrics still answers
+    server.store_fault(True)
     try:
         d.call('POST', P, 503, 'store failure', tok, 'pay-store', {'amount': 1})
         d.call('POST', O, 503, 'store failure', tok, 'order-store', order)
@@ -737,17 +798,34 @@ def drive(d, tok, other, server):
         d.call('HEAD', '/payments/' + pay_id, 503, 'store failure', tok)
         d.call('GET', '/orders/' + ord_id, 503, 'store failure', tok)
         d.call('HEAD', '/orders/' + ord_id, 503, 'store failure', tok)
-        d.call('GET', '/healthz', 200, 'healthz: tenants are not its business')
-    finally:
-        server.sql('ALTER TABLE tenants_broken RENAME TO tenants')
-    server.sql('ALTER TABLE meta RENAME TO meta_broken')
-    try:
         d.call('GET', '/healthz', 503, 'store unreachable')
         d.call('HEAD', '/healthz', 503, 'store unreachable')
+        d.call('GET', '/metrics', 200, 'metrics while the store fails')
     finally:
-        server.sql('ALTER TABLE meta_broken RENAME TO meta')
+        server.store_fault(False)
     d.call('GET', '/healthz', 200, 'store back')
     d.call('GET', '/payments/' + pay_id, 200, 'store back', tok)
+    d.call('POST', P, 201, 'a key tried during the fault is free', tok, 'pay-store',
+           {'amount': 1})
+
+
+def drive_connection_cap(d, tok):
+    """A second idemd with --max-connections 1 and one connection held
+    open: every request on another connection is answered 503 first."""
+    hold = socket.create_connection(('127.0.0.1', d.s.port), timeout=10)
+    try:
+        time.sleep(0.2)  # let idemd count the held connection
+        for method, path, t, body in (
+                ('POST', '/payments', tok, {'amount': 1}),
+                ('POST', '/orders', tok, {'customer_id': 'c'}),
+                ('GET', '/payments/pay_x', tok, None), ('HEAD', '/payments/pay_x', tok, None),
+                ('GET', '/orders/ord_x', tok, None), ('HEAD', '/orders/ord_x', tok, None),
+                ('GET', '/healthz', None, None), ('HEAD', '/healthz', None, None),
+                ('GET', '/metrics', None, None), ('HEAD', '/metrics', None, None),
+                ('GET', '/nowhere', None, None), ('DELETE', '/payments', None, None)):
+            d.call(method, path, 503, 'beyond --max-connections', t, 'k-cap', body)
+    finally:
+        hold.close()
 
 
 # ---------------------------------------------------------------------------
@@ -767,6 +845,13 @@ def mutations(doc):
           lambda c: paths(c)['/payments']['post']['responses'].pop('402')),
         m('503 removed from GET /healthz',
           lambda c: paths(c)['/healthz']['get']['responses'].pop('503')),
+        m('503 removed from HEAD /metrics',
+          lambda c: paths(c)['/metrics']['head']['responses'].pop('503')),
+        m('431 not documented', lambda c: c['x-transport-responses'].pop('431')),
+        m('transport answers documented as JSON',
+          lambda c: c['x-transport-responses']['431'].update(
+              {'content': {'application/json': {'schema': {'type': 'object'}}}})),
+        m('unmatched 503 not documented', lambda c: c['x-unmatched-responses'].pop('503')),
         m('path /orders/{id} removed', lambda c: paths(c).pop('/orders/{id}')),
         m('HEAD of /metrics removed', lambda c: paths(c)['/metrics'].pop('head')),
         m('a status never produced documented',
@@ -824,6 +909,7 @@ def main(argv):
         print('check_openapi: FAIL: %s' % e)
         return 1
 
+    servers = []
     server = Server(idemd, [
         '--sandbox-decline-amount', str(DECLINE),
         '--sandbox-uncertain-amount', str(UNCERTAIN),
@@ -831,7 +917,9 @@ def main(argv):
         '--sandbox-delay', SANDBOX_DELAY,
         '--inflight-wait', INFLIGHT_WAIT,
         '--reconcile-interval', '1h',   # pending stays pending
+        '--max-header-bytes', '16384',
     ])
+    servers.append(server)
     ok = False
     try:
         tok = server.cli('tenant', 'create', 'api').strip()
@@ -839,13 +927,14 @@ def main(argv):
         server.start()
         d = Driver(server)
         drive(d, tok, other, server)
-        rc = server.stop()
-        log = server.log_text()
-        if rc != 0:
-            raise Failure('idemd exited %s after SIGTERM' % rc)
-        for mark in SANITIZER_MARKS:
-            if mark in log:
-                raise Failure('sanitizer report in the idemd log:\n' + log[-4000:])
+        stop_clean(server)
+
+        capped = Server(idemd, ['--max-connections', '1'])
+        servers.append(capped)
+        ctok = capped.cli('tenant', 'create', 'api').strip()
+        capped.start()
+        drive_connection_cap(Driver(capped, d.exchanges), ctok)
+        stop_clean(capped)
 
         problems = check_all(doc, d.exchanges)
         produced = sorted({(e['method'], str(e['status'])) for e in d.exchanges})
@@ -875,14 +964,15 @@ def main(argv):
         print('check_openapi: FAIL: %s' % e)
         return 1
     finally:
-        try:
-            server.stop()
-        except Failure:
-            pass
-        if ok or not os.environ.get('IDEM_TEST_KEEP'):
-            shutil.rmtree(server.dir, ignore_errors=True)
-        else:
-            print('check_openapi: kept %s' % server.dir)
+        for srv in servers:
+            try:
+                srv.stop()
+            except Failure:
+                pass
+            if ok or not os.environ.get('IDEM_TEST_KEEP'):
+                shutil.rmtree(srv.dir, ignore_errors=True)
+            else:
+                print('check_openapi: kept %s' % srv.dir)
 
 
 if __name__ == '__main__':
