@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "idem/clock.h"
 #include "idem/crypto.h"
@@ -52,6 +53,19 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   sigwait(&stop, &sig);
   idemd_log_event("info", "shutting down", "signal",
                   sig == SIGTERM ? "SIGTERM" : "SIGINT", NULL);
+  int left = idemd_server_drain(&srv);
+  if (left > 0) {
+    /* The bound passed. Waiting on would make it no bound at all, so leave
+     * now: every commit already made is on disk, and records still
+     * processing are taken over by the reconciler when their lease ends,
+     * exactly as after a crash. */
+    char n[16];
+    snprintf(n, sizeof n, "%d", left);
+    idemd_log_event("warn", "exiting with requests unfinished at --shutdown-timeout",
+                    "requests", n, NULL);
+    fflush(stderr);
+    _exit(0);
+  }
   idemd_server_stop(&srv);
   return 0;
 }

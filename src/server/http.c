@@ -348,12 +348,18 @@ int idemd_http_start(idemd_server_t *srv) {
     fprintf(stderr, "idemd: cannot resolve listen address '%s'\n", srv->cfg.listen_host);
     return -1;
   }
+  /* Handlers block (a commit, a provider call, a wait for a duplicate).
+   * With a thread per connection, one blocked request holds up no other;
+   * a fixed pool (--threads N) serves each thread's connections in turn. */
+  unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC |
+                       (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0);
+  unsigned int pool = (unsigned int)srv->cfg.threads;
+  flags |= pool > 0 ? MHD_USE_EPOLL : MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
   srv->daemon = MHD_start_daemon(
-      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ITC |
-          (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0),
-      0, NULL, NULL, on_request, srv,
+      flags, 0, NULL, NULL, on_request, srv,
       MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-      MHD_OPTION_THREAD_POOL_SIZE, (unsigned int)srv->cfg.threads,
+      MHD_OPTION_THREAD_POOL_SIZE, pool > 0 ? pool : 1u,
+      MHD_OPTION_THREAD_STACK_SIZE, (size_t)(1024 * 1024),
       MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
       MHD_OPTION_NOTIFY_CONNECTION, idemd_guard_notify, srv->guard,
       /* Inactivity only; the guard enforces the whole-request deadline. */
@@ -383,7 +389,7 @@ int idemd_http_start(idemd_server_t *srv) {
   return 0;
 }
 
-int idemd_http_stop(idemd_server_t *srv, int64_t timeout_ms) {
+int idemd_http_drain(idemd_server_t *srv, int64_t timeout_ms) {
   int64_t deadline = idem_mono_ms() + timeout_ms;
   int left;
   MHD_socket fd;
@@ -398,9 +404,14 @@ int idemd_http_stop(idemd_server_t *srv, int64_t timeout_ms) {
     struct timespec ts = {0, 10 * 1000000L};
     nanosleep(&ts, NULL);
   }
+  return left;
+}
+
+void idemd_http_stop(idemd_server_t *srv) {
+  if (srv->daemon == NULL)
+    return;
   MHD_stop_daemon(srv->daemon);
   srv->daemon = NULL;
   idemd_guard_free(srv->guard);
   srv->guard = NULL;
-  return left;
 }

@@ -82,8 +82,9 @@ int main(int argc, char **argv) {
   }
   if (strncmp(cmd, "--", 2) == 0) /* "idemd --listen ..." means serve */
     return parse_flags(&cfg, argc - 1, argv + 1) ? 2 : idemd_cmd_serve(&cfg);
-  if (strcmp(cmd, "serve") == 0)
-    return parse_flags(&cfg, argc - 2, argv + 2) ? 2 : idemd_cmd_serve(&cfg);
+  if (strcmp(cmd, "serve") == 0) /* also plain "idemd": argc is 1 then */
+    return parse_flags(&cfg, argc > 2 ? argc - 2 : 0, argv + (argc > 2 ? 2 : argc)) ? 2
+                                                                        : idemd_cmd_serve(&cfg);
   if (strcmp(cmd, "migrate") == 0)
     return parse_flags(&cfg, argc - 2, argv + 2) ? 2 : idemd_cmd_migrate(&cfg);
   if (strcmp(cmd, "sweep") == 0)

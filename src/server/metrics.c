@@ -5,8 +5,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+/* Requests that match no route count as "other". */
 static const char *const op_names[OP_COUNT_] = {
-    "none", "create_payment", "create_order", "get_payment",
+    "other", "create_payment", "create_order", "get_payment",
     "get_order", "healthz", "metrics"};
 
 static const char *const outcome_names[OUTCOME_COUNT_] = {
@@ -55,7 +56,7 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
     return NULL;
   fprintf(f, "# HELP idem_requests_total Requests answered, by operation and "
              "idempotency outcome.\n# TYPE idem_requests_total counter\n");
-  for (int op = 1; op < OP_COUNT_; op++)
+  for (int op = 0; op < OP_COUNT_; op++)
     for (int o = 1; o < OUTCOME_COUNT_; o++) {
       unsigned long long n = LOAD(m->requests[op][o]);
       if (n > 0 || op == OP_CREATE_PAYMENT || op == OP_CREATE_ORDER)

@@ -44,7 +44,7 @@ typedef struct idemd_metrics {
   atomic_int_fast64_t reconcile_unresolved; /* left by the last pass */
 } idemd_metrics_t;
 
-/* "create_payment", ... ; "none" for OP_NONE. */
+/* "create_payment", ... ; "other" for OP_NONE (no route matched). */
 const char *idemd_op_name(idemd_op_t op);
 
 /* "new", "replay", ... ; "none" for OUTCOME_NONE. */

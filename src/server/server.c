@@ -117,7 +117,8 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
 stop_reconciler:
   idem_reconciler_stop(srv->reconciler);
 stop_http:
-  idemd_http_stop(srv, 0);
+  idemd_http_drain(srv, 0);
+  idemd_http_stop(srv);
 close_provider:
   srv->provider->close(srv->provider);
 close_store:
@@ -125,13 +126,12 @@ close_store:
   return -1;
 }
 
+int idemd_server_drain(idemd_server_t *srv) {
+  return idemd_http_drain(srv, srv->cfg.shutdown_timeout_ms);
+}
+
 void idemd_server_stop(idemd_server_t *srv) {
-  int cut = idemd_http_stop(srv, srv->cfg.shutdown_timeout_ms);
-  if (cut > 0) {
-    char n[16];
-    snprintf(n, sizeof n, "%d", cut);
-    idemd_log_event("warn", "requests cut off at the shutdown bound", "requests", n, NULL);
-  }
+  idemd_http_stop(srv);
   idemd_sweeper_stop(srv);
   idem_reconciler_stop(srv->reconciler);
   srv->provider->close(srv->provider);

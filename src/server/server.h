@@ -84,17 +84,24 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
  * left running. */
 int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg);
 
-/* Stops what idemd_server_start() started: drains requests in flight
- * (bounded by cfg.shutdown_timeout_ms), then stops and closes the rest. */
+/* Stops accepting and lets requests in flight finish, waiting at most
+ * cfg.shutdown_timeout_ms. Returns how many are still unfinished. */
+int idemd_server_drain(idemd_server_t *srv);
+
+/* Stops what idemd_server_start() started (after idemd_server_drain()):
+ * HTTP workers, reconciler, sweeper, provider, store. */
 void idemd_server_stop(idemd_server_t *srv);
 
 /* Starts serving `srv` (whose store and provider are open). Returns 0, or
  * -1 with a message on stderr. */
 int idemd_http_start(idemd_server_t *srv);
 
-/* Stops accepting new connections, lets requests in flight be answered
- * (waiting at most `timeout_ms`), then stops the workers and closes every
- * connection. Returns the number of requests cut off at the bound. */
-int idemd_http_stop(idemd_server_t *srv, int64_t timeout_ms);
+/* Stops accepting new connections and lets requests in flight be answered,
+ * waiting at most `timeout_ms`. Returns how many are still unfinished. */
+int idemd_http_drain(idemd_server_t *srv, int64_t timeout_ms);
+
+/* Stops the workers and closes every connection. It waits for handlers
+ * still running, however long they take: drain first. */
+void idemd_http_stop(idemd_server_t *srv);
 
 #endif

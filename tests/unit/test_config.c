@@ -118,7 +118,7 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.listen_port, 8080);
   assert_string_equal(cfg.db, "./idem.db");
   assert_string_equal(cfg.provider, "sandbox");
-  assert_int_equal(cfg.threads, 16);
+  assert_int_equal(cfg.threads, 0); /* one thread per connection */
   assert_int_equal(cfg.inflight_wait_ms, 5000);
   assert_int_equal(cfg.key_ttl_ms, 86400000);
   assert_int_equal(cfg.lease_ms, 30000);
@@ -203,7 +203,7 @@ static void test_positional_stops_scan(void **state) {
   assert_int_equal(parse_args(&cfg, argv, &err), 2);
   free(err);
   assert_string_equal(cfg.db, "x.db");
-  assert_int_equal(cfg.threads, 16);
+  assert_int_equal(cfg.threads, 0);
   assert_int_equal(parse_args(&cfg, first, &err), 0);
   free(err);
   assert_string_equal(cfg.db, "./idem.db");
@@ -221,7 +221,7 @@ static const struct bad_case bad_cases[] = {
     {{"--", NULL}, "unknown option '--'"},
     {{"--db", NULL}, "--db needs a value"},
     {{"--db=", NULL}, "invalid value for --db"},
-    {{"--threads", "0"}, "invalid value for --threads: '0'"},
+    {{"--threads", "-1"}, "invalid value for --threads: '-1'"},
     {{"--threads", "1025"}, "invalid value for --threads: '1025'"},
     {{"--threads", "8x"}, "invalid value for --threads: '8x'"},
     {{"--threads=", NULL}, "invalid value for --threads"},
