@@ -79,6 +79,12 @@ typedef struct idem_tenant {
   int64_t created_at;
 } idem_tenant_t;
 
+/* Counters a backend keeps about its writes. */
+typedef struct idem_store_stats {
+  uint64_t commits; /* write transactions committed (each one sync) */
+  uint64_t writes;  /* writes they carried; writes / commits is the batch */
+} idem_store_stats_t;
+
 /* A query over records, for support tools. */
 typedef struct idem_records_query {
   int64_t tenant_id;
@@ -120,6 +126,7 @@ typedef struct idem_store_methods {
   int (*tenant_list)(idem_store_t *, idem_tenant_t *out, int max, int *n);
   int (*records_list)(idem_store_t *, const idem_records_query_t *,
                       idem_record_t *out, int *n);
+  void (*stats)(idem_store_t *, idem_store_stats_t *); /* optional */
 } idem_store_methods_t;
 
 /* Opens the store named by `url`: "postgresql://..." or "postgres://..."
@@ -255,6 +262,10 @@ IDEM_WARN_UNUSED int idem_store_tenant_list(idem_store_t *store,
 IDEM_WARN_UNUSED int idem_store_records_list(idem_store_t *store,
                                              const idem_records_query_t *q,
                                              idem_record_t *out, int *n);
+
+/* Fills `out` with the backend's write counters (zeros when it keeps
+ * none). Cheap: safe to call on every metrics scrape. */
+void idem_store_stats(idem_store_t *store, idem_store_stats_t *out);
 
 /* The last backend error message seen by this thread, for logs only:
  * it may hold SQL or library text and must never reach an HTTP body. */

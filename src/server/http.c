@@ -126,8 +126,10 @@ static enum MHD_Result serve_healthz(idemd_request_t *r) {
 
 static enum MHD_Result serve_metrics(idemd_request_t *r) {
   idemd_reply_headers_t h = {.content_type = "text/plain; version=0.0.4; charset=utf-8"};
-  idemd_store_gauges_t g = {-1, -1, 0, idemd_guard_cut(r->srv->guard),
-                           idemd_guard_refused(r->srv->guard)};
+  idemd_store_gauges_t g = {.pending = -1,
+                           .processing = -1,
+                           .connections_cut = idemd_guard_cut(r->srv->guard),
+                           .connections_refused = idemd_guard_refused(r->srv->guard)};
   int64_t oldest = 0;
   enum MHD_Result ret;
   char *text;
@@ -138,6 +140,10 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
     atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
   if (oldest > 0)
     g.oldest_pending_seconds = (double)(idem_now_ms() - oldest) / 1000.0;
+  idem_store_stats_t st;
+  idem_store_stats(r->srv->store, &st);
+  g.store_commits = st.commits;
+  g.store_writes = st.writes;
   text = idemd_metrics_render(&r->srv->metrics, &g);
   if (text == NULL)
     return idemd_reply_error(r, 500, "internal error", NULL);

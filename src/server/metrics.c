@@ -103,6 +103,14 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
              "# TYPE idem_connections_refused_total counter\n"
              "idem_connections_refused_total %llu\n",
           (unsigned long long)g->connections_refused);
+  fprintf(f, "# HELP idem_store_commits_total Write transactions committed, each "
+             "one sync to disk (SQLite group commit).\n"
+             "# TYPE idem_store_commits_total counter\nidem_store_commits_total %llu\n",
+          (unsigned long long)g->store_commits);
+  fprintf(f, "# HELP idem_store_writes_total Writes carried by those transactions; "
+             "writes / commits is the mean group-commit batch.\n"
+             "# TYPE idem_store_writes_total counter\nidem_store_writes_total %llu\n",
+          (unsigned long long)g->store_writes);
   fprintf(f, "# HELP idem_records_pending Records whose provider outcome is unknown.\n"
              "# TYPE idem_records_pending gauge\nidem_records_pending %lld\n",
           (long long)g->pending);

@@ -62,6 +62,8 @@ typedef struct idemd_store_gauges {
   double oldest_pending_seconds; /* 0 when nothing is pending */
   uint64_t connections_cut;      /* counter: missed the request deadline */
   uint64_t connections_refused;  /* counter: beyond --max-connections */
+  uint64_t store_commits;        /* counter: write transactions (syncs) */
+  uint64_t store_writes;         /* counter: writes they carried */
 } idemd_store_gauges_t;
 
 /* Renders all metrics. Returns a malloc'd text the caller frees, or NULL

@@ -1197,6 +1197,12 @@ static int sq_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
   return rc;
 }
 
+static void sq_stats(idem_store_t *base, idem_store_stats_t *out) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  out->commits = atomic_load(&s->commits);
+  out->writes = atomic_load(&s->writes);
+}
+
 static const idem_store_methods_t sqlite_methods = {
     .version = 1,
     .name = "sqlite",
@@ -1217,4 +1223,5 @@ static const idem_store_methods_t sqlite_methods = {
     .tenant_update = sq_tenant_update,
     .tenant_list = sq_tenant_list,
     .records_list = sq_records_list,
+    .stats = sq_stats,
 };

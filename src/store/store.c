@@ -223,3 +223,9 @@ int idem_store_records_list(idem_store_t *store, const idem_records_query_t *q,
     return IDEM_EINVAL;
   return store->methods->records_list(store, q, out, n);
 }
+
+void idem_store_stats(idem_store_t *store, idem_store_stats_t *out) {
+  memset(out, 0, sizeof *out);
+  if (store->methods->stats)
+    store->methods->stats(store, out);
+}
