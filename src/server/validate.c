@@ -38,7 +38,8 @@ static int depth_ok(const json_t *v, int depth) {
  * holds: an integer outside 64 bits, or a real that overflows a double. */
 static int number_out_of_range(const char *tok, size_t len) {
   char buf[64];
-  int integer = strcspn(tok, ".eE") >= len;
+  int integer = memchr(tok, '.', len) == NULL && memchr(tok, 'e', len) == NULL &&
+                memchr(tok, 'E', len) == NULL;
   size_t digits = len - (tok[0] == '-');
 
   if (integer && digits > 40)

@@ -2,6 +2,7 @@
  * can be injected here for tests without touching backends. */
 #include "store_impl.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -14,14 +15,14 @@ static __thread char last_error[512];
  * exists, every store call fails as if the database were unreachable.
  * Creating and removing the file turns the fault on and off while the
  * server runs. The variable is read once; unset, this costs nothing. */
+static const char *fault_path;
+static pthread_once_t fault_once = PTHREAD_ONCE_INIT;
+
+static void read_fault_env(void) { fault_path = getenv("IDEM_FAULT_FILE"); }
+
 static const char *fault_file(void) {
-  static const char *path;
-  static int read;
-  if (!read) {
-    path = getenv("IDEM_FAULT_FILE");
-    read = 1;
-  }
-  return path;
+  pthread_once(&fault_once, read_fault_env);
+  return fault_path;
 }
 
 static int faulty(void) {
