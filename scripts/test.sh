@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds, and runs every test twice: a normal
-# build with -Werror, then the same suite under AddressSanitizer and
-# UndefinedBehaviorSanitizer; then fuzzes briefly. Extra arguments go to
-# ctest (e.g. -L unit) and skip the fuzzing.
+# Installs what is missing, builds, and runs every test: a normal build with
+# -Werror, then the same suite under AddressSanitizer and
+# UndefinedBehaviorSanitizer; then, on a whole run, the unit and
+# integration tests under ThreadSanitizer (SQLite only, to keep CI short)
+# and a short fuzz of each target. Extra arguments go to ctest (e.g.
+# -L unit) and limit the run to the first two stages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,22 +13,25 @@ scripts/deps.sh
 jobs=$(nproc 2>/dev/null || echo 2)
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0"
+export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
 
-run() {
-  local name=$1; shift
+# stage NAME "CTEST ARGS" CMAKE ARGS...
+stage() {
+  local name=$1 args=$2; shift 2
   echo "== $name build"
   cmake -S . -B "build-$name" -DIDEM_WERROR=ON "$@" >/dev/null
   cmake --build "build-$name" -j"$jobs" >/dev/null
   echo "== $name tests"
-  (cd "build-$name" && ctest --output-on-failure --timeout 600 "${CTEST_ARGS[@]}")
+  # shellcheck disable=SC2086 # args is a list of ctest arguments
+  (cd "build-$name" && ctest --output-on-failure --timeout 600 $args)
 }
 
-CTEST_ARGS=("$@")
-run check -DCMAKE_BUILD_TYPE=RelWithDebInfo
-run asan -DCMAKE_BUILD_TYPE=Debug -DIDEM_SANITIZE=ON
-# A whole run (no ctest arguments) also fuzzes each target for 20 s
-# (scripts/fuzz.sh; about a minute in all, plus its clang build).
-if [ ${#CTEST_ARGS[@]} -eq 0 ]; then
+args="$*"
+stage check "$args" -DCMAKE_BUILD_TYPE=RelWithDebInfo
+stage asan "$args" -DCMAKE_BUILD_TYPE=Debug -DIDEM_SANITIZE=ON
+if [ $# -eq 0 ]; then
+  stage tsan "-L unit|integration -LE slow|pg" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DIDEM_TSAN=ON
+  # Each fuzz target for 20 s (about a minute in all, plus its clang build).
   scripts/fuzz.sh 20
 fi
-echo "== all tests passed (normal and ASan+UBSan builds)"
+echo "== all tests passed"
