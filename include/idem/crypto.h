@@ -26,6 +26,21 @@ IDEM_WARN_UNUSED int idem_hmac_sha256(const void *key, size_t key_len,
                                       const void *data, size_t len,
                                       unsigned char out[IDEM_SHA256_LEN]);
 
+/* A keyed HMAC-SHA256, prepared once and used from many threads. */
+typedef struct idem_hmac idem_hmac_t;
+
+/* Prepares HMAC-SHA256 under `key` (copied). Returns NULL on failure.
+ * Free with idem_hmac_free(). */
+idem_hmac_t *idem_hmac_new(const void *key, size_t key_len);
+
+/* Writes HMAC(key, data) to `out` (32 bytes). Safe to call from many
+ * threads at once on one `h`. Returns IDEM_OK or IDEM_ECRYPTO. */
+IDEM_WARN_UNUSED int idem_hmac_compute(const idem_hmac_t *h, const void *data,
+                                       size_t len, unsigned char out[IDEM_SHA256_LEN]);
+
+/* Frees `h`; NULL is fine. */
+void idem_hmac_free(idem_hmac_t *h);
+
 /* Fills `buf` with `len` bytes from the CSPRNG. Returns IDEM_OK or
  * IDEM_ECRYPTO (the buffer must then not be used). */
 IDEM_WARN_UNUSED int idem_random_bytes(void *buf, size_t len);

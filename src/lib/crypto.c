@@ -5,8 +5,11 @@
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
+#include <openssl/core_names.h>
+#include <openssl/params.h>
 #include <openssl/rand.h>
 #include <pthread.h>
+#include <stdlib.h>
 
 /* OpenSSL 3 looks an algorithm up in its providers on every implicit use
  * (EVP_sha256() in a one-shot call); fetching it once saves that work on
@@ -35,6 +38,45 @@ int idem_hmac_sha256(const void *key, size_t key_len, const void *data, size_t l
       n != IDEM_SHA256_LEN)
     return IDEM_ECRYPTO;
   return IDEM_OK;
+}
+
+struct idem_hmac {
+  EVP_MAC_CTX *keyed; /* initialised with the key; duplicated per use */
+};
+
+idem_hmac_t *idem_hmac_new(const void *key, size_t key_len) {
+  idem_hmac_t *h = calloc(1, sizeof *h);
+  EVP_MAC *mac = EVP_MAC_fetch(NULL, "HMAC", NULL);
+  OSSL_PARAM params[] = {
+      OSSL_PARAM_construct_utf8_string("digest", (char *)"SHA256", 0),
+      OSSL_PARAM_construct_end()};
+
+  if (h == NULL || mac == NULL || (h->keyed = EVP_MAC_CTX_new(mac)) == NULL ||
+      EVP_MAC_init(h->keyed, key, key_len, params) != 1) {
+    EVP_MAC_free(mac);
+    idem_hmac_free(h);
+    return NULL;
+  }
+  EVP_MAC_free(mac); /* the context keeps its own reference */
+  return h;
+}
+
+int idem_hmac_compute(const idem_hmac_t *h, const void *data, size_t len,
+                      unsigned char out[IDEM_SHA256_LEN]) {
+  /* Duplicating only reads the keyed context, so threads may share it. */
+  EVP_MAC_CTX *c = EVP_MAC_CTX_dup(h->keyed);
+  size_t n = 0;
+  int ok = c != NULL && EVP_MAC_update(c, data, len) == 1 &&
+           EVP_MAC_final(c, out, &n, IDEM_SHA256_LEN) == 1 && n == IDEM_SHA256_LEN;
+  EVP_MAC_CTX_free(c);
+  return ok ? IDEM_OK : IDEM_ECRYPTO;
+}
+
+void idem_hmac_free(idem_hmac_t *h) {
+  if (h == NULL)
+    return;
+  EVP_MAC_CTX_free(h->keyed);
+  free(h);
 }
 
 int idem_random_bytes(void *buf, size_t len) {

@@ -39,6 +39,7 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
   int64_t deadline = idem_mono_ms() + srv->cfg.inflight_wait_ms;
   idem_record_t rec = {0};
   enum MHD_Result ret;
+  int prepared = e->prepare == NULL;
   int rc;
 
   /* Bounded: each pass either answers, waits for a change, or follows a
@@ -53,6 +54,13 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
     if (rc == IDEM_ENOTFOUND ||
         (rc == IDEM_OK && rec.state == IDEM_STATE_FAILED &&
          strcmp(rec.fingerprint, e->fingerprint) == 0)) {
+      if (!prepared) {
+        if ((rc = e->prepare(e->ctx)) != IDEM_OK) {
+          idem_record_reset(&rec);
+          return idemd_reply_store_error(r, rc);
+        }
+        prepared = 1;
+      }
       idem_reserve_t req = {
           .scope = scope,
           .fingerprint = e->fingerprint,

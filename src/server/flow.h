@@ -11,6 +11,11 @@ typedef struct idemd_effect {
   const char *operation;   /* "create_payment" */
   const char *fingerprint; /* of the validated command */
   const idem_resource_t *resource; /* written when the key is won */
+  /* Optional: called once, before the first reservation, to fill in what
+   * `resource` and `outcome` point at (a new id, a body). A key that is
+   * found finished (a replay) never pays for it. Returns IDEM_OK or the
+   * error to answer with. */
+  int (*prepare)(void *ctx);
   int enqueue_outbox;
   /* Single-step operations: the final outcome, written in the same
    * transaction as the reservation. */

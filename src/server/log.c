@@ -75,35 +75,77 @@ void idemd_key_id(const idemd_request_t *r, const char *operation) {
                    operation, r->key);
 
   w->key_id[0] = '\0';
-  if (n < 0 || idem_hmac_sha256(r->srv->log_secret, sizeof r->srv->log_secret,
-                                msg, (size_t)n, mac) != IDEM_OK)
+  if (n < 0 || idem_hmac_compute(r->srv->key_id_mac, msg, (size_t)n, mac) != IDEM_OK)
     return;
   idem_hex(mac, 8, hex);
   memcpy(w->key_id, hex, 17);
 }
 
+/* A small bounded writer for the request line: the hot path of logging,
+ * formatted straight into a buffer rather than through a JSON tree. */
+struct line {
+  char buf[1024];
+  size_t len;
+};
+
+static void put(struct line *l, const char *s, size_t n) {
+  if (n > sizeof l->buf - 2 - l->len) /* keep room for '}' and '\n' */
+    n = sizeof l->buf - 2 - l->len;
+  memcpy(l->buf + l->len, s, n);
+  l->len += n;
+}
+
+#define PUT_LIT(l, lit) put((l), (lit), sizeof(lit) - 1)
+
+/* Appends ,"name":"value" with the value escaped as JSON (bytes outside
+ * printable ASCII as \u00XX, so the line is valid whatever came in). */
+static void put_str(struct line *l, const char *name, const char *v) {
+  static const char hex[] = "0123456789abcdef";
+  char esc[6] = {'\\', 'u', '0', '0', 0, 0};
+  PUT_LIT(l, ",\"");
+  put(l, name, strlen(name));
+  PUT_LIT(l, "\":\"");
+  for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
+    if (*p == '"' || *p == '\\') {
+      char two[2] = {'\\', (char)*p};
+      put(l, two, 2);
+    } else if (*p < 0x20 || *p > 0x7e) {
+      esc[4] = hex[*p >> 4];
+      esc[5] = hex[*p & 15];
+      put(l, esc, 6);
+    } else {
+      put(l, (const char *)p, 1);
+    }
+  }
+  PUT_LIT(l, "\"");
+}
+
 void idemd_log_request(const idemd_request_t *r) {
-  char ts[40];
-  json_t *line;
+  struct line l = {.len = 0};
+  char ts[40], num[64];
+  int n;
 
   if (min_level > 1)
     return;
   timestamp(ts, sizeof ts);
-  line = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:f}", "ts", ts,
-                   "level", "info", "msg", "request", "request_id",
-                   r->request_id, "method", r->method ? r->method : "",
-                   "operation", idemd_op_name(r->op), "outcome",
-                   idemd_outcome_name(r->outcome), "status", r->status,
-                   "latency_ms",
-                   (double)(idem_mono_us() - r->start_us) / 1000.0);
-  if (line == NULL)
-    return;
-  json_object_set_new(line, "path", json_string(r->path));
+  PUT_LIT(&l, "{\"ts\":\"");
+  put(&l, ts, strlen(ts));
+  PUT_LIT(&l, "\",\"level\":\"info\",\"msg\":\"request\"");
+  put_str(&l, "request_id", r->request_id);
+  put_str(&l, "method", r->method ? r->method : "");
+  put_str(&l, "operation", idemd_op_name(r->op));
+  put_str(&l, "outcome", idemd_outcome_name(r->outcome));
+  n = snprintf(num, sizeof num, ",\"status\":%d,\"latency_ms\":%.3f", r->status,
+               (double)(idem_mono_us() - r->start_us) / 1000.0);
+  put(&l, num, n > 0 ? (size_t)n : 0);
+  put_str(&l, "path", r->path);
   if (r->authenticated)
-    json_object_set_new(line, "tenant", json_string(r->tenant.name));
+    put_str(&l, "tenant", r->tenant.name);
   if (r->key_id[0])
-    json_object_set_new(line, "key_id", json_string(r->key_id));
+    put_str(&l, "key_id", r->key_id);
   if (r->aborted)
-    json_object_set_new(line, "aborted", json_true());
-  emit(line);
+    PUT_LIT(&l, ",\"aborted\":true");
+  l.buf[l.len++] = '}';
+  l.buf[l.len++] = '\n';
+  fwrite(l.buf, 1, l.len, stderr);
 }

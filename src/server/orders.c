@@ -14,45 +14,64 @@
 
 #define OPERATION "create_order"
 
+typedef struct order_call {
+  const json_t *cmd; /* the validated command */
+  int64_t total;
+  char id[32], location[64];
+  char *text; /* the order, made by prepare() */
+  idem_resource_t resource;
+  idem_outcome_t done;
+} order_call_t;
+
+/* Gives the order its id and body: only when the key is to be reserved,
+ * so replays skip it. */
+static int prepare(void *ctx) {
+  order_call_t *oc = ctx;
+  char token[25], created_at[32];
+  json_t *order;
+
+  if (idem_random_token(token, 24) != IDEM_OK)
+    return IDEM_ECRYPTO;
+  snprintf(oc->id, sizeof oc->id, "ord_%s", token);
+  snprintf(oc->location, sizeof oc->location, "/orders/%s", oc->id);
+  idem_format_time(idem_now_ms(), created_at, sizeof created_at);
+  order = json_pack("{s:s, s:O, s:O, s:O, s:I, s:s, s:s}", "id", oc->id,
+                    "customer_id", json_object_get(oc->cmd, "customer_id"), "items",
+                    json_object_get(oc->cmd, "items"), "currency",
+                    json_object_get(oc->cmd, "currency"), "total",
+                    (json_int_t)oc->total, "status", "created", "created_at", created_at);
+  oc->text = order ? json_dumps(order, JSON_COMPACT) : NULL;
+  json_decref(order);
+  if (oc->text == NULL)
+    return IDEM_ENOMEM;
+  oc->resource = (idem_resource_t){.kind = "order", .id = oc->id,
+                                   .status = "created", .body = oc->text};
+  oc->done = (idem_outcome_t){.state = IDEM_STATE_COMPLETED, .status = 201,
+                              .body = oc->text, .location = oc->location,
+                              .resource_id = oc->id};
+  return IDEM_OK;
+}
+
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
-  json_t *cmd = NULL, *errors = NULL, *order;
+  order_call_t oc = {0};
+  json_t *cmd = NULL, *errors = NULL;
   char fp[IDEM_FINGERPRINT_LEN];
-  char token[25], id[32], location[64], created_at[32];
-  char *text;
-  int64_t total = 0;
   enum MHD_Result ret;
 
-  if (idemd_validate_order(body, &cmd, &errors, &total) != 0) {
+  if (idemd_validate_order(body, &cmd, &errors, &oc.total) != 0) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_errors(r, errors);
   }
-  if (idem_fingerprint(OPERATION, cmd, fp) != IDEM_OK ||
-      idem_random_token(token, 24) != IDEM_OK) {
+  if (idem_fingerprint(OPERATION, cmd, fp) != IDEM_OK) {
     json_decref(cmd);
     return idemd_reply_store_error(r, IDEM_ECRYPTO);
   }
-  snprintf(id, sizeof id, "ord_%s", token);
-  snprintf(location, sizeof location, "/orders/%s", id);
-  idem_format_time(idem_now_ms(), created_at, sizeof created_at);
-
-  order = json_pack("{s:s, s:O, s:O, s:O, s:I, s:s, s:s}", "id", id,
-                    "customer_id", json_object_get(cmd, "customer_id"), "items",
-                    json_object_get(cmd, "items"), "currency",
-                    json_object_get(cmd, "currency"), "total", (json_int_t)total,
-                    "status", "created", "created_at", created_at);
-  text = order ? json_dumps(order, JSON_COMPACT) : NULL;
-  json_decref(order);
-  json_decref(cmd);
-  if (text == NULL)
-    return idemd_reply_store_error(r, IDEM_ENOMEM);
-
-  idem_resource_t res = {.kind = "order", .id = id, .status = "created",
-                         .body = text};
-  idem_outcome_t done = {.state = IDEM_STATE_COMPLETED, .status = 201,
-                         .body = text, .location = location, .resource_id = id};
+  oc.cmd = cmd;
   idemd_effect_t e = {.operation = OPERATION, .fingerprint = fp,
-                      .resource = &res, .outcome = &done};
+                      .resource = &oc.resource, .outcome = &oc.done,
+                      .prepare = prepare, .ctx = &oc};
   ret = idemd_flow_run(r, &e);
-  free(text);
+  free(oc.text);
+  json_decref(cmd);
   return ret;
 }

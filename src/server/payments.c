@@ -23,8 +23,28 @@
 typedef struct payment_call {
   idemd_server_t *srv;
   idem_payment_t payment;
+  char *pending_body;       /* step 1's payment, made by prepare() */
+  idem_resource_t resource; /* points at the two above */
   idem_settlement_t settled;
 } payment_call_t;
+
+/* Gives the payment its id and its pending body: only when the key is to
+ * be reserved, so replays skip it. */
+static int prepare(void *ctx) {
+  payment_call_t *pc = ctx;
+  idem_payment_t *p = &pc->payment;
+  char token[25];
+
+  if (idem_random_token(token, 24) != IDEM_OK)
+    return IDEM_ECRYPTO;
+  snprintf(p->id, sizeof p->id, "pay_%s", token);
+  idem_format_time(idem_now_ms(), p->created_at, sizeof p->created_at);
+  if ((pc->pending_body = idem_payment_json(p, "pending", NULL)) == NULL)
+    return IDEM_ENOMEM;
+  pc->resource = (idem_resource_t){.kind = "payment", .id = p->id,
+                                   .status = "pending", .body = pc->pending_body};
+  return IDEM_OK;
+}
 
 /* Step 2, and the outcome step 3 stores. */
 static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out) {
@@ -54,21 +74,16 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   idem_payment_t *p = &pc.payment;
   json_t *cmd = NULL, *errors = NULL;
   char fp[IDEM_FINGERPRINT_LEN];
-  char token[25];
-  char *pending_body;
   enum MHD_Result ret;
 
   if (idemd_validate_payment(body, &cmd, &errors) != 0) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_errors(r, errors);
   }
-  if (idem_fingerprint(OPERATION, cmd, fp) != IDEM_OK ||
-      idem_random_token(token, 24) != IDEM_OK) {
+  if (idem_fingerprint(OPERATION, cmd, fp) != IDEM_OK) {
     json_decref(cmd);
     return idemd_reply_store_error(r, IDEM_ECRYPTO);
   }
-  snprintf(p->id, sizeof p->id, "pay_%s", token);
-  idem_format_time(idem_now_ms(), p->created_at, sizeof p->created_at);
   p->amount = json_integer_value(json_object_get(cmd, "amount"));
   idem_copy(p->currency, sizeof p->currency,
             json_string_value(json_object_get(cmd, "currency")));
@@ -77,15 +92,11 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   json_decref(cmd);
 
   /* Step 1 writes the payment as pending, with an outbox row. */
-  if ((pending_body = idem_payment_json(p, "pending", NULL)) == NULL)
-    return idemd_reply_store_error(r, IDEM_ENOMEM);
-  idem_resource_t res = {.kind = "payment", .id = p->id, .status = "pending",
-                         .body = pending_body};
   idemd_effect_t e = {.operation = OPERATION, .fingerprint = fp,
-                      .resource = &res, .enqueue_outbox = 1,
-                      .execute = charge, .ctx = &pc};
+                      .resource = &pc.resource, .prepare = prepare,
+                      .enqueue_outbox = 1, .execute = charge, .ctx = &pc};
   ret = idemd_flow_run(r, &e);
-  free(pending_body);
+  free(pc.pending_body);
   idem_settlement_free(&pc.settled);
   return ret;
 }

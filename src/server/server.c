@@ -84,6 +84,10 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
     fprintf(stderr, "idemd: cannot load the log secret: %s\n", idem_strerror(rc));
     goto close_store;
   }
+  if ((srv->key_id_mac = idem_hmac_new(srv->log_secret, sizeof srv->log_secret)) == NULL) {
+    fprintf(stderr, "idemd: cannot prepare the key-id HMAC\n");
+    goto close_store;
+  }
   if ((srv->provider = open_provider(cfg)) == NULL) {
     fprintf(stderr, "idemd: cannot set up the provider '%s'\n", cfg->provider);
     goto close_store;
@@ -122,6 +126,7 @@ stop_http:
 close_provider:
   srv->provider->close(srv->provider);
 close_store:
+  idem_hmac_free(srv->key_id_mac);
   idem_store_close(srv->store);
   return -1;
 }
@@ -135,6 +140,7 @@ void idemd_server_stop(idemd_server_t *srv) {
   idemd_sweeper_stop(srv);
   idem_reconciler_stop(srv->reconciler);
   srv->provider->close(srv->provider);
+  idem_hmac_free(srv->key_id_mac);
   idem_store_close(srv->store);
   idemd_log_event("info", "stopped", NULL);
 }

@@ -8,6 +8,7 @@
 #include <microhttpd.h>
 #include <stdint.h>
 
+#include "idem/crypto.h"
 #include "idem/store.h"
 #include "provider/provider.h"
 #include "provider/reconciler.h"
@@ -22,6 +23,7 @@ typedef struct idemd_server {
   idem_store_t *store;
   idem_provider_t *provider;
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
+  idem_hmac_t *key_id_mac;      /* that key, prepared */
   struct MHD_Daemon *daemon;
   int port; /* the port bound */
   idemd_guard_t *guard;

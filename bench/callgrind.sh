@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Instructions per request (valgrind --tool=callgrind), for the new-key and
+# replay paths of POST /payments. Counts are repeatable for the same binary
+# and inputs, whatever else the machine is doing. Each figure is
+# (instructions of a run with N requests - a run with none) / N.
+# Usage: bench/callgrind.sh [N]   (default 300)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+n=${1:-300}
+"$repo/scripts/deps.sh" valgrind
+cmake -S "$repo" -B "$repo/build-bench" -DCMAKE_BUILD_TYPE=Release -DIDEM_BUILD_TESTS=OFF >/dev/null
+cmake --build "$repo/build-bench" -j"$(nproc)" >/dev/null
+idemd="$repo/build-bench/idemd"
+run=$(mktemp -d /tmp/idem-cg.XXXXXX)
+trap 'rm -rf "$run"' EXIT
+
+# profile NAME MODE COUNT -> prints the total instruction count
+profile() {
+  local name=$1 mode=$2 count=$3 port=$((20000 + RANDOM % 20000)) token pid
+  rm -f "$run/$name.db"*
+  token=$("$idemd" tenant create cg --db "$run/$name.db")
+  valgrind --tool=callgrind --callgrind-out-file="$run/$name.out" \
+    "$idemd" serve --db "$run/$name.db" --listen "127.0.0.1:$port" 2>/dev/null &
+  pid=$!
+  for _ in $(seq 300); do curl -s -o /dev/null "http://127.0.0.1:$port/healthz" && break; sleep 0.1; done
+  # One curl for all requests, so they share a kept-alive connection (as
+  # under wrk) and connection set-up is not counted.
+  {
+    for i in $(seq 0 "$count"); do
+      local key=first
+      if [ "$mode" = new ] && [ "$i" -gt 0 ]; then key="k$i"; fi
+      [ "$i" -gt 0 ] && echo next
+      printf 'url = "http://127.0.0.1:%s/payments"\nrequest = "POST"\n' "$port"
+      printf 'header = "Authorization: Bearer %s"\nheader = "Content-Type: application/json"\n' "$token"
+      printf 'header = "Idempotency-Key: %s"\ndata = "{\\"amount\\": 15990}"\noutput = "/dev/null"\n' "$key"
+    done
+  } >"$run/$name.curl"
+  curl -s -K "$run/$name.curl"
+  kill -INT "$pid"; wait "$pid" 2>/dev/null || true
+  callgrind_annotate "$run/$name.out" 2>/dev/null | awk '/PROGRAM TOTALS/ { gsub(",", "", $1); print $1 }'
+}
+
+base=$(profile base replay 0)
+new=$(profile new new "$n")
+replay=$(profile replay replay "$n")
+echo "callgrind, instructions per request ($n requests, minus a run with one; kept-alive connection):"
+echo "  new-key POST /payments (reserve, sandbox charge, complete): $(( (new - base) / n ))"
+echo "  replay of a completed key:                                 $(( (replay - base) / n ))"
