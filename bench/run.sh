@@ -137,7 +137,11 @@ bench_idemd sqlite "$run/idem.db"
 rss() { awk '/VmRSS/ { print $2 }' "/proc/$1/status"; }
 if [ "$long" -gt 0 ]; then
   rss_start=$(rss "$idemd_pid")
-  per_s=${rps:-5000}
+  # Size the run from a short probe of the same mix, so it serves about N.
+  probe=$(env IDEM_TOKEN="$token" IDEM_MODE=mixed IDEM_PATH=/payments IDEM_BODY="$pay" IDEM_EXPECT=201 \
+          wrk -t1 -c64 -d3s -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 | grep '^result') || true
+  per_s=$(sed -E 's/.*rps=([0-9]+).*/\1/' <<<"$probe")
+  per_s=${per_s:-5000}
   secs=$(( long / (per_s > 0 ? per_s : 5000) + 1 ))
   out=$(env IDEM_TOKEN="$token" IDEM_MODE=mixed IDEM_PATH=/payments IDEM_BODY="$pay" IDEM_EXPECT=201 \
         wrk -t1 -c64 -d"${secs}s" -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 | grep '^result') || true
