@@ -336,8 +336,10 @@ static int pg_new_db(char *dbname, size_t namecap, char *url, size_t urlcap, cha
 
 /* The environment without IDEMD_* variables, so a developer's settings
  * cannot change what a test runs. Points into environ. */
-static char **clean_env(void) {
-  size_t n = 0, k = 0;
+/* The environment without the variables that start with `drop`, so the
+ * child is configured by its flags alone. */
+static char **clean_env(const char *drop) {
+  size_t n = 0, k = 0, dlen = strlen(drop);
   char **env;
   while (environ[n])
     n++;
@@ -345,16 +347,16 @@ static char **clean_env(void) {
   if (env == NULL)
     return NULL;
   for (size_t i = 0; i < n; i++)
-    if (strncmp(environ[i], "IDEMD_", 6) != 0)
+    if (strncmp(environ[i], drop, dlen) != 0)
       env[k++] = environ[i];
   env[k] = NULL;
   return env;
 }
 
 /* fork + execve with stdout/stderr redirected. Returns the pid or -1. */
-static pid_t spawn(char *const argv[], int out_fd, int err_fd) {
+pid_t h_spawn(char *const argv[], int out_fd, int err_fd, const char *drop_env) {
   pid_t parent = getpid();
-  char **env = clean_env();
+  char **env = clean_env(drop_env);
   pid_t pid;
   if (env == NULL)
     return -1;
@@ -376,7 +378,7 @@ static pid_t spawn(char *const argv[], int out_fd, int err_fd) {
   return pid;
 }
 
-static int free_port(void) {
+int h_free_port(void) {
   struct sockaddr_in a = {.sin_family = AF_INET};
   socklen_t len = sizeof a;
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -435,7 +437,7 @@ static int launch(h_server_t *s, char *why, size_t whylen) {
     off_t log_start = stat(s->log, &st) == 0 ? st.st_size : 0;
     double deadline;
 
-    s->port = free_port();
+    s->port = h_free_port();
     if (s->port <= 0) {
       snprintf(why, whylen, "no free port");
       return -1;
@@ -456,7 +458,7 @@ static int launch(h_server_t *s, char *why, size_t whylen) {
       snprintf(why, whylen, "cannot open %s: %s", s->log, strerror(errno));
       return -1;
     }
-    s->pid = spawn(argv, fd, fd);
+    s->pid = h_spawn(argv, fd, fd, "IDEMD_");
     close(fd);
     if (s->pid < 0) {
       snprintf(why, whylen, "fork failed: %s", strerror(errno));
@@ -673,7 +675,7 @@ const char *h_tenant(h_server_t *s, const char *name) {
   assert_int_equal(pipe2(pipefd, O_CLOEXEC), 0);
   errfd = open(s->cli_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
   assert_true(errfd >= 0);
-  pid = spawn(argv, pipefd[1], errfd);
+  pid = h_spawn(argv, pipefd[1], errfd, "IDEMD_");
   close(pipefd[1]);
   close(errfd);
   assert_true(pid > 0);

@@ -81,6 +81,14 @@ typedef struct h_resp {
  * (env IDEM_TEST_IDEMD, else argv[1]). */
 void h_init(int argc, char **argv);
 
+/* Starts argv[0] (a path) with stdin from /dev/null, stdout and stderr on
+ * the given descriptors, the environment minus the variables starting with
+ * `drop_env`, and death when the test dies. Returns its pid, or -1. */
+pid_t h_spawn(char *const argv[], int out_fd, int err_fd, const char *drop_env);
+
+/* A loopback port free at the time of the call (bind to 0, read, close). */
+int h_free_port(void);
+
 /* Monotonic seconds. */
 double h_now(void);
 /* Wall-clock milliseconds since the epoch (the clock idemd stamps records with). */

@@ -3,23 +3,19 @@
 #define _GNU_SOURCE
 #include "psp_harness.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
-extern char **environ;
 
 #define MAX_PSPS 8
 #define START_TIMEOUT_S 30.0
@@ -47,62 +43,6 @@ void p_init(int argc, char **argv) {
 }
 
 /* ---- processes ----------------------------------------------------- */
-
-/* The environment without IDEM_PSP_* variables: a developer's settings
- * must not add faults to a test. Points into environ. */
-static char **clean_env(void) {
-  size_t n = 0, k = 0;
-  char **env;
-  while (environ[n])
-    n++;
-  env = calloc(n + 1, sizeof *env);
-  if (env == NULL)
-    return NULL;
-  for (size_t i = 0; i < n; i++)
-    if (strncmp(environ[i], "IDEM_PSP_", 9) != 0)
-      env[k++] = environ[i];
-  env[k] = NULL;
-  return env;
-}
-
-/* fork + execve with stdout and stderr to `fd`. Returns the pid or -1. */
-static pid_t spawn(char *const argv[], int fd) {
-  pid_t parent = getpid();
-  char **env = clean_env();
-  pid_t pid;
-  if (env == NULL)
-    return -1;
-  pid = fork();
-  if (pid == 0) {
-    int devnull = open("/dev/null", O_RDONLY);
-    prctl(PR_SET_PDEATHSIG, SIGKILL); /* die with the test */
-    if (getppid() != parent)
-      _exit(127);
-    if (devnull >= 0)
-      dup2(devnull, 0);
-    dup2(fd, 1);
-    dup2(fd, 2);
-    execve(argv[0], argv, env);
-    _exit(127);
-  }
-  free(env);
-  return pid;
-}
-
-static int free_port(void) {
-  struct sockaddr_in a = {.sin_family = AF_INET};
-  socklen_t len = sizeof a;
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  int port = -1;
-  if (fd < 0)
-    return -1;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0 &&
-      getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-    port = ntohs(a.sin_port);
-  close(fd);
-  return port;
-}
 
 /* Does the log contain `needle` after offset `from`? */
 static int logged_since(const char *path, off_t from, const char *needle) {
@@ -160,7 +100,7 @@ static int launch_once(p_psp_t *p, char *why, size_t whylen) {
     snprintf(why, whylen, "cannot open %s: %s", p->log, strerror(errno));
     return -1;
   }
-  p->pid = spawn(argv, fd);
+  p->pid = h_spawn(argv, fd, fd, "IDEM_PSP_");
   close(fd);
   if (p->pid < 0) {
     snprintf(why, whylen, "fork failed: %s", strerror(errno));
@@ -225,7 +165,7 @@ p_psp_t *p_start(const char *const *flags) {
   snprintf(p->log, sizeof p->log, "%s/psp.log", p->dir);
   set_flags(p, flags);
   for (int attempt = 0; attempt < 5 && rc == 1; attempt++) {
-    if ((p->port = free_port()) <= 0)
+    if ((p->port = h_free_port()) <= 0)
       fail_msg("no free port");
     rc = launch_once(p, why, sizeof why);
   }
