@@ -22,6 +22,7 @@ typedef struct idemd_config {
   int64_t provider_timeout_ms; /* total deadline of one provider call */
   int64_t reconcile_interval_ms;
   int64_t shutdown_timeout_ms; /* bound on finishing requests at SIGTERM */
+  int64_t replay_cache_bytes;  /* memory for replays of completed records; 0: none */
   int64_t sweep_interval_ms;   /* how often expired records are deleted */
   int sweep_batch;             /* records per delete transaction */
   char log_level[8];           /* debug, info, warn, error */

@@ -5,32 +5,75 @@
 #include <string.h>
 
 #include "idem/clock.h"
+#include "server/replay_cache.h"
 #include "server/reply.h"
 
+static enum MHD_Result mismatch(idemd_request_t *r) {
+  r->outcome = OUTCOME_MISMATCH;
+  return idemd_reply_error(
+      r, 422, "Idempotency-Key was already used with a different request", NULL);
+}
+
+/* Keeps the replay of a completed record in memory (body already marked). */
+static void remember(idemd_request_t *r, const idem_scope_t *scope,
+                     const char *fingerprint, int status, const char *marked,
+                     const char *location, int64_t expires_at) {
+  idemd_replay_cache_put(r->srv->replays, scope, fingerprint, status, marked,
+                         location, expires_at);
+}
+
 /* Sends a stored response again, marked as a replay. */
-static enum MHD_Result replay(idemd_request_t *r, const idem_record_t *rec,
-                              idemd_outcome_t outcome) {
+static enum MHD_Result replay(idemd_request_t *r, const idem_scope_t *scope,
+                              const idem_record_t *rec, idemd_outcome_t outcome) {
   idemd_reply_headers_t h = {.location = rec->location, .replayed = 1};
   char *body = idemd_mark_replayed(rec->response_body);
   enum MHD_Result ret;
 
   if (body == NULL)
     return idemd_reply_store_error(r, IDEM_ENOMEM);
+  if (rec->state == IDEM_STATE_COMPLETED)
+    remember(r, scope, rec->fingerprint, rec->response_status, body, rec->location,
+             rec->expires_at);
   r->outcome = outcome;
   ret = idemd_reply(r, rec->response_status, body, strlen(body), &h);
   free(body);
   return ret;
 }
 
-/* Sends the first answer of a request that won its key. */
-static enum MHD_Result answer_new(idemd_request_t *r, int status,
+/* Sends the first answer of a request that won its key; a completed one
+ * is also remembered for its replays. */
+static enum MHD_Result answer_new(idemd_request_t *r, const idem_scope_t *scope,
+                                  const char *fingerprint, int status,
                                   const char *body, const char *location,
-                                  idem_state_t state) {
+                                  idem_state_t state, int64_t expires_at) {
   idemd_reply_headers_t h = {.location = location};
   if (status == 503)
     h.retry_after = 1;
+  if (state == IDEM_STATE_COMPLETED && r->srv->replays) {
+    char *marked = idemd_mark_replayed(body);
+    remember(r, scope, fingerprint, status, marked, location, expires_at);
+    free(marked);
+  }
   r->outcome = state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_NEW;
   return idemd_reply(r, status, body, strlen(body), &h);
+}
+
+/* Answers from the replay cache when it holds this key. Returns 1 when it
+ * answered (`*ret` set), 0 to go to the store. */
+static int answer_from_memory(idemd_request_t *r, const idem_scope_t *scope,
+                              const char *fingerprint, enum MHD_Result *ret) {
+  idemd_replay_t hit;
+  if (!idemd_replay_cache_get(r->srv->replays, scope, idem_now_ms(), &hit))
+    return 0;
+  if (strcmp(hit.fingerprint, fingerprint) != 0) {
+    *ret = mismatch(r);
+  } else {
+    idemd_reply_headers_t h = {.location = hit.location, .replayed = 1};
+    r->outcome = OUTCOME_REPLAY;
+    *ret = idemd_reply(r, hit.status, hit.body, strlen(hit.body), &h);
+  }
+  free(hit.body);
+  return 1;
 }
 
 enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
@@ -41,6 +84,9 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
   enum MHD_Result ret;
   int prepared = e->prepare == NULL;
   int rc;
+
+  if (answer_from_memory(r, &scope, e->fingerprint, &ret))
+    return ret;
 
   /* Bounded: each pass either answers, waits for a change, or follows a
    * record that changed hands; a handful of passes is plenty. */
@@ -93,10 +139,11 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
         idem_record_reset(&rec);
         if (rc != IDEM_OK)
           return idemd_reply_store_error(r, rc);
-        return answer_new(r, out.status, out.body, out.location, out.state);
+        return answer_new(r, &scope, e->fingerprint, out.status, out.body,
+                          out.location, out.state, c.now_ms + c.ttl_ms);
       }
-      ret = answer_new(r, rec.response_status, rec.response_body, rec.location,
-                       rec.state);
+      ret = answer_new(r, &scope, e->fingerprint, rec.response_status,
+                       rec.response_body, rec.location, rec.state, rec.expires_at);
       idem_record_reset(&rec);
       return ret;
     }
@@ -104,17 +151,15 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
     /* The key is held by an earlier request. */
     if (strcmp(rec.fingerprint, e->fingerprint) != 0) {
       idem_record_reset(&rec);
-      r->outcome = OUTCOME_MISMATCH;
-      return idemd_reply_error(
-          r, 422, "Idempotency-Key was already used with a different request", NULL);
+      return mismatch(r);
     }
     switch (rec.state) {
     case IDEM_STATE_COMPLETED:
-      ret = replay(r, &rec, OUTCOME_REPLAY);
+      ret = replay(r, &scope, &rec, OUTCOME_REPLAY);
       idem_record_reset(&rec);
       return ret;
     case IDEM_STATE_PENDING:
-      ret = replay(r, &rec, OUTCOME_PENDING);
+      ret = replay(r, &scope, &rec, OUTCOME_PENDING);
       idem_record_reset(&rec);
       return ret;
     case IDEM_STATE_PROCESSING: {

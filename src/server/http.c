@@ -17,6 +17,7 @@
 #include "idem/key.h"
 #include "server/auth.h"
 #include "server/log.h"
+#include "server/replay_cache.h"
 #include "server/reply.h"
 #include "server/validate.h"
 
@@ -144,6 +145,7 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
   idem_store_stats(r->srv->store, &st);
   g.store_commits = st.commits;
   g.store_writes = st.writes;
+  g.replay_cache_hits = idemd_replay_cache_hits(r->srv->replays);
   text = idemd_metrics_render(&r->srv->metrics, &g);
   if (text == NULL)
     return idemd_reply_error(r, 500, "internal error", NULL);

@@ -111,6 +111,10 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
              "writes / commits is the mean group-commit batch.\n"
              "# TYPE idem_store_writes_total counter\nidem_store_writes_total %llu\n",
           (unsigned long long)g->store_writes);
+  fprintf(f, "# HELP idem_replay_cache_hits_total Replays (and mismatches) answered "
+             "from memory, without the store.\n"
+             "# TYPE idem_replay_cache_hits_total counter\nidem_replay_cache_hits_total %llu\n",
+          (unsigned long long)g->replay_cache_hits);
   fprintf(f, "# HELP idem_records_pending Records whose provider outcome is unknown.\n"
              "# TYPE idem_records_pending gauge\nidem_records_pending %lld\n",
           (long long)g->pending);

@@ -8,6 +8,7 @@
 #include "idem/crypto.h"
 #include "server/commands.h"
 #include "server/log.h"
+#include "server/replay_cache.h"
 #include "server/server.h"
 #include "server/sweeper.h"
 
@@ -88,6 +89,8 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
     fprintf(stderr, "idemd: cannot prepare the key-id HMAC\n");
     goto close_store;
   }
+  /* NULL when sized 0: every replay then reads the store. */
+  srv->replays = idemd_replay_cache_new((size_t)cfg->replay_cache_bytes);
   if ((srv->provider = open_provider(cfg)) == NULL) {
     fprintf(stderr, "idemd: cannot set up the provider '%s'\n", cfg->provider);
     goto close_store;
@@ -126,6 +129,7 @@ stop_http:
 close_provider:
   srv->provider->close(srv->provider);
 close_store:
+  idemd_replay_cache_free(srv->replays);
   idem_hmac_free(srv->key_id_mac);
   idem_store_close(srv->store);
   return -1;
@@ -140,6 +144,7 @@ void idemd_server_stop(idemd_server_t *srv) {
   idemd_sweeper_stop(srv);
   idem_reconciler_stop(srv->reconciler);
   srv->provider->close(srv->provider);
+  idemd_replay_cache_free(srv->replays);
   idem_hmac_free(srv->key_id_mac);
   idem_store_close(srv->store);
   idemd_log_event("info", "stopped", NULL);

@@ -24,6 +24,7 @@ typedef struct idemd_server {
   idem_provider_t *provider;
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
   idem_hmac_t *key_id_mac;      /* that key, prepared */
+  struct idemd_replay_cache *replays; /* completed records' replays; may be NULL */
   struct MHD_Daemon *daemon;
   int port; /* the port bound */
   idemd_guard_t *guard;

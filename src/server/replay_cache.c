@@ -1,0 +1,209 @@
+/* The replay cache (see replay_cache.h): 16 shards, each a hash table with
+ * an LRU list and a byte budget. */
+#include "server/replay_cache.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define SHARDS 16
+#define BUCKETS 4096 /* per shard */
+
+struct entry {
+  uint64_t hash;
+  struct entry *chain;      /* next in the bucket */
+  struct entry *prev, *next; /* LRU, most recent first */
+  int64_t tenant_id;
+  int64_t expires_at;
+  int status;
+  size_t size; /* bytes charged to the budget */
+  char fingerprint[IDEM_FINGERPRINT_LEN];
+  char location[IDEM_LOCATION_MAX + 1];
+  char *operation, *key, *body; /* point into `data` */
+  char data[];
+};
+
+struct shard {
+  pthread_mutex_t lock;
+  struct entry *buckets[BUCKETS];
+  struct entry *head, *tail;
+  size_t bytes, budget;
+};
+
+struct idemd_replay_cache {
+  struct shard shards[SHARDS];
+  atomic_uint_fast64_t hits;
+};
+
+static uint64_t hash_scope(const idem_scope_t *sc) {
+  uint64_t h = 1469598103934665603ULL;
+  for (int i = 0; i < 8; i++) {
+    h ^= (uint64_t)((sc->tenant_id >> (8 * i)) & 0xff);
+    h *= 1099511628211ULL;
+  }
+  for (const char *p = sc->operation; *p; p++) {
+    h ^= (unsigned char)*p;
+    h *= 1099511628211ULL;
+  }
+  h ^= 0xff; /* separates operation from key */
+  h *= 1099511628211ULL;
+  for (const char *p = sc->key; *p; p++) {
+    h ^= (unsigned char)*p;
+    h *= 1099511628211ULL;
+  }
+  return h;
+}
+
+static int same_scope(const struct entry *e, uint64_t h, const idem_scope_t *sc) {
+  return e->hash == h && e->tenant_id == sc->tenant_id &&
+         strcmp(e->operation, sc->operation) == 0 && strcmp(e->key, sc->key) == 0;
+}
+
+/* Unlinks `e` from its bucket and the LRU list, and frees it. */
+static void drop(struct shard *s, struct entry *e) {
+  struct entry **pp = &s->buckets[(e->hash / SHARDS) % BUCKETS];
+  while (*pp != e)
+    pp = &(*pp)->chain;
+  *pp = e->chain;
+  if (e->prev)
+    e->prev->next = e->next;
+  else
+    s->head = e->next;
+  if (e->next)
+    e->next->prev = e->prev;
+  else
+    s->tail = e->prev;
+  s->bytes -= e->size;
+  free(e);
+}
+
+static void to_front(struct shard *s, struct entry *e) {
+  if (s->head == e)
+    return;
+  e->prev->next = e->next; /* e is not the head, so it has a prev */
+  if (e->next)
+    e->next->prev = e->prev;
+  else
+    s->tail = e->prev;
+  e->prev = NULL;
+  e->next = s->head;
+  s->head->prev = e;
+  s->head = e;
+}
+
+idemd_replay_cache_t *idemd_replay_cache_new(size_t max_bytes) {
+  idemd_replay_cache_t *c;
+  if (max_bytes == 0 || (c = calloc(1, sizeof *c)) == NULL)
+    return NULL;
+  for (int i = 0; i < SHARDS; i++) {
+    pthread_mutex_init(&c->shards[i].lock, NULL);
+    c->shards[i].budget = max_bytes / SHARDS;
+  }
+  return c;
+}
+
+void idemd_replay_cache_free(idemd_replay_cache_t *c) {
+  if (c == NULL)
+    return;
+  for (int i = 0; i < SHARDS; i++) {
+    while (c->shards[i].head)
+      drop(&c->shards[i], c->shards[i].head);
+    pthread_mutex_destroy(&c->shards[i].lock);
+  }
+  free(c);
+}
+
+void idemd_replay_cache_put(idemd_replay_cache_t *c, const idem_scope_t *scope,
+                            const char *fingerprint, int status,
+                            const char *replay_body, const char *location,
+                            int64_t expires_at_ms) {
+  uint64_t h;
+  struct shard *s;
+  struct entry *e, **slot;
+  size_t oplen, keylen, bodylen, size;
+
+  if (c == NULL || replay_body == NULL || expires_at_ms == 0)
+    return;
+  h = hash_scope(scope);
+  s = &c->shards[h % SHARDS];
+  oplen = strlen(scope->operation) + 1;
+  keylen = strlen(scope->key) + 1;
+  bodylen = strlen(replay_body) + 1;
+  size = sizeof *e + oplen + keylen + bodylen;
+  if (size > s->budget / 4) /* one entry never takes over a shard */
+    return;
+  if ((e = malloc(size)) == NULL)
+    return;
+  memset(e, 0, sizeof *e);
+  e->hash = h;
+  e->tenant_id = scope->tenant_id;
+  e->expires_at = expires_at_ms;
+  e->status = status;
+  e->size = size;
+  idem_copy(e->fingerprint, sizeof e->fingerprint, fingerprint);
+  idem_copy(e->location, sizeof e->location, location);
+  e->operation = e->data;
+  e->key = e->operation + oplen;
+  e->body = e->key + keylen;
+  memcpy(e->operation, scope->operation, oplen);
+  memcpy(e->key, scope->key, keylen);
+  memcpy(e->body, replay_body, bodylen);
+
+  pthread_mutex_lock(&s->lock);
+  slot = &s->buckets[(h / SHARDS) % BUCKETS];
+  for (struct entry *old = *slot; old; old = old->chain)
+    if (same_scope(old, h, scope)) {
+      drop(s, old);
+      break;
+    }
+  e->chain = *slot;
+  *slot = e;
+  e->next = s->head;
+  if (s->head)
+    s->head->prev = e;
+  s->head = e;
+  if (s->tail == NULL)
+    s->tail = e;
+  s->bytes += size;
+  while (s->bytes > s->budget && s->tail != e)
+    drop(s, s->tail);
+  pthread_mutex_unlock(&s->lock);
+}
+
+int idemd_replay_cache_get(idemd_replay_cache_t *c, const idem_scope_t *scope,
+                           int64_t now_ms, idemd_replay_t *out) {
+  uint64_t h;
+  struct shard *s;
+  int found = 0;
+
+  if (c == NULL)
+    return 0;
+  h = hash_scope(scope);
+  s = &c->shards[h % SHARDS];
+  pthread_mutex_lock(&s->lock);
+  for (struct entry *e = s->buckets[(h / SHARDS) % BUCKETS]; e; e = e->chain) {
+    if (!same_scope(e, h, scope))
+      continue;
+    if (e->expires_at <= now_ms) {
+      drop(s, e); /* expired: the key is as good as never seen */
+      break;
+    }
+    if ((out->body = strdup(e->body)) != NULL) {
+      memcpy(out->fingerprint, e->fingerprint, sizeof out->fingerprint);
+      memcpy(out->location, e->location, sizeof out->location);
+      out->status = e->status;
+      to_front(s, e);
+      found = 1;
+    }
+    break;
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (found)
+    atomic_fetch_add_explicit(&c->hits, 1, memory_order_relaxed);
+  return found;
+}
+
+uint64_t idemd_replay_cache_hits(const idemd_replay_cache_t *c) {
+  return c ? atomic_load(&((idemd_replay_cache_t *)c)->hits) : 0;
+}
