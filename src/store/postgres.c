@@ -551,19 +551,41 @@ static int pg_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
   return rc;
 }
 
+/* Runs one prepared statement, outside any transaction, on a pooled
+ * connection. Returns the result (the caller clears it) or NULL with the
+ * error in `*err`. */
+static PGresult *pooled_run(pg_store_t *s, enum stmt_id id, int n,
+                            const char *const *params, int *err) {
+  struct conn *c;
+  PGresult *res;
+
+  if ((*err = conn_get(s, &c)) != IDEM_OK)
+    return NULL;
+  res = run(c, id, n, params, err);
+  conn_put(s, c);
+  return res;
+}
+
+/* The same for a statement whose rows we do not need; `*changed` (may be
+ * NULL) gets the number of rows it affected. */
+static int pooled_cmd(pg_store_t *s, enum stmt_id id, int n,
+                      const char *const *params, int *changed) {
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = run_cmd(c, id, n, params, changed);
+  conn_put(s, c);
+  return rc;
+}
+
 /* Runs a one-row query outside a transaction; `*res` gets the result when
  * it has a row (IDEM_OK), IDEM_ENOTFOUND when it has none. */
 static int query_row(pg_store_t *s, enum stmt_id id, int n,
                      const char *const *params, PGresult **res) {
-  struct conn *c;
   int rc;
-
-  *res = NULL;
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  *res = run(c, id, n, params, &rc);
-  conn_put(s, c);
-  if (*res == NULL)
+  if ((*res = pooled_run(s, id, n, params, &rc)) == NULL)
     return rc;
   if (PQntuples(*res) == 0) {
     PQclear(*res);
@@ -654,14 +676,10 @@ static int pg_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
   char hash[IDEM_SHA256_HEX_LEN], disabled[24];
   const char *p[4] = {t->name, t->key_lookup, hash,
                       num(disabled, sizeof disabled, t->disabled)};
-  struct conn *c;
   int rc, changed = 0;
 
   idem_hex(t->key_hash, sizeof t->key_hash, hash);
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  rc = run_cmd(c, ST_TENANT_UPDATE, 4, p, &changed);
-  conn_put(s, c);
+  rc = pooled_cmd(s, ST_TENANT_UPDATE, 4, p, &changed);
   if (rc == IDEM_OK && changed == 0)
     rc = IDEM_ENOTFOUND;
   return rc;
@@ -671,15 +689,10 @@ static int pg_tenant_list(idem_store_t *base, idem_tenant_t *out, int max, int *
   pg_store_t *s = (pg_store_t *)base;
   char lim[16];
   const char *p[1] = {num(lim, sizeof lim, max)};
-  struct conn *c;
   PGresult *res;
   int rc, rows;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  res = run(c, ST_TENANT_LIST, 1, p, &rc);
-  conn_put(s, c);
-  if (res == NULL)
+  if ((res = pooled_run(s, ST_TENANT_LIST, 1, p, &rc)) == NULL)
     return rc;
   rows = PQntuples(res) < max ? PQntuples(res) : max;
   for (int i = 0; i < rows; i++)
@@ -697,15 +710,10 @@ static int pg_records_list(idem_store_t *base, const idem_records_query_t *q,
                       q->state == IDEM_STATE_NONE ? NULL : idem_state_name(q->state),
                       num(before, sizeof before, q->updated_before),
                       num(lim, sizeof lim, q->limit)};
-  struct conn *c;
   PGresult *res;
   int rc, rows;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  res = run(c, ST_RECORDS_LIST, 4, p, &rc);
-  conn_put(s, c);
-  if (res == NULL)
+  if ((res = pooled_run(s, ST_RECORDS_LIST, 4, p, &rc)) == NULL)
     return rc;
   rows = PQntuples(res) < q->limit ? PQntuples(res) : q->limit;
   for (int i = 0; rc == IDEM_OK && i < rows; i++)
@@ -725,14 +733,9 @@ static int pg_meta_get_or_put(idem_store_t *base, const char *name,
   pg_store_t *s = (pg_store_t *)base;
   const char *p[2] = {name, value};
   PGresult *res;
-  struct conn *c;
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  rc = run_cmd(c, ST_META_PUT, 2, p, NULL);
-  conn_put(s, c);
-  if (rc != IDEM_OK)
+  if ((rc = pooled_cmd(s, ST_META_PUT, 2, p, NULL)) != IDEM_OK)
     return rc;
   rc = query_row(s, ST_META_GET, 1, p, &res);
   if (rc != IDEM_OK)
@@ -746,14 +749,7 @@ static int pg_sweep(idem_store_t *base, int64_t now_ms, int batch, int *deleted)
   pg_store_t *s = (pg_store_t *)base;
   char now[24], b[16];
   const char *p[2] = {num(now, sizeof now, now_ms), num(b, sizeof b, batch)};
-  struct conn *c;
-  int rc;
-
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  rc = run_cmd(c, ST_SWEEP, 2, p, deleted);
-  conn_put(s, c);
-  return rc;
+  return pooled_cmd(s, ST_SWEEP, 2, p, deleted);
 }
 
 static int pg_count(idem_store_t *base, const char *what, int64_t tenant_id,
@@ -960,15 +956,10 @@ static int pg_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
   const char *p[3] = {num(now, sizeof now, now_ms),
                       num(lease, sizeof lease, now_ms + lease_ms),
                       num(lim, sizeof lim, max)};
-  struct conn *c;
   PGresult *res;
   int rc, rows;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  res = run(c, ST_CLAIM, 3, p, &rc);
-  conn_put(s, c);
-  if (res == NULL)
+  if ((res = pooled_run(s, ST_CLAIM, 3, p, &rc)) == NULL)
     return rc;
   rows = PQntuples(res) < max ? PQntuples(res) : max;
   for (int i = 0; rc == IDEM_OK && i < rows; i++)

@@ -378,6 +378,21 @@ pid_t h_spawn(char *const argv[], int out_fd, int err_fd, const char *drop_env) 
   return pid;
 }
 
+pid_t h_spawn_logged(char *const argv[], const char *log, const char *drop_env,
+                     char *why, size_t whylen) {
+  int fd = open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  pid_t pid;
+  if (fd < 0) {
+    snprintf(why, whylen, "cannot open %s: %s", log, strerror(errno));
+    return -1;
+  }
+  pid = h_spawn(argv, fd, fd, drop_env);
+  close(fd);
+  if (pid < 0)
+    snprintf(why, whylen, "fork failed: %s", strerror(errno));
+  return pid;
+}
+
 int h_free_port(void) {
   struct sockaddr_in a = {.sin_family = AF_INET};
   socklen_t len = sizeof a;
@@ -432,7 +447,7 @@ static int launch(h_server_t *s, char *why, size_t whylen) {
   for (int attempt = 0; attempt < 5; attempt++) {
     char listen[64];
     char *argv[8 + H_MAX_FLAGS + 1];
-    int argc = 0, fd, status;
+    int argc = 0, status;
     struct stat st;
     off_t log_start = stat(s->log, &st) == 0 ? st.st_size : 0;
     double deadline;
@@ -453,17 +468,8 @@ static int launch(h_server_t *s, char *why, size_t whylen) {
       argv[argc++] = s->flags[i];
     argv[argc] = NULL;
 
-    fd = open(s->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-    if (fd < 0) {
-      snprintf(why, whylen, "cannot open %s: %s", s->log, strerror(errno));
+    if ((s->pid = h_spawn_logged(argv, s->log, "IDEMD_", why, whylen)) < 0)
       return -1;
-    }
-    s->pid = h_spawn(argv, fd, fd, "IDEMD_");
-    close(fd);
-    if (s->pid < 0) {
-      snprintf(why, whylen, "fork failed: %s", strerror(errno));
-      return -1;
-    }
     s->running = 1;
 
     deadline = h_now() + START_TIMEOUT_S;

@@ -86,6 +86,11 @@ void h_init(int argc, char **argv);
  * `drop_env`, and death when the test dies. Returns its pid, or -1. */
 pid_t h_spawn(char *const argv[], int out_fd, int err_fd, const char *drop_env);
 
+/* h_spawn() with stdout and stderr appended to the file `log`. Returns the
+ * pid, or -1 with the reason in `why`. */
+pid_t h_spawn_logged(char *const argv[], const char *log, const char *drop_env,
+                     char *why, size_t whylen);
+
 /* A loopback port free at the time of the call (bind to 0, read, close). */
 int h_free_port(void);
 

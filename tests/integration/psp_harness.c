@@ -78,7 +78,7 @@ static int healthz_ok(p_psp_t *p) {
 static int launch_once(p_psp_t *p, char *why, size_t whylen) {
   char listen[64];
   char *argv[6 + P_MAX_FLAGS + 1];
-  int argc = 0, fd, status;
+  int argc = 0, status;
   struct stat st;
   off_t log_start = stat(p->log, &st) == 0 ? st.st_size : 0;
   double deadline = h_now() + START_TIMEOUT_S;
@@ -95,17 +95,8 @@ static int launch_once(p_psp_t *p, char *why, size_t whylen) {
     argv[argc++] = p->flags[i];
   argv[argc] = NULL;
 
-  fd = open(p->log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    snprintf(why, whylen, "cannot open %s: %s", p->log, strerror(errno));
+  if ((p->pid = h_spawn_logged(argv, p->log, "IDEM_PSP_", why, whylen)) < 0)
     return -1;
-  }
-  p->pid = h_spawn(argv, fd, fd, "IDEM_PSP_");
-  close(fd);
-  if (p->pid < 0) {
-    snprintf(why, whylen, "fork failed: %s", strerror(errno));
-    return -1;
-  }
   p->running = 1;
   p->paused = 0;
   for (;;) {
