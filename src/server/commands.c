@@ -2,6 +2,7 @@
  * a clean shutdown on SIGTERM/SIGINT, and the administrative commands. */
 #include "server/commands.h"
 
+#include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -47,6 +48,12 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   sigaddset(&stop, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop, NULL);
   signal(SIGPIPE, SIG_IGN);
+  /* Keep freed memory for reuse instead of handing it back at once: the
+   * writer's savepoints and each request free blocks that would otherwise
+   * make malloc trim its heaps, and every trim (madvise) flushes the TLBs
+   * of all cores. Measured: new-key payments 5,700 -> 7,400 req/s. */
+  mallopt(M_TRIM_THRESHOLD, 64 * 1024 * 1024);
+  mallopt(M_MMAP_THRESHOLD, 1024 * 1024);
 
   if (idemd_server_start(&srv, cfg) != 0)
     return 1;

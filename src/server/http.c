@@ -300,12 +300,25 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
       r->body_too_large = 1;
       free(r->body);
       r->body = NULL;
-      r->body_len = 0;
+      r->body_len = r->body_cap = 0;
     }
     if (r->body_too_large) /* drop it; past the discard limit, hang up */
       return r->body_seen > DISCARD_LIMIT ? MHD_NO : MHD_YES;
-    if (r->body == NULL && (r->body = malloc(IDEMD_MAX_BODY + 1)) == NULL)
-      return MHD_NO;
+    if (r->body_len + n + 1 > r->body_cap) {
+      /* Grow to what the upload needs (at least 1 KiB, doubling), not to the
+       * cap at once: a 64 KiB block per request makes malloc trim and the
+       * kernel flush TLBs on every core. */
+      size_t cap = r->body_cap ? r->body_cap : 1024;
+      char *nb;
+      while (cap < r->body_len + n + 1)
+        cap *= 2;
+      if (cap > IDEMD_MAX_BODY + 1)
+        cap = IDEMD_MAX_BODY + 1;
+      if ((nb = realloc(r->body, cap)) == NULL)
+        return MHD_NO;
+      r->body = nb;
+      r->body_cap = cap;
+    }
     memcpy(r->body + r->body_len, upload_data, n);
     r->body_len += n;
     r->body[r->body_len] = '\0';

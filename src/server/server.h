@@ -59,6 +59,7 @@ typedef struct idemd_request {
 
   char *body; /* at most IDEMD_MAX_BODY bytes, NUL-terminated */
   size_t body_len;
+  size_t body_cap; /* bytes allocated at `body` */
   size_t body_seen; /* all upload bytes, kept or not */
   int body_too_large;
 

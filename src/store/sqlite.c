@@ -11,6 +11,7 @@
 #include "store_impl.h"
 
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdatomic.h>
 #include <sqlite3.h>
 #include <stdio.h>
@@ -221,12 +222,13 @@ struct conn {
   struct conn *next;
 };
 
-/* A write waiting for the group-commit writer. */
+/* A write waiting for the group-commit writer. Its caller sleeps on
+ * `done` alone, so a commit wakes exactly the callers of its batch. */
 struct job {
   int (*fn)(struct conn *, void *);
   void *arg;
   int rc;
-  int done;
+  sem_t done;
   struct job *next;
 };
 
@@ -242,10 +244,9 @@ typedef struct sqlite_store {
 
   /* Group commit: callers queue their writes and sleep; one writer thread
    * runs every queued write in one transaction (each in a savepoint) and
-   * one fsync, then wakes them all. */
+   * one fsync, then wakes each of their callers. */
   pthread_mutex_t q_lock;
   pthread_cond_t q_ready; /* the writer waits for work */
-  pthread_cond_t q_done;  /* callers wait for their batch */
   struct job *q_head, *q_tail;
   int stopping;
   int writer_running;
@@ -490,10 +491,12 @@ static void *writer_loop(void *arg) {
       atomic_fetch_add(&s->writes, (uint_fast64_t)n);
     }
 
+    /* `batch` may be freed by its owners as soon as each is posted. */
+    for (struct job *j = batch, *next; j; j = next) {
+      next = j->next;
+      sem_post(&j->done);
+    }
     pthread_mutex_lock(&s->q_lock);
-    for (struct job *j = batch; j; j = j->next)
-      j->done = 1; /* `batch` may be freed by its owners from here on */
-    pthread_cond_broadcast(&s->q_done);
   }
   pthread_mutex_unlock(&s->q_lock);
   if (c)
@@ -506,18 +509,23 @@ static void *writer_loop(void *arg) {
  * error, and nothing it did is kept. Every write of the store goes through
  * here, and through the writer thread, which commits many at a time. */
 static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
-  struct job j = {fn, arg, IDEM_OK, 0, NULL};
+  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK};
+  int idle;
 
+  sem_init(&j.done, 0, 0);
   pthread_mutex_lock(&s->q_lock);
+  idle = s->q_head == NULL; /* else the writer will find it queued */
   if (s->q_tail)
     s->q_tail->next = &j;
   else
     s->q_head = &j;
   s->q_tail = &j;
-  pthread_cond_signal(&s->q_ready);
-  while (!j.done)
-    pthread_cond_wait(&s->q_done, &s->q_lock);
   pthread_mutex_unlock(&s->q_lock);
+  if (idle)
+    pthread_cond_signal(&s->q_ready);
+  while (sem_wait(&j.done) != 0) /* EINTR only */
+    ;
+  sem_destroy(&j.done);
   return j.rc;
 }
 
@@ -1099,7 +1107,6 @@ static void sq_close(idem_store_t *base) {
   pthread_mutex_destroy(&s->write_lock);
   pthread_mutex_destroy(&s->q_lock);
   pthread_cond_destroy(&s->q_ready);
-  pthread_cond_destroy(&s->q_done);
   free(s->path);
   free(s);
 }
@@ -1121,7 +1128,6 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
   pthread_mutex_init(&s->write_lock, NULL);
   pthread_mutex_init(&s->q_lock, NULL);
   pthread_cond_init(&s->q_ready, NULL);
-  pthread_cond_init(&s->q_done, NULL);
   /* Open one connection now so a bad path fails here, not on a request. */
   if ((rc = conn_new(s, &c)) != IDEM_OK) {
     sq_close(&s->base);
