@@ -106,7 +106,7 @@ static void cleanup(void) {
 
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
   const char *tmp = getenv("TMPDIR");
-  char *flags[] = {"--listen", "127.0.0.1:0", "--db", db, "--threads", "4",
+  char *flags[] = {"--listen", "127.0.0.1:0", "--db", db, "--threads", "4", "--workers", "8",
                    "--log-level", "error", "--inflight-wait", "1s",
                    "--sandbox-decline-amount", "402", "--sandbox-uncertain-amount", "202",
                    "--reconcile-interval", "1s", NULL};

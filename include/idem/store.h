@@ -102,6 +102,9 @@ typedef struct idem_store_options {
 typedef struct idem_store_methods {
   int version; /* 1 */
   const char *name;
+  /* 1 when reads are local and never wait on writers or a network (SQLite
+   * in WAL mode), so a caller with no time to wait may still read. */
+  int local_reads;
   void (*close)(idem_store_t *);
   int (*start)(idem_store_t *); /* optional: background work, after open */
   int (*migrate)(idem_store_t *);
@@ -143,6 +146,11 @@ void idem_store_close(idem_store_t *store);
 
 /* The backend's name ("sqlite", "postgresql"). */
 const char *idem_store_backend(const idem_store_t *store);
+
+/* 1 when the store's reads (lookup, resource_get, tenant_find, count,
+ * ping) are served locally without waiting on writers or a network round
+ * trip, so an event loop may make them inline; 0 when they may block. */
+int idem_store_local_reads(const idem_store_t *store);
 
 /* Creates or upgrades the schema to this program's version. Idempotent.
  * Returns IDEM_ESCHEMA if the database is newer than this program. */

@@ -11,7 +11,8 @@ typedef struct idemd_config {
   int listen_port;
   char db[1024];
   char provider[256];
-  int threads;
+  int threads;                /* event threads; 0: one per core */
+  int workers;                /* threads for requests that wait */
   int max_connections;        /* served at once; beyond: 503 */
   int max_header_bytes;       /* request line and headers, per connection */
   int64_t request_timeout_ms; /* to receive a whole request */

@@ -87,6 +87,11 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
 
   if (answer_from_memory(r, &scope, e->fingerprint, &ret))
     return ret;
+  /* In an event thread (may_block 0) the flow goes as far as it can
+   * without waiting: memory, then local reads. Anything that waits is
+   * deferred to a worker, which runs the request again from the start. */
+  if (!r->may_block && !idem_store_local_reads(srv->store))
+    return idemd_defer(r);
 
   /* Bounded: each pass either answers, waits for a change, or follows a
    * record that changed hands; a handful of passes is plenty. */
@@ -100,6 +105,10 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
     if (rc == IDEM_ENOTFOUND ||
         (rc == IDEM_OK && rec.state == IDEM_STATE_FAILED &&
          strcmp(rec.fingerprint, e->fingerprint) == 0)) {
+      if (!r->may_block) { /* a write, and maybe a provider call, follow */
+        idem_record_reset(&rec);
+        return idemd_defer(r);
+      }
       if (!prepared) {
         if ((rc = e->prepare(e->ctx)) != IDEM_OK) {
           idem_record_reset(&rec);
@@ -165,6 +174,8 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
     case IDEM_STATE_PROCESSING: {
       int64_t left = deadline - idem_mono_ms();
       idem_record_reset(&rec);
+      if (!r->may_block)
+        return idemd_defer(r); /* the wait below, bounded, in a worker */
       if (left <= 0) {
         idemd_reply_headers_t h = {.retry_after = 1};
         atomic_fetch_add_explicit(&srv->metrics.inflight_timeouts, 1,

@@ -4,6 +4,7 @@
  * and metrics once each answer is sent. */
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -201,7 +202,39 @@ static enum MHD_Result serve_create(idemd_request_t *r) {
   return ret;
 }
 
+/* Checks the API key against the store: IDEM_OK and r->authenticated, or
+ * the request answered (401, or 503 when the store failed). */
+static int authenticate(idemd_request_t *r, enum MHD_Result *ret) {
+  int rc = idemd_authenticate(r->srv->store,
+                              MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                                          MHD_HTTP_HEADER_AUTHORIZATION),
+                              &r->tenant);
+  if (rc == IDEM_ENOTFOUND) {
+    idemd_reply_headers_t h = {.www_authenticate = 1};
+    r->outcome = OUTCOME_INVALID;
+    *ret = idemd_reply_error(r, 401, "missing or invalid API key", &h);
+    return rc;
+  }
+  if (rc != IDEM_OK) {
+    *ret = idemd_reply_store_error(r, rc);
+    return rc;
+  }
+  r->authenticated = 1;
+  return IDEM_OK;
+}
+
+/* The request is all here. Runs in an event thread first; whatever would
+ * wait there is deferred to a worker, which runs this again. */
 static enum MHD_Result dispatch(idemd_request_t *r) {
+  int local = idem_store_local_reads(r->srv->store);
+  enum MHD_Result ret;
+
+  /* Where reads may block (PostgreSQL), even the key check waits on the
+   * network: all of it runs in a worker. */
+  if (!r->may_block && !local)
+    return idemd_defer(r);
+  if (r->needs_auth && !r->authenticated && authenticate(r, &ret) != IDEM_OK)
+    return ret;
   switch (r->route) {
   case ROUTE_HEALTHZ:
     return serve_healthz(r);
@@ -224,7 +257,8 @@ static enum MHD_Result dispatch(idemd_request_t *r) {
 static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
   const struct route_def *d;
   const char *len;
-  int rc;
+  enum MHD_Result ret;
+  int too_large;
 
   set_path(r, url);
   set_request_id(r);
@@ -246,23 +280,18 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_error(r, 405, "method not allowed", &h);
   }
-  if (d->needs_auth) {
-    rc = idemd_authenticate(r->srv->store,
-                            MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
-                                                        MHD_HTTP_HEADER_AUTHORIZATION),
-                            &r->tenant);
-    if (rc == IDEM_ENOTFOUND) {
-      idemd_reply_headers_t h = {.www_authenticate = 1};
-      r->outcome = OUTCOME_INVALID;
-      return idemd_reply_error(r, 401, "missing or invalid API key", &h);
-    }
-    if (rc != IDEM_OK)
-      return idemd_reply_store_error(r, rc);
-    r->authenticated = 1;
-  }
+  r->needs_auth = d->needs_auth;
   len = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-  if (len && strtoull(len, NULL, 10) > IDEMD_MAX_BODY &&
-      (r->route == ROUTE_PAYMENTS || r->route == ROUTE_ORDERS)) {
+  too_large = len && strtoull(len, NULL, 10) > IDEMD_MAX_BODY &&
+              (r->route == ROUTE_PAYMENTS || r->route == ROUTE_ORDERS);
+  /* The key is checked now when that cannot wait on a network; else with
+   * the body, in a worker. A declared length over the cap is answered now
+   * either way (401 first), rather than after reading megabytes: a rare
+   * error path may take one store read in the event thread. */
+  if (d->needs_auth && (idem_store_local_reads(r->srv->store) || too_large) &&
+      authenticate(r, &ret) != IDEM_OK)
+    return ret;
+  if (too_large) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_error(r, 413, "request body is larger than 64 KiB", NULL);
   }
@@ -289,6 +318,18 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     *con_cls = r;
     atomic_fetch_add(&srv->inflight, 1);
     return on_headers(r, url);
+  }
+  if (r->deferred) {
+    /* Resumed: queue the answer a worker left (none: it failed, hang up). */
+    struct MHD_Response *resp = r->response;
+    enum MHD_Result ret = MHD_NO;
+    r->response = NULL;
+    r->deferred = 0;
+    if (resp) {
+      ret = MHD_queue_response(conn, (unsigned)r->status, resp);
+      MHD_destroy_response(resp);
+    }
+    return ret;
   }
   if (*upload_data_size > 0) {
     size_t n = *upload_data_size;
@@ -343,6 +384,8 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     r->outcome = r->outcome ? r->outcome : OUTCOME_ERROR;
   /* The client left (or we closed) before the whole answer went out. */
   r->aborted = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
+  if (r->response) /* resumed only to be closed, at shutdown */
+    MHD_destroy_response(r->response);
   idemd_guard_busy(srv->guard, r->conn_guard, 0);
   idemd_metrics_request(&srv->metrics, r->op, r->outcome, idem_mono_us() - r->start_us);
   idemd_log_request(r);
@@ -350,6 +393,40 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   free(r);
   *con_cls = NULL;
   atomic_fetch_sub(&srv->inflight, 1);
+}
+
+/* A worker's turn at a deferred request: handle it again, allowed to
+ * wait this time, then hand the connection back to its event thread. */
+static void run_deferred(idemd_work_t *w) {
+  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
+  struct MHD_Connection *conn = r->conn;
+
+  r->may_block = 1;
+  if (dispatch(r) != MHD_YES && r->response) {
+    MHD_destroy_response(r->response);
+    r->response = NULL; /* the event thread hangs up */
+  }
+  MHD_resume_connection(conn); /* `r` may be gone from here on */
+}
+
+enum MHD_Result idemd_defer(idemd_request_t *r) {
+  MHD_suspend_connection(r->conn);
+  r->deferred = 1;
+  r->work.run = run_deferred;
+  if (idemd_workers_submit(r->srv->workers, &r->work) != 0) {
+    /* Stopping: no worker will take it. Answer 503 from here instead. */
+    idemd_reply_headers_t h = {.retry_after = 1, .close = 1};
+    r->may_block = 1; /* so the answer waits for the resume below */
+    r->outcome = OUTCOME_ERROR;
+    idemd_reply_error(r, 503, "shutting down, retry later", &h);
+    MHD_resume_connection(r->conn);
+  }
+  return MHD_YES;
+}
+
+static unsigned int cpu_count(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n > 0 ? (unsigned int)n : 1u;
 }
 
 int idemd_http_start(idemd_server_t *srv) {
@@ -369,17 +446,25 @@ int idemd_http_start(idemd_server_t *srv) {
     fprintf(stderr, "idemd: cannot resolve listen address '%s'\n", srv->cfg.listen_host);
     return -1;
   }
-  /* Handlers block (a commit, a provider call, a wait for a duplicate).
-   * With a thread per connection, one blocked request holds up no other;
-   * a fixed pool (--threads N) serves each thread's connections in turn. */
-  unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC |
+  /* A few event threads (one per core by default) do all the socket work
+   * and answer what needs no waiting (replays from memory, errors, local
+   * reads). A request whose next step waits is suspended and handed to the
+   * workers, so no connection holds up another. */
+  unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL |
+                       MHD_USE_ITC | MHD_ALLOW_SUSPEND_RESUME |
                        (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0);
-  unsigned int pool = (unsigned int)srv->cfg.threads;
-  flags |= pool > 0 ? MHD_USE_EPOLL : MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL;
+  unsigned int pool = srv->cfg.threads > 0 ? (unsigned int)srv->cfg.threads : cpu_count();
+  if ((srv->workers = idemd_workers_start(srv->cfg.workers)) == NULL) {
+    fprintf(stderr, "idemd: cannot start worker threads\n");
+    freeaddrinfo(ai);
+    idemd_guard_free(srv->guard);
+    srv->guard = NULL;
+    return -1;
+  }
   srv->daemon = MHD_start_daemon(
       flags, 0, NULL, NULL, on_request, srv,
       MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-      MHD_OPTION_THREAD_POOL_SIZE, pool > 0 ? pool : 1u,
+      MHD_OPTION_THREAD_POOL_SIZE, pool,
       MHD_OPTION_THREAD_STACK_SIZE, (size_t)(1024 * 1024),
       MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
       MHD_OPTION_NOTIFY_CONNECTION, idemd_guard_notify, srv->guard,
@@ -393,6 +478,9 @@ int idemd_http_start(idemd_server_t *srv) {
   if (srv->daemon == NULL) {
     fprintf(stderr, "idemd: cannot listen on %s:%d\n", srv->cfg.listen_host,
             srv->cfg.listen_port);
+    idemd_workers_stop(srv->workers);
+    idemd_workers_free(srv->workers);
+    srv->workers = NULL;
     idemd_guard_free(srv->guard);
     srv->guard = NULL;
     return -1;
@@ -431,8 +519,13 @@ int idemd_http_drain(idemd_server_t *srv, int64_t timeout_ms) {
 void idemd_http_stop(idemd_server_t *srv) {
   if (srv->daemon == NULL)
     return;
+  /* Workers first: each finishes its request and resumes the connection;
+   * later deferrals are answered 503. Then the daemon closes everything. */
+  idemd_workers_stop(srv->workers);
   MHD_stop_daemon(srv->daemon);
   srv->daemon = NULL;
+  idemd_workers_free(srv->workers);
+  srv->workers = NULL;
   idemd_guard_free(srv->guard);
   srv->guard = NULL;
 }

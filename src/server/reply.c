@@ -37,10 +37,15 @@ enum MHD_Result idemd_reply(idemd_request_t *r, int status, const char *body,
       MHD_add_response_header(resp, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
   }
   idemd_guard_busy(r->srv->guard, r->conn_guard, 1);
-  ret = MHD_queue_response(r->conn, (unsigned)status, resp);
-  MHD_destroy_response(resp);
   r->status = status;
   r->responded = 1;
+  if (r->may_block) {
+    /* A worker: only the event thread may queue; it does on resume. */
+    r->response = resp;
+    return MHD_YES;
+  }
+  ret = MHD_queue_response(r->conn, (unsigned)status, resp);
+  MHD_destroy_response(resp);
   return ret;
 }
 

@@ -15,6 +15,7 @@
 #include "server/config.h"
 #include "server/guard.h"
 #include "server/metrics.h"
+#include "server/workers.h"
 
 #define IDEMD_MAX_BODY (64 * 1024)
 
@@ -28,6 +29,7 @@ typedef struct idemd_server {
   struct MHD_Daemon *daemon;
   int port; /* the port bound */
   idemd_guard_t *guard;
+  idemd_workers_t *workers; /* run the requests that wait */
   idem_reconciler_t *reconciler;
   struct idem__ticker *sweeper;
   atomic_int inflight; /* requests started and not yet answered */
@@ -68,6 +70,16 @@ typedef struct idemd_request {
   char key[IDEM_KEY_MAX + 1];
   char key_id[17]; /* HMAC-derived id of the key, for logs */
 
+  /* Where it runs: first in an event thread, which must not wait
+   * (may_block 0); from the first step that would wait on, in a worker
+   * (may_block 1), which leaves its answer in `response` and resumes the
+   * connection. */
+  int may_block;
+  int deferred; /* suspended and handed to a worker */
+  int needs_auth;
+  struct MHD_Response *response; /* a worker's answer, to queue on resume */
+  idemd_work_t work;
+
   /* What the log line and metrics report. */
   idemd_op_t op;
   idemd_outcome_t outcome;
@@ -80,6 +92,13 @@ typedef struct idemd_request {
  * queueing it. `body` is the validated-as-object request body. */
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
+
+/* Called by a handler in an event thread whose next step would wait (a
+ * write, a provider call, a wait for a duplicate, or a read of a store
+ * whose reads may block): suspends the connection and has a worker run
+ * the request's handling again from the start, with may_block set.
+ * Nothing must have been answered yet. Returns MHD_YES. */
+enum MHD_Result idemd_defer(idemd_request_t *r);
 
 /* Brings up a whole idemd from `cfg` into `srv` (zeroed): opens and
  * migrates the store, loads the log secret, sets up the provider, starts

@@ -1212,6 +1212,7 @@ static void sq_stats(idem_store_t *base, idem_store_stats_t *out) {
 static const idem_store_methods_t sqlite_methods = {
     .version = 1,
     .name = "sqlite",
+    .local_reads = 1,
     .close = sq_close,
     .migrate = sq_migrate,
     .ping = sq_ping,

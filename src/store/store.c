@@ -102,6 +102,10 @@ const char *idem_store_backend(const idem_store_t *store) {
 
 int idem_store_migrate(idem_store_t *store) { return store->methods->migrate(store); }
 
+int idem_store_local_reads(const idem_store_t *store) {
+  return store->methods->local_reads;
+}
+
 int idem_store_ping(idem_store_t *store) {
   FAULT_POINT();
   return store->methods->ping(store);

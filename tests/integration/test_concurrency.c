@@ -319,6 +319,83 @@ static void test_many_connections_unique_keys(void **state) {
   h_server_stop(s);
 }
 
+struct slow_batch {
+  h_server_t *s;
+  h_req_t reqs[3];
+  h_resp_t out[3];
+};
+
+static void *slow_batch_main(void *arg) {
+  struct slow_batch *b = arg;
+  h_together(b->s, b->reqs, 3, b->out);
+  return NULL;
+}
+
+/* Requests that wait hold up no other: with one event thread and two
+ * workers, three payments sit in a 3 s provider call (the third queued for
+ * a worker) while a replay, a read, a health check and a 422 on the same
+ * server are all answered before any of the three. On PostgreSQL, whose
+ * reads all go to workers, there are four workers, so one is left for the
+ * quick requests. */
+static void test_waiting_requests_hold_up_no_other(void **state) {
+  const char *const flags[] = {"--threads", "1", "--workers", h_store_is_pg() ? "4" : "2",
+                               "--sandbox-delay", "3s", NULL};
+  h_server_t *s = h_server_start(flags);
+  const char *tok = h_tenant(s, "acme");
+  struct slow_batch b = {.s = s};
+  h_resp_t order, quick[4];
+  char path[128];
+  double first_slow = 1e300, last_quick = 0;
+  pthread_t t;
+  (void)state;
+
+  h_post(s, "/orders", tok, "ready-order", ORDER, &order);
+  h_assert_first(&order, 201);
+  snprintf(path, sizeof path, "/orders/%s", h_id(&order));
+  for (int i = 0; i < 3; i++) {
+    static const char *const keys[] = {"slow-a", "slow-b", "slow-c"};
+    b.reqs[i] = (h_req_t){
+        .method = "POST", .path = "/payments", .token = tok, .key = keys[i], .body = PAYMENT};
+  }
+  assert_int_equal(pthread_create(&t, NULL, slow_batch_main, &b), 0);
+  /* Until the payments are at the provider (their records processing). */
+  if (!h_db_wait(s, 10000, "SELECT count(*) - 1 FROM idempotency_records "
+                           "WHERE key LIKE 'slow-%' AND state = 'processing'")) {
+    pthread_join(t, NULL);
+    fail_msg("the slow payments never reached the provider");
+  }
+  h_post(s, "/orders", tok, "ready-order", ORDER, &quick[0]);
+  h_get(s, path, tok, &quick[1]);
+  h_get(s, "/healthz", NULL, &quick[2]);
+  h_post(s, "/payments", tok, "bad-amount", "{\"amount\": -1}", &quick[3]);
+  pthread_join(t, NULL);
+
+  h_assert_replay_of(&quick[0], &order);
+  h_assert_status(&quick[1], 200);
+  h_assert_status(&quick[2], 200);
+  h_assert_status(&quick[3], 422);
+  for (int i = 0; i < 3; i++) {
+    h_context("slow payment %d", i);
+    h_assert_first(&b.out[i], 201);
+    if (b.out[i].t_end < first_slow)
+      first_slow = b.out[i].t_end;
+  }
+  h_context_clear();
+  for (int i = 0; i < 4; i++)
+    if (quick[i].t_end > last_quick)
+      last_quick = quick[i].t_end;
+  if (!(last_quick < first_slow))
+    fail_msg("a quick request waited behind the provider calls: last quick answer "
+             "at %.3f s, first slow one at %.3f s",
+             last_quick, first_slow);
+  for (int i = 0; i < 4; i++)
+    h_resp_free(&quick[i]);
+  for (int i = 0; i < 3; i++)
+    h_resp_free(&b.out[i]);
+  h_resp_free(&order);
+  h_server_stop(s);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_together_same_key, h_teardown),
@@ -327,6 +404,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_sequential_identical, h_teardown),
       cmocka_unit_test_teardown(test_together_two_payloads, h_teardown),
       cmocka_unit_test_teardown(test_many_connections_unique_keys, h_teardown),
+      cmocka_unit_test_teardown(test_waiting_requests_hold_up_no_other, h_teardown),
   };
   int rc;
   h_init(argc, argv);

@@ -498,12 +498,12 @@ static void test_answer_after_deadline(void **state) {
 }
 
 /* The same deadline on a kept-alive provider connection: idemd's worker
- * (one thread, so one libcurl handle) has just made a payment, and the
+ * (one worker thread, so one libcurl handle) has just made a payment, and the
  * provider hangs on the next one (SIGSTOP) until after the deadline, then
  * charges it. The request was sent, so the outcome is unknown: 202, and
  * whatever the client retries, one charge for the payment. */
 static void test_deadline_on_kept_alive_connection(void **state) {
-  static const char *const extra[] = {"--threads", "1",  "--provider-timeout",   "500ms",
+  static const char *const extra[] = {"--workers", "1",  "--provider-timeout",   "500ms",
                                       "--lease",   "1s", "--reconcile-interval", "200ms",
                                       NULL};
   p_psp_t *p = p_start(NULL);
