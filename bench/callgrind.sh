@@ -19,8 +19,11 @@ profile() {
   local name=$1 mode=$2 count=$3 port=$((20000 + RANDOM % 20000)) token pid
   rm -f "$run/$name.db"*
   token=$("$idemd" tenant create cg --db "$run/$name.db")
+  # One worker: with many, each request may wake a fresh thread, whose
+  # one-time set-up (OpenSSL's per-thread random generator) would be
+  # counted as if every request paid it.
   valgrind --tool=callgrind --callgrind-out-file="$run/$name.out" \
-    "$idemd" serve --db "$run/$name.db" --listen "127.0.0.1:$port" 2>/dev/null &
+    "$idemd" serve --db "$run/$name.db" --listen "127.0.0.1:$port" --workers 1 2>/dev/null &
   pid=$!
   for _ in $(seq 300); do curl -s -o /dev/null "http://127.0.0.1:$port/healthz" && break; sleep 0.1; done
   # One curl for all requests, so they share a kept-alive connection (as

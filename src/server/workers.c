@@ -1,4 +1,5 @@
 /* A fixed pool of threads over one FIFO queue. */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include "server/workers.h"
 
 #include <pthread.h>
@@ -17,6 +18,8 @@ struct idemd_workers {
 
 static void *worker_main(void *arg) {
   idemd_workers_t *p = arg;
+
+  pthread_setname_np(pthread_self(), "idemd-worker"); /* for top -H, perf */
 
   pthread_mutex_lock(&p->lock);
   for (;;) {

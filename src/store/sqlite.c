@@ -8,6 +8,7 @@
  * cheaper than every thread spinning in SQLite's busy handler. Other
  * processes (idemd tenant create while a server runs) are handled by the
  * busy timeout plus a bounded retry. */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include "store_impl.h"
 
 #include <pthread.h>
@@ -460,6 +461,8 @@ static void run_batch(sqlite_store_t *s, struct conn *c, struct job *jobs) {
 static void *writer_loop(void *arg) {
   sqlite_store_t *s = arg;
   struct conn *c = NULL;
+
+  pthread_setname_np(pthread_self(), "idem-writer"); /* for top -H, perf */
 
   pthread_mutex_lock(&s->q_lock);
   for (;;) {
