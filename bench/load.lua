@@ -18,6 +18,7 @@ local other = body:gsub("}%s*$", ', "order_id": "other"}')
 local prefix = "b" .. tostring(os.time()) .. "-" .. tostring(math.random(1, 1e9)) .. "-"
 local counter = 0
 bad = 0 -- global: done() reads it from each thread with thread:get()
+first_bad = "" -- the first unexpected status, and the start of its body
 local threads = {}
 
 function setup(thread)
@@ -49,6 +50,9 @@ end
 response = function(status, headers, resp)
   if status ~= expect then
     bad = bad + 1
+    if first_bad == "" then
+      first_bad = tostring(status) .. " " .. string.sub(resp or "", 1, 120)
+    end
   end
 end
 
@@ -57,12 +61,19 @@ end
 -- is not used; transport errors are.
 done = function(summary, latency, requests)
   local secs = summary.duration / 1e6
-  local wrong = 0
+  local wrong, first = 0, ""
   for _, t in ipairs(threads) do
     wrong = wrong + (t:get("bad") or 0)
+    if first == "" then
+      first = t:get("first_bad") or ""
+    end
   end
   local e = summary.errors
   io.write(string.format("result rps=%.0f p50_ms=%.3f p99_ms=%.3f bad=%d requests=%d\n",
     summary.requests / secs, latency:percentile(50) / 1000, latency:percentile(99) / 1000,
     wrong + e.connect + e.read + e.write + e.timeout, summary.requests))
+  if wrong + e.connect + e.read + e.write + e.timeout > 0 then
+    io.write(string.format("unexpected: %d answers (first: %s); transport errors: connect %d, read %d, write %d, timeout %d\n",
+      wrong, first, e.connect, e.read, e.write, e.timeout))
+  end
 end

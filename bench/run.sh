@@ -66,8 +66,10 @@ wrk_run() {
              IDEM_EXPECT="$expect" IDEM_KEY="$key")
   env "${env[@]}" wrk -t1 -c64 -d2s -s "$repo/bench/load.lua" "http://127.0.0.1:$port" >/dev/null 2>&1 || true
   local out
-  out=$(env "${env[@]}" wrk -t1 -c64 -d"${duration}s" --latency -s "$repo/bench/load.lua" \
-        "http://127.0.0.1:$port" 2>&1 | grep '^result') || true
+  local full
+  full=$(env "${env[@]}" wrk -t1 -c64 -d"${duration}s" --latency -s "$repo/bench/load.lua" \
+         "http://127.0.0.1:$port" 2>&1) || true
+  out=$(grep '^result' <<<"$full") || true
   rps=$(sed -E 's/.*rps=([0-9]+).*/\1/' <<<"$out")
   local p50 p99 bad ratio
   p50=$(sed -E 's/.*p50_ms=([0-9.]+).*/\1/' <<<"$out")
@@ -77,6 +79,7 @@ wrk_run() {
   printf '%-44s %9s req/s  p50 %7s ms  p99 %7s ms  x%s of baseline\n' "$label" "${rps:-?}" "${p50:-?}" "${p99:-?}" "$ratio"
   if [ -z "$out" ] || [ "${bad:-1}" != 0 ]; then
     echo "bench: FAILED: $label: ${bad:-?} answers were not $expect" >&2
+    grep '^unexpected' <<<"$full" >&2 || true
     failures=$((failures + 1))
   fi
 }
