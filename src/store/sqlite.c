@@ -1114,11 +1114,21 @@ static void sq_close(idem_store_t *base) {
   free(s);
 }
 
+/* SQLite counts its memory use under one global mutex by default, which
+ * every connection's allocations (the writer's and each reader's) then
+ * contend for. idemd never asks for those counts. The call only works
+ * before SQLite initialises; later (SQLITE_MISUSE) it changes nothing. */
+static void configure_sqlite(void) { (void)sqlite3_config(SQLITE_CONFIG_MEMSTATUS, 0); }
+
 int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
                       idem_store_t **out) {
-  sqlite_store_t *s = calloc(1, sizeof *s);
+  static pthread_once_t configured = PTHREAD_ONCE_INIT;
+  sqlite_store_t *s;
   struct conn *c;
   int rc;
+
+  pthread_once(&configured, configure_sqlite);
+  s = calloc(1, sizeof *s);
 
   *out = NULL;
   if (s == NULL || (s->path = strdup(path)) == NULL) {
