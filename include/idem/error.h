@@ -25,7 +25,8 @@ extern "C" {
   X(ETIMEDOUT, "timed out")                                                \
   X(EEXIST, "already exists")                                              \
   X(EJSON, "invalid JSON")                                                 \
-  X(ECRYPTO, "cryptographic library failure")
+  X(ECRYPTO, "cryptographic library failure")                             \
+  X(ENOTSUP, "not supported by this store")
 
 typedef enum idem_err {
 #define IDEM__ERR_ENUM(name, text) IDEM_##name,

@@ -99,6 +99,11 @@ typedef struct idem_store_options {
 } idem_store_options_t;
 
 /* The table of functions a backend provides. Wrappers document them. */
+/* Called once an asynchronous write is over, with what the synchronous
+ * form would have returned. It runs on a store thread: it must not wait,
+ * nor make a synchronous write; it may start asynchronous ones. */
+typedef void (*idem_store_done_fn)(void *arg, int rc);
+
 typedef struct idem_store_methods {
   int version; /* 1 */
   const char *name;
@@ -130,6 +135,11 @@ typedef struct idem_store_methods {
   int (*records_list)(idem_store_t *, const idem_records_query_t *,
                       idem_record_t *out, int *n);
   void (*stats)(idem_store_t *, idem_store_stats_t *); /* optional */
+  /* optional: asynchronous reserve and complete */
+  int (*reserve_async)(idem_store_t *, const idem_reserve_t *, idem_record_t *,
+                       idem_reserve_result_t *, idem_store_done_fn, void *);
+  int (*complete_async)(idem_store_t *, const idem_complete_t *, idem_store_done_fn,
+                        void *);
 } idem_store_methods_t;
 
 /* Opens the store named by `url`: "postgresql://..." or "postgres://..."
@@ -180,6 +190,24 @@ IDEM_WARN_UNUSED int idem_store_reserve(idem_store_t *store,
  * releases the record for the next claim. Wakes requests waiting on it. */
 IDEM_WARN_UNUSED int idem_store_complete(idem_store_t *store,
                                          const idem_complete_t *c);
+
+/* Asynchronous forms of idem_store_reserve() and idem_store_complete(),
+ * for a caller that must not wait (an event thread). On IDEM_OK the write
+ * is queued and done(arg, rc) is called exactly once, on a store thread,
+ * once it is durable or has failed, with what the synchronous form would
+ * have returned; everything `req` or `c` points at, and `out` and
+ * `result`, must stay valid until then. Any other return means nothing
+ * was queued and `done` will not be called: IDEM_ENOTSUP when the store
+ * has no asynchronous writes (PostgreSQL), else the error the synchronous
+ * form would have returned at once. */
+IDEM_WARN_UNUSED int idem_store_reserve_async(idem_store_t *store,
+                                              const idem_reserve_t *req,
+                                              idem_record_t *out,
+                                              idem_reserve_result_t *result,
+                                              idem_store_done_fn done, void *arg);
+IDEM_WARN_UNUSED int idem_store_complete_async(idem_store_t *store,
+                                               const idem_complete_t *c,
+                                               idem_store_done_fn done, void *arg);
 
 /* Reads the live record of `scope` into `out` (reset it after). Returns
  * IDEM_ENOTFOUND when there is none or it expired at `now_ms`. */

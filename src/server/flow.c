@@ -1,6 +1,7 @@
 /* The idempotent request flow (SPEC section 2). */
 #include "server/flow.h"
 
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -76,6 +77,147 @@ static int answer_from_memory(idemd_request_t *r, const idem_scope_t *scope,
   return 1;
 }
 
+/* The flow of a won key without a thread waiting on it, for stores with
+ * asynchronous writes (SQLite). The event thread queues the reservation
+ * and suspends the request; the store's writer only notes the result and
+ * resumes it; the event thread goes on from there (idemd_flow_resumed):
+ * it answers a single-step operation, or has a worker make the provider
+ * call and queue the completion, whose result comes back the same way.
+ * Anything else (the key held by another request, a lease lost) goes to a
+ * worker, which runs the request again from the start through
+ * idemd_flow_run(). The writer, which every write goes through, does no
+ * more than that. */
+enum async_stage { RESERVING, EXECUTING, COMPLETING };
+
+struct idemd_async_flow {
+  idemd_request_t *r;
+  const idemd_effect_t *e;
+  enum async_stage stage;
+  int rc; /* of the last write */
+  idem_scope_t scope;
+  idem_reserve_t req;
+  idem_record_t rec;
+  idem_reserve_result_t result;
+  idem_complete_t done;
+};
+
+/* Ends the asynchronous part (the request is answered, or about to be run
+ * again by a worker). */
+static void async_end(struct idemd_async_flow *af) {
+  idemd_request_t *r = af->r;
+  idemd_server_t *srv = r->srv;
+
+  idem_record_reset(&af->rec);
+  r->async = NULL;
+  free(af);
+  atomic_fetch_sub(&srv->async_pending, 1);
+}
+
+/* On the writer: note the result, give the request back. */
+static void async_written(void *arg, int rc) {
+  struct idemd_async_flow *af = arg;
+  af->rc = rc;
+  idemd_resume(af->r); /* the event thread reads `af` from here on */
+}
+
+/* In a worker: the provider call, outside any transaction, then the
+ * completion, queued. */
+static void async_execute(idemd_work_t *w) {
+  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
+  struct idemd_async_flow *af = r->async;
+  idem_outcome_t out = {0};
+  int rc;
+
+  af->e->execute(af->e->ctx, &af->rec, &out);
+  af->done = (idem_complete_t){.scope = af->scope,
+                               .owner_token = af->rec.owner_token,
+                               .now_ms = idem_now_ms(),
+                               .ttl_ms = r->srv->cfg.key_ttl_ms,
+                               .outcome = out};
+  af->stage = COMPLETING;
+  rc = idem_store_complete_async(r->srv->store, &af->done, async_written, af);
+  if (rc != IDEM_OK)
+    async_written(af, rc); /* not queued: as a failed write */
+}
+
+enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
+  struct idemd_async_flow *af = r->async;
+  const idemd_effect_t *e = af->e;
+  enum MHD_Result ret;
+
+  if (af->rc == IDEM_OK && af->stage == RESERVING && af->result == IDEM_RESERVE_WON &&
+      e->execute) {
+    /* The provider call may wait: a worker makes it. If the workers are
+     * stopping, the record stays processing and the reconciler takes it
+     * over when its lease ends, as after a crash. */
+    af->stage = EXECUTING;
+    idemd_suspend(r);
+    if (idemd_run_in_worker(r, async_execute) != 0)
+      async_end(af);
+    return MHD_YES;
+  }
+  if (af->rc == IDEM_ELOST || af->rc == IDEM_ENOTSUP ||
+      (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON)) {
+    /* Another request holds the key, or took it over when our lease ran
+     * out (or the store has no asynchronous writes): the whole flow, which
+     * waits, replays or reports, in a worker. */
+    async_end(af);
+    return idemd_defer(r);
+  }
+  if (af->rc != IDEM_OK)
+    ret = idemd_reply_store_error(r, af->rc);
+  else if (af->stage == RESERVING) /* single step: done and on disk */
+    ret = answer_new(r, &af->scope, e->fingerprint, af->rec.response_status,
+                     af->rec.response_body, af->rec.location, af->rec.state,
+                     af->rec.expires_at);
+  else
+    ret = answer_new(r, &af->scope, e->fingerprint, af->done.outcome.status,
+                     af->done.outcome.body, af->done.outcome.location,
+                     af->done.outcome.state, af->done.now_ms + af->done.ttl_ms);
+  async_end(af);
+  return ret;
+}
+
+void idemd_flow_abandon(idemd_request_t *r) {
+  if (r->async)
+    async_end(r->async);
+}
+
+/* From the event thread, for a key to be reserved (prepared already):
+ * queues the reservation and suspends the request. Returns 0 when it
+ * did (the caller must not touch `r` again), -1 when out of memory
+ * (nothing happened). */
+static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
+                         const idem_scope_t *scope) {
+  idemd_server_t *srv = r->srv;
+  struct idemd_async_flow *af = calloc(1, sizeof *af);
+  int rc;
+
+  if (af == NULL)
+    return -1;
+  af->r = r;
+  af->e = e;
+  af->stage = RESERVING;
+  af->scope = *scope;
+  af->req = (idem_reserve_t){.scope = af->scope,
+                             .fingerprint = e->fingerprint,
+                             .correlation_id = r->request_id,
+                             .now_ms = idem_now_ms(),
+                             .lease_ms = srv->cfg.lease_ms,
+                             .ttl_ms = srv->cfg.key_ttl_ms,
+                             .resource = e->resource,
+                             .enqueue_outbox = e->enqueue_outbox,
+                             .outcome = e->outcome};
+  r->async = af;
+  atomic_fetch_add(&srv->async_pending, 1);
+  idemd_suspend(r);
+  rc = idem_store_reserve_async(srv->store, &af->req, &af->rec, &af->result,
+                                async_written, af);
+  if (rc != IDEM_OK)
+    async_written(af, rc); /* not queued: IDEM_ENOTSUP goes to a worker */
+  return 0;
+}
+
 enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
   idemd_server_t *srv = r->srv;
   idem_scope_t scope = {r->tenant.id, e->operation, r->key};
@@ -107,6 +249,10 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
          strcmp(rec.fingerprint, e->fingerprint) == 0)) {
       if (!r->may_block) { /* a write, and maybe a provider call, follow */
         idem_record_reset(&rec);
+        if (!prepared && (rc = e->prepare(e->ctx)) != IDEM_OK)
+          return idemd_reply_store_error(r, rc);
+        if (reserve_async(r, e, &scope) == 0)
+          return MHD_YES;
         return idemd_defer(r);
       }
       if (!prepared) {

@@ -31,4 +31,14 @@ typedef struct idemd_effect {
  * answer. Exactly one of `e->outcome` and `e->execute` is set. */
 enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e);
 
+/* Goes on with a flow whose asynchronous write (see flow.c) is over, in
+ * the event thread, when the request is resumed (r->async is set). */
+enum MHD_Result idemd_flow_resumed(idemd_request_t *r);
+
+/* Drops a flow that was resumed but whose connection closed before the
+ * event thread could go on (the client left). What was written stays: a
+ * payment reserved and not yet charged is taken over by the reconciler
+ * when its lease ends, as after a crash. */
+void idemd_flow_abandon(idemd_request_t *r);
+
 #endif

@@ -17,6 +17,7 @@
 #include "idem/crypto.h"
 #include "idem/key.h"
 #include "server/auth.h"
+#include "server/flow.h"
 #include "server/log.h"
 #include "server/replay_cache.h"
 #include "server/reply.h"
@@ -320,11 +321,14 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     return on_headers(r, url);
   }
   if (r->deferred) {
-    /* Resumed: queue the answer a worker left (none: it failed, hang up). */
+    /* Resumed: go on with the flow after an asynchronous write, or queue
+     * the answer a worker left (none: it failed, hang up). */
     struct MHD_Response *resp = r->response;
     enum MHD_Result ret = MHD_NO;
-    r->response = NULL;
     r->deferred = 0;
+    if (r->async && resp == NULL)
+      return idemd_flow_resumed(r);
+    r->response = NULL;
     if (resp) {
       ret = MHD_queue_response(conn, (unsigned)r->status, resp);
       MHD_destroy_response(resp);
@@ -384,8 +388,11 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     r->outcome = r->outcome ? r->outcome : OUTCOME_ERROR;
   /* The client left (or we closed) before the whole answer went out. */
   r->aborted = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
-  if (r->response) /* resumed only to be closed, at shutdown */
+  if (r->response) /* resumed, then closed before it was sent */
     MHD_destroy_response(r->response);
+  idemd_flow_abandon(r);
+  if (r->call_free)
+    r->call_free(r->call);
   idemd_guard_busy(srv->guard, r->conn_guard, 0);
   idemd_metrics_request(&srv->metrics, r->op, r->outcome, idem_mono_us() - r->start_us);
   idemd_log_request(r);
@@ -399,28 +406,41 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
  * wait this time, then hand the connection back to its event thread. */
 static void run_deferred(idemd_work_t *w) {
   idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
-  struct MHD_Connection *conn = r->conn;
 
   r->may_block = 1;
   if (dispatch(r) != MHD_YES && r->response) {
     MHD_destroy_response(r->response);
     r->response = NULL; /* the event thread hangs up */
   }
-  MHD_resume_connection(conn); /* `r` may be gone from here on */
+  idemd_resume(r);
+}
+
+void idemd_suspend(idemd_request_t *r) {
+  MHD_suspend_connection(r->conn);
+  r->deferred = 1;
+}
+
+void idemd_resume(idemd_request_t *r) {
+  MHD_resume_connection(r->conn); /* `r` may be gone from here on */
+}
+
+int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w)) {
+  idemd_reply_headers_t h = {.retry_after = 1, .close = 1};
+
+  r->work.run = run;
+  if (idemd_workers_submit(r->srv->workers, &r->work) == 0)
+    return 0;
+  /* Stopping: no worker will take it. Answer 503 from here instead. */
+  r->stash = 1; /* so the answer waits for the resume below */
+  r->outcome = OUTCOME_ERROR;
+  idemd_reply_error(r, 503, "shutting down, retry later", &h);
+  idemd_resume(r);
+  return -1;
 }
 
 enum MHD_Result idemd_defer(idemd_request_t *r) {
-  MHD_suspend_connection(r->conn);
-  r->deferred = 1;
-  r->work.run = run_deferred;
-  if (idemd_workers_submit(r->srv->workers, &r->work) != 0) {
-    /* Stopping: no worker will take it. Answer 503 from here instead. */
-    idemd_reply_headers_t h = {.retry_after = 1, .close = 1};
-    r->may_block = 1; /* so the answer waits for the resume below */
-    r->outcome = OUTCOME_ERROR;
-    idemd_reply_error(r, 503, "shutting down, retry later", &h);
-    MHD_resume_connection(r->conn);
-  }
+  idemd_suspend(r);
+  (void)idemd_run_in_worker(r, run_deferred);
   return MHD_YES;
 }
 
@@ -520,8 +540,13 @@ void idemd_http_stop(idemd_server_t *srv) {
   if (srv->daemon == NULL)
     return;
   /* Workers first: each finishes its request and resumes the connection;
-   * later deferrals are answered 503. Then the daemon closes everything. */
+   * later deferrals are answered 503. Then the writes still queued with a
+   * continuation (quick: a commit). Then the daemon closes everything. */
   idemd_workers_stop(srv->workers);
+  while (atomic_load(&srv->async_pending) > 0) {
+    struct timespec ts = {0, 1000000L};
+    nanosleep(&ts, NULL);
+  }
   MHD_stop_daemon(srv->daemon);
   srv->daemon = NULL;
   idemd_workers_free(srv->workers);

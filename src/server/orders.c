@@ -15,13 +15,22 @@
 #define OPERATION "create_order"
 
 typedef struct order_call {
-  const json_t *cmd; /* the validated command */
+  json_t *cmd; /* the validated command */
   int64_t total;
+  char fingerprint[IDEM_FINGERPRINT_LEN];
   char id[32], location[64];
   char *text; /* the order, made by prepare() */
   idem_resource_t resource;
   idem_outcome_t done;
+  idemd_effect_t effect;
 } order_call_t;
+
+static void order_call_free(void *call) {
+  order_call_t *oc = call;
+  free(oc->text);
+  json_decref(oc->cmd);
+  free(oc);
+}
 
 /* Gives the order its id and body: only when the key is to be reserved,
  * so replays skip it. */
@@ -53,25 +62,30 @@ static int prepare(void *ctx) {
 }
 
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
-  order_call_t oc = {0};
+  order_call_t *oc;
   json_t *cmd = NULL, *errors = NULL;
-  char fp[IDEM_FINGERPRINT_LEN];
-  enum MHD_Result ret;
+  int64_t total = 0;
 
-  if (idemd_validate_order(body, &cmd, &errors, &oc.total) != 0) {
+  if (idemd_validate_order(body, &cmd, &errors, &total) != 0) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_errors(r, errors);
   }
-  if (idem_fingerprint(OPERATION, cmd, fp) != IDEM_OK) {
+  if ((oc = calloc(1, sizeof *oc)) == NULL) {
     json_decref(cmd);
-    return idemd_reply_store_error(r, IDEM_ECRYPTO);
+    return idemd_reply_store_error(r, IDEM_ENOMEM);
   }
-  oc.cmd = cmd;
-  idemd_effect_t e = {.operation = OPERATION, .fingerprint = fp,
-                      .resource = &oc.resource, .outcome = &oc.done,
-                      .prepare = prepare, .ctx = &oc};
-  ret = idemd_flow_run(r, &e);
-  free(oc.text);
-  json_decref(cmd);
-  return ret;
+  /* Owned by the request from here (a worker's second run replaces the
+   * event thread's first): the flow may go on after this call returns. */
+  if (r->call_free)
+    r->call_free(r->call);
+  r->call = oc;
+  r->call_free = order_call_free;
+  oc->cmd = cmd;
+  oc->total = total;
+  if (idem_fingerprint(OPERATION, cmd, oc->fingerprint) != IDEM_OK)
+    return idemd_reply_store_error(r, IDEM_ECRYPTO);
+  oc->effect = (idemd_effect_t){.operation = OPERATION, .fingerprint = oc->fingerprint,
+                                .resource = &oc->resource, .outcome = &oc->done,
+                                .prepare = prepare, .ctx = oc};
+  return idemd_flow_run(r, &oc->effect);
 }

@@ -23,10 +23,19 @@
 typedef struct payment_call {
   idemd_server_t *srv;
   idem_payment_t payment;
+  char fingerprint[IDEM_FINGERPRINT_LEN];
   char *pending_body;       /* step 1's payment, made by prepare() */
   idem_resource_t resource; /* points at the two above */
   idem_settlement_t settled;
+  idemd_effect_t effect;
 } payment_call_t;
+
+static void payment_call_free(void *call) {
+  payment_call_t *pc = call;
+  free(pc->pending_body);
+  idem_settlement_free(&pc->settled);
+  free(pc);
+}
 
 /* Gives the payment its id and its pending body: only when the key is to
  * be reserved, so replays skip it. */
@@ -70,17 +79,27 @@ static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out) {
 }
 
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
-  payment_call_t pc = {.srv = r->srv};
-  idem_payment_t *p = &pc.payment;
+  payment_call_t *pc;
+  idem_payment_t *p;
   json_t *cmd = NULL, *errors = NULL;
-  char fp[IDEM_FINGERPRINT_LEN];
-  enum MHD_Result ret;
 
   if (idemd_validate_payment(body, &cmd, &errors) != 0) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_errors(r, errors);
   }
-  if (idem_fingerprint(OPERATION, cmd, fp) != IDEM_OK) {
+  if ((pc = calloc(1, sizeof *pc)) == NULL) {
+    json_decref(cmd);
+    return idemd_reply_store_error(r, IDEM_ENOMEM);
+  }
+  /* Owned by the request from here (a worker's second run replaces the
+   * event thread's first): the flow may go on after this call returns. */
+  if (r->call_free)
+    r->call_free(r->call);
+  r->call = pc;
+  r->call_free = payment_call_free;
+  pc->srv = r->srv;
+  p = &pc->payment;
+  if (idem_fingerprint(OPERATION, cmd, pc->fingerprint) != IDEM_OK) {
     json_decref(cmd);
     return idemd_reply_store_error(r, IDEM_ECRYPTO);
   }
@@ -92,11 +111,8 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   json_decref(cmd);
 
   /* Step 1 writes the payment as pending, with an outbox row. */
-  idemd_effect_t e = {.operation = OPERATION, .fingerprint = fp,
-                      .resource = &pc.resource, .prepare = prepare,
-                      .enqueue_outbox = 1, .execute = charge, .ctx = &pc};
-  ret = idemd_flow_run(r, &e);
-  free(pc.pending_body);
-  idem_settlement_free(&pc.settled);
-  return ret;
+  pc->effect = (idemd_effect_t){.operation = OPERATION, .fingerprint = pc->fingerprint,
+                                .resource = &pc->resource, .prepare = prepare,
+                                .enqueue_outbox = 1, .execute = charge, .ctx = pc};
+  return idemd_flow_run(r, &pc->effect);
 }

@@ -39,8 +39,8 @@ enum MHD_Result idemd_reply(idemd_request_t *r, int status, const char *body,
   idemd_guard_busy(r->srv->guard, r->conn_guard, 1);
   r->status = status;
   r->responded = 1;
-  if (r->may_block) {
-    /* A worker: only the event thread may queue; it does on resume. */
+  if (r->may_block || r->stash) {
+    /* Off the event thread: only it may queue; it does on resume. */
     r->response = resp;
     return MHD_YES;
   }

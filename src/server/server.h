@@ -33,6 +33,7 @@ typedef struct idemd_server {
   idem_reconciler_t *reconciler;
   struct idem__ticker *sweeper;
   atomic_int inflight; /* requests started and not yet answered */
+  atomic_int async_pending; /* requests waiting on an asynchronous write */
   atomic_int draining; /* shutting down: answers close their connection */
   idemd_metrics_t metrics;
 } idemd_server_t;
@@ -75,10 +76,16 @@ typedef struct idemd_request {
    * (may_block 1), which leaves its answer in `response` and resumes the
    * connection. */
   int may_block;
-  int deferred; /* suspended and handed to a worker */
+  int deferred; /* suspended; answered on resume */
+  int stash;    /* answering off the event thread: leave it in `response` */
   int needs_auth;
-  struct MHD_Response *response; /* a worker's answer, to queue on resume */
+  struct MHD_Response *response; /* an answer to queue on resume */
   idemd_work_t work;
+  /* The route's working state, on the heap because it outlives the event
+   * thread's call when the request goes on elsewhere; freed with `r`. */
+  void *call;
+  void (*call_free)(void *call);
+  struct idemd_async_flow *async; /* the flow, while a write is queued */
 
   /* What the log line and metrics report. */
   idemd_op_t op;
@@ -97,8 +104,21 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
  * write, a provider call, a wait for a duplicate, or a read of a store
  * whose reads may block): suspends the connection and has a worker run
  * the request's handling again from the start, with may_block set.
- * Nothing must have been answered yet. Returns MHD_YES. */
+ * Nothing must have been answered yet. Returns MHD_YES. The caller must
+ * not touch `r` (nor its call state) afterwards: a worker owns it. */
 enum MHD_Result idemd_defer(idemd_request_t *r);
+
+/* Suspends `r`'s connection (from its event thread's handler): whoever
+ * answers it next leaves the answer (r->stash) and calls idemd_resume(). */
+void idemd_suspend(idemd_request_t *r);
+
+/* For a suspended request: a worker runs `run` (0), or, when the workers
+ * are stopping, the request is answered 503 and resumed (-1). */
+int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w));
+
+/* Gives a suspended request, answered (or not: the connection is then
+ * closed), back to its event thread. `r` must not be touched afterwards. */
+void idemd_resume(idemd_request_t *r);
 
 /* Brings up a whole idemd from `cfg` into `srv` (zeroed): opens and
  * migrates the store, loads the log secret, sets up the provider, starts

@@ -223,13 +223,15 @@ struct conn {
   struct conn *next;
 };
 
-/* A write waiting for the group-commit writer. Its caller sleeps on
- * `done` alone, so a commit wakes exactly the callers of its batch. */
+/* A write waiting for the group-commit writer. A synchronous caller
+ * sleeps on `done` alone, so a commit wakes exactly the callers of its
+ * batch; an asynchronous one is called back (`cb`) by the writer. */
 struct job {
   int (*fn)(struct conn *, void *);
   void *arg;
   int rc;
   sem_t done;
+  void (*cb)(struct job *); /* asynchronous: runs after the commit */
   struct job *next;
 };
 
@@ -497,7 +499,10 @@ static void *writer_loop(void *arg) {
     /* `batch` may be freed by its owners as soon as each is posted. */
     for (struct job *j = batch, *next; j; j = next) {
       next = j->next;
-      sem_post(&j->done);
+      if (j->cb)
+        j->cb(j); /* may queue more writes: q_lock is not held */
+      else
+        sem_post(&j->done);
     }
     pthread_mutex_lock(&s->q_lock);
   }
@@ -511,21 +516,27 @@ static void *writer_loop(void *arg) {
  * when it returned IDEM_OK and the commit reached the disk; otherwise its
  * error, and nothing it did is kept. Every write of the store goes through
  * here, and through the writer thread, which commits many at a time. */
-static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
-  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK};
+static void enqueue(sqlite_store_t *s, struct job *j) {
   int idle;
 
-  sem_init(&j.done, 0, 0);
+  j->next = NULL;
   pthread_mutex_lock(&s->q_lock);
   idle = s->q_head == NULL; /* else the writer will find it queued */
   if (s->q_tail)
-    s->q_tail->next = &j;
+    s->q_tail->next = j;
   else
-    s->q_head = &j;
-  s->q_tail = &j;
+    s->q_head = j;
+  s->q_tail = j;
   pthread_mutex_unlock(&s->q_lock);
   if (idle)
     pthread_cond_signal(&s->q_ready);
+}
+
+static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
+  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK};
+
+  sem_init(&j.done, 0, 0);
+  enqueue(s, &j);
   while (sem_wait(&j.done) != 0) /* EINTR only */
     ;
   sem_destroy(&j.done);
@@ -711,6 +722,47 @@ static int sq_reserve(idem_store_t *base, const idem_reserve_t *req,
   return rc;
 }
 
+/* An asynchronous reservation: the job, its arguments and the owner
+ * token live together until the writer calls back. */
+struct async_reserve {
+  struct job job; /* first: the callback gets this back */
+  struct reserve_args a;
+  char owner[IDEM_TOKEN_MAX + 1];
+  idem_store_done_fn done;
+  void *done_arg;
+};
+
+static void reserve_called_back(struct job *j) {
+  struct async_reserve *ar = (struct async_reserve *)j;
+  idem_store_done_fn done = ar->done;
+  void *arg = ar->done_arg;
+  int rc = j->rc;
+
+  if (rc != IDEM_OK)
+    idem_record_reset(ar->a.out);
+  free(ar);
+  done(arg, rc);
+}
+
+static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
+                            idem_record_t *out, idem_reserve_result_t *result,
+                            idem_store_done_fn done, void *arg) {
+  struct async_reserve *ar = calloc(1, sizeof *ar);
+
+  if (ar == NULL)
+    return IDEM_ENOMEM;
+  if (idem_random_token(ar->owner, IDEM_TOKEN_MAX) != IDEM_OK) {
+    free(ar);
+    return IDEM_ECRYPTO;
+  }
+  ar->a = (struct reserve_args){req, ar->owner, out, result};
+  ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .cb = reserve_called_back};
+  ar->done = done;
+  ar->done_arg = arg;
+  enqueue((sqlite_store_t *)base, &ar->job);
+  return IDEM_OK;
+}
+
 static int complete_fn(struct conn *c, void *arg) {
   const idem_complete_t *cp = arg;
   return apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
@@ -719,6 +771,35 @@ static int complete_fn(struct conn *c, void *arg) {
 
 static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
   return write_tx((sqlite_store_t *)base, complete_fn, (void *)cp);
+}
+
+struct async_complete {
+  struct job job; /* first: the callback gets this back */
+  idem_store_done_fn done;
+  void *done_arg;
+};
+
+static void complete_called_back(struct job *j) {
+  struct async_complete *ac = (struct async_complete *)j;
+  idem_store_done_fn done = ac->done;
+  void *arg = ac->done_arg;
+  int rc = j->rc;
+
+  free(ac);
+  done(arg, rc);
+}
+
+static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
+                             idem_store_done_fn done, void *arg) {
+  struct async_complete *ac = calloc(1, sizeof *ac);
+
+  if (ac == NULL)
+    return IDEM_ENOMEM;
+  ac->job = (struct job){.fn = complete_fn, .arg = (void *)cp, .cb = complete_called_back};
+  ac->done = done;
+  ac->done_arg = arg;
+  enqueue((sqlite_store_t *)base, &ac->job);
+  return IDEM_OK;
 }
 
 static int sq_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
@@ -1226,6 +1307,8 @@ static const idem_store_methods_t sqlite_methods = {
     .version = 1,
     .name = "sqlite",
     .local_reads = 1,
+    .reserve_async = sq_reserve_async,
+    .complete_async = sq_complete_async,
     .close = sq_close,
     .migrate = sq_migrate,
     .ping = sq_ping,

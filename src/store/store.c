@@ -111,16 +111,33 @@ int idem_store_ping(idem_store_t *store) {
   return store->methods->ping(store);
 }
 
-int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
-                       idem_record_t *out, idem_reserve_result_t *result) {
-  FAULT_POINT();
+static int check_reserve(const idem_reserve_t *req) {
   if (req->scope.operation == NULL || req->scope.key == NULL ||
       req->fingerprint == NULL || req->correlation_id == NULL)
     return IDEM_EINVAL;
   if (strlen(req->scope.operation) > IDEM_OPERATION_MAX ||
       strlen(req->scope.key) > IDEM_KEY_MAX)
     return IDEM_EINVAL;
-  int rc = store->methods->reserve(store, req, out, result);
+  return IDEM_OK;
+}
+
+static int check_complete(const idem_complete_t *c) {
+  if (c->owner_token == NULL || c->owner_token[0] == '\0')
+    return IDEM_EINVAL;
+  if (c->outcome.state != IDEM_STATE_COMPLETED &&
+      c->outcome.state != IDEM_STATE_PENDING &&
+      c->outcome.state != IDEM_STATE_FAILED)
+    return IDEM_EINVAL;
+  return IDEM_OK;
+}
+
+int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
+                       idem_record_t *out, idem_reserve_result_t *result) {
+  FAULT_POINT();
+  int rc = check_reserve(req);
+  if (rc != IDEM_OK)
+    return rc;
+  rc = store->methods->reserve(store, req, out, result);
   /* Another request's owner token is that request's alone. */
   if (rc == IDEM_OK && *result == IDEM_RESERVE_EXISTS)
     memset(out->owner_token, 0, sizeof out->owner_token);
@@ -129,16 +146,78 @@ int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
 
 int idem_store_complete(idem_store_t *store, const idem_complete_t *c) {
   FAULT_POINT();
-  int rc;
-  if (c->owner_token == NULL || c->owner_token[0] == '\0')
-    return IDEM_EINVAL;
-  if (c->outcome.state != IDEM_STATE_COMPLETED &&
-      c->outcome.state != IDEM_STATE_PENDING &&
-      c->outcome.state != IDEM_STATE_FAILED)
-    return IDEM_EINVAL;
+  int rc = check_complete(c);
+  if (rc != IDEM_OK)
+    return rc;
   rc = store->methods->complete(store, c);
   if (rc == IDEM_OK)
     idem__store_notify(store, &c->scope);
+  return rc;
+}
+
+/* What the synchronous wrappers do after the backend, for the
+ * asynchronous forms: run on the store thread before the caller's `done`. */
+struct async_shim {
+  idem_store_t *store;
+  const idem_scope_t *scope;
+  idem_record_t *out;
+  idem_reserve_result_t *result;
+  idem_store_done_fn done;
+  void *arg;
+};
+
+static void async_reserved(void *p, int rc) {
+  struct async_shim sh = *(struct async_shim *)p;
+  free(p);
+  if (rc == IDEM_OK && *sh.result == IDEM_RESERVE_EXISTS)
+    memset(sh.out->owner_token, 0, sizeof sh.out->owner_token);
+  sh.done(sh.arg, rc);
+}
+
+static void async_completed(void *p, int rc) {
+  struct async_shim sh = *(struct async_shim *)p;
+  free(p);
+  if (rc == IDEM_OK)
+    idem__store_notify(sh.store, sh.scope);
+  sh.done(sh.arg, rc);
+}
+
+int idem_store_reserve_async(idem_store_t *store, const idem_reserve_t *req,
+                             idem_record_t *out, idem_reserve_result_t *result,
+                             idem_store_done_fn done, void *arg) {
+  struct async_shim *sh;
+  int rc;
+
+  FAULT_POINT();
+  if (store->methods->reserve_async == NULL)
+    return IDEM_ENOTSUP;
+  if ((rc = check_reserve(req)) != IDEM_OK)
+    return rc;
+  if ((sh = malloc(sizeof *sh)) == NULL)
+    return IDEM_ENOMEM;
+  *sh = (struct async_shim){store, &req->scope, out, result, done, arg};
+  rc = store->methods->reserve_async(store, req, out, result, async_reserved, sh);
+  if (rc != IDEM_OK)
+    free(sh);
+  return rc;
+}
+
+int idem_store_complete_async(idem_store_t *store, const idem_complete_t *c,
+                              idem_store_done_fn done, void *arg) {
+  struct async_shim *sh;
+  int rc;
+
+  FAULT_POINT();
+  if (store->methods->complete_async == NULL)
+    return IDEM_ENOTSUP;
+  if ((rc = check_complete(c)) != IDEM_OK)
+    return rc;
+  if ((sh = malloc(sizeof *sh)) == NULL)
+    return IDEM_ENOMEM;
+  *sh = (struct async_shim){store, &c->scope, NULL, NULL, done, arg};
+  rc = store->methods->complete_async(store, c, async_completed, sh);
+  if (rc != IDEM_OK)
+    free(sh);
   return rc;
 }
 

@@ -2,6 +2,7 @@
  * resource and all get its answer; sequential retries add no rows; two
  * payloads racing on one key give one winner; many connections with unique
  * keys give no 5xx and one payment per 201. */
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -396,6 +397,86 @@ static void test_waiting_requests_hold_up_no_other(void **state) {
   h_server_stop(s);
 }
 
+struct quitter {
+  h_server_t *s;
+  const char *tok;
+  int index;
+};
+
+static size_t drop_body(char *p, size_t size, size_t n, void *arg) {
+  (void)p;
+  (void)arg;
+  return size * n;
+}
+
+/* Sends new-key orders and payments, giving up on each after 1 to 4 ms, so
+ * that some are abandoned at every step of their flow (before the write,
+ * while it is queued, just after it is answered). */
+static void *quitter_main(void *p) {
+  struct quitter *q = p;
+  CURL *h = curl_easy_init();
+  char url[128], auth[160], key[96];
+
+  if (h == NULL)
+    return NULL;
+  snprintf(auth, sizeof auth, "Authorization: Bearer %s", q->tok);
+  for (int i = 0; i < 150; i++) {
+    struct curl_slist *all;
+    int order = i % 2;
+    snprintf(url, sizeof url, "http://127.0.0.1:%d%s", q->s->port, order ? "/orders" : "/payments");
+    snprintf(key, sizeof key, "Idempotency-Key: quit-%d-%d", q->index, i);
+    all = curl_slist_append(curl_slist_append(NULL, auth), key);
+    all = curl_slist_append(all, "Content-Type: application/json");
+    curl_easy_setopt(h, CURLOPT_URL, url);
+    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, all);
+    curl_easy_setopt(h, CURLOPT_POSTFIELDS, order ? ORDER : PAYMENT);
+    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, drop_body);
+    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 1L + (long)(i % 4));
+    (void)curl_easy_perform(h); /* mostly a timeout: the point */
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, NULL);
+    curl_slist_free_all(all);
+  }
+  curl_easy_cleanup(h);
+  return NULL;
+}
+
+/* Clients that hang up in the middle of their requests leave idemd
+ * healthy, and able to stop at once (nothing is left waiting for a
+ * connection that is gone); every order it wrote is whole. */
+static void test_clients_hanging_up(void **state) {
+  h_server_t *s = h_server_start(NULL);
+  const char *tok = h_tenant(s, "acme");
+  struct quitter q[8];
+  pthread_t t[8];
+  (void)state;
+
+  for (int i = 0; i < 8; i++) {
+    q[i] = (struct quitter){s, tok, i};
+    assert_int_equal(pthread_create(&t[i], NULL, quitter_main, &q[i]), 0);
+  }
+  for (int i = 0; i < 8; i++)
+    pthread_join(t[i], NULL);
+  /* The connections they dropped close as idemd notices (a suspended one
+   * once its write is done); until then they count against the cap. */
+  for (double deadline = h_now() + 10; h_now() < deadline;) {
+    h_resp_t r;
+    long status;
+    h_get(s, "/healthz", NULL, &r);
+    status = r.status;
+    h_resp_free(&r);
+    if (status == 200)
+      break;
+    poll(NULL, 0, 50);
+  }
+  h_assert_healthy(s);
+  h_assert_db(s, 0, "SELECT count(*) FROM idempotency_records r WHERE r.operation = "
+                    "'create_order' AND (r.state <> 'completed' OR NOT EXISTS "
+                    "(SELECT 1 FROM orders o WHERE o.id = r.resource_id))");
+  h_server_stop(s); /* fails when idemd does not exit promptly */
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_together_same_key, h_teardown),
@@ -405,6 +486,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_together_two_payloads, h_teardown),
       cmocka_unit_test_teardown(test_many_connections_unique_keys, h_teardown),
       cmocka_unit_test_teardown(test_waiting_requests_hold_up_no_other, h_teardown),
+      cmocka_unit_test_teardown(test_clients_hanging_up, h_teardown),
   };
   int rc;
   h_init(argc, argv);

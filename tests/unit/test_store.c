@@ -407,6 +407,88 @@ static void test_resource_outbox_and_complete(void **state) {
                    IDEM_ENOTFOUND);
 }
 
+/* An asynchronous write's callback: records its result, once. */
+struct async_result {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int calls, rc;
+};
+
+static void async_done(void *arg, int rc) {
+  struct async_result *a = arg;
+  pthread_mutex_lock(&a->lock);
+  a->calls++;
+  a->rc = rc;
+  pthread_cond_signal(&a->cond);
+  pthread_mutex_unlock(&a->lock);
+}
+
+/* Waits for the callback; returns its rc. */
+static int async_wait(struct async_result *a) {
+  int rc;
+  pthread_mutex_lock(&a->lock);
+  while (a->calls == 0)
+    pthread_cond_wait(&a->cond, &a->lock);
+  rc = a->rc;
+  a->calls = 0;
+  pthread_mutex_unlock(&a->lock);
+  return rc;
+}
+
+/* The asynchronous forms on SQLite: the same results as the synchronous
+ * ones (won, then exists without the owner token; a completion by its
+ * owner, IDEM_ELOST for anyone else), each callback called once. On a
+ * store without them: IDEM_ENOTSUP and no callback. */
+static void test_async_reserve_and_complete(void **state) {
+  fixture_t *fx = *state;
+  struct async_result a = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_record_t won = {0}, again = {0}, rec = {0};
+  idem_reserve_result_t result = 0;
+  idem_reserve_t req;
+  idem_complete_t c;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+  int rc;
+
+  make_fp(fp, 1);
+  req = request(fx, "create_order", "async-1", fp);
+  rc = idem_store_reserve_async(fx->store, &req, &won, &result, async_done, &a);
+  if (strcmp(idem_store_backend(fx->store), "sqlite") != 0) {
+    assert_int_equal(rc, IDEM_ENOTSUP);
+    assert_int_equal(a.calls, 0);
+    return;
+  }
+  assert_int_equal(rc, IDEM_OK);
+  assert_int_equal(async_wait(&a), IDEM_OK);
+  assert_int_equal(result, IDEM_RESERVE_WON);
+  assert_int_equal(won.state, IDEM_STATE_PROCESSING);
+  assert_true(won.owner_token[0] != '\0');
+
+  assert_int_equal(idem_store_reserve_async(fx->store, &req, &again, &result, async_done, &a),
+                   IDEM_OK);
+  assert_int_equal(async_wait(&a), IDEM_OK);
+  assert_int_equal(result, IDEM_RESERVE_EXISTS);
+  assert_string_equal(again.owner_token, "");
+
+  c = (idem_complete_t){.scope = req.scope, .owner_token = "not-the-owner",
+                        .now_ms = fx->now + 1, .ttl_ms = TTL_MS, .outcome = out};
+  assert_int_equal(idem_store_complete_async(fx->store, &c, async_done, &a), IDEM_OK);
+  assert_int_equal(async_wait(&a), IDEM_ELOST);
+  c.owner_token = won.owner_token;
+  assert_int_equal(idem_store_complete_async(fx->store, &c, async_done, &a), IDEM_OK);
+  assert_int_equal(async_wait(&a), IDEM_OK);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now + 2, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_int_equal(rec.response_status, 201);
+  /* Arguments are checked before anything is queued. */
+  c.owner_token = "";
+  assert_int_equal(idem_store_complete_async(fx->store, &c, async_done, &a), IDEM_EINVAL);
+  assert_int_equal(a.calls, 0);
+  idem_record_reset(&won);
+  idem_record_reset(&again);
+  idem_record_reset(&rec);
+}
+
 static void test_complete_needs_the_owner(void **state) {
   static const char first[] = "{\"n\":1}", second[] = "{\"n\":2}";
   fixture_t *fx = *state;
@@ -1074,6 +1156,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_key_bytes_round_trip),
       STORE_TEST(test_resource_outbox_and_complete),
       STORE_TEST(test_complete_needs_the_owner),
+      STORE_TEST(test_async_reserve_and_complete),
       STORE_TEST(test_single_step_reserve),
       STORE_TEST(test_pending_outcome),
       STORE_TEST(test_expired_record_is_taken_over),
