@@ -861,6 +861,70 @@ static void run_race(fixture_t *fx, struct racer *racers, int same_key) {
       fail_msg("racer %d: %s", i, idem_err_name(racers[i].rc));
 }
 
+/* A write that fails half-way is undone alone, whatever else shares its
+ * transaction: racers with distinct keys are released together, and two
+ * of them carry the same payment id, so the second to write inserts its
+ * record and then fails on the payment. Its record must not stay; every
+ * other racer's must. (SQLite commits racers together, and reruns a batch
+ * with a savepoint per write when one fails.) */
+static void test_failed_write_is_undone_alone(void **state) {
+  fixture_t *fx = *state;
+  int64_t before = 0;
+
+  for (int round = 0; round < 4; round++) {
+    struct racer racers[NTHREADS];
+    pthread_t threads[NTHREADS];
+    pthread_barrier_t start;
+    int failed = -1;
+
+    assert_int_equal(pthread_barrier_init(&start, NULL, NTHREADS), 0);
+    for (int i = 0; i < NTHREADS; i++) {
+      struct racer *r = &racers[i];
+      memset(r, 0, sizeof *r);
+      r->fx = fx;
+      r->start = &start;
+      snprintf(r->key, sizeof r->key, "undo-%d-%d", round, i);
+      make_fp(r->fp, 200 + i);
+      new_payment(&r->payment);
+    }
+    /* Racer 1 takes racer 0's payment id. */
+    memcpy(racers[1].payment.id, racers[0].payment.id, sizeof racers[1].payment.id);
+    for (int i = 0; i < NTHREADS; i++)
+      assert_int_equal(pthread_create(&threads[i], NULL, race, &racers[i]), 0);
+    for (int i = 0; i < NTHREADS; i++)
+      assert_int_equal(pthread_join(threads[i], NULL), 0);
+    pthread_barrier_destroy(&start);
+
+    for (int i = 0; i < NTHREADS; i++) {
+      idem_record_t rec = {0};
+      int found = idem_store_lookup(fx->store, &(idem_scope_t){fx->tenant.id, OP_PAY,
+                                                               racers[i].key},
+                                    fx->now, &rec);
+      if (racers[i].rc != IDEM_OK) {
+        if (i > 1 || failed >= 0)
+          fail_msg("round %d: racer %d failed: %s", round, i, idem_err_name(racers[i].rc));
+        failed = i;
+        if (found != IDEM_ENOTFOUND)
+          fail_msg("round %d: the failed racer's record stayed (%s)", round,
+                   idem_err_name(found));
+      } else {
+        assert_int_equal(racers[i].result, IDEM_RESERVE_WON);
+        if (found != IDEM_OK)
+          fail_msg("round %d: racer %d won, but its record is %s", round, i,
+                   idem_err_name(found));
+      }
+      idem_record_reset(&rec);
+      idem_record_reset(&racers[i].rec);
+    }
+    if (failed < 0)
+      fail_msg("round %d: both racers with one payment id succeeded", round);
+    assert_int_equal(count(fx, "records"), before + NTHREADS - 1);
+    assert_int_equal(count(fx, "payments"), before + NTHREADS - 1);
+    assert_int_equal(count(fx, "outbox"), before + NTHREADS - 1);
+    before += NTHREADS - 1;
+  }
+}
+
 static void test_concurrent_same_key(void **state) {
   fixture_t *fx = *state;
   struct racer racers[NTHREADS];
@@ -1163,6 +1227,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_failed_record),
       STORE_TEST(test_claim),
       STORE_TEST(test_concurrent_same_key),
+      STORE_TEST(test_failed_write_is_undone_alone),
       STORE_TEST(test_concurrent_distinct_keys),
       STORE_TEST(test_wait_wakes_on_completion),
       STORE_TEST(test_wait_times_out),
