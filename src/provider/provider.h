@@ -31,6 +31,10 @@ typedef struct idem_provider idem_provider_t;
 
 struct idem_provider {
   const char *name;
+  /* 1 when charge() returns at once, never waiting on a network or a
+   * timer (the sandbox without --sandbox-delay): an event loop may call
+   * it inline. */
+  int never_waits;
   /* Charges `c` once per provider key, ever; fills `out`. Never fails
    * otherwise: a transport problem is an outcome. */
   void (*charge)(idem_provider_t *, const idem_charge_t *c,

@@ -70,6 +70,7 @@ idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts) {
   if (sb == NULL)
     return NULL;
   sb->base.name = "sandbox";
+  sb->base.never_waits = opts->delay_ms <= 0;
   sb->base.charge = sandbox_charge;
   sb->base.lookup = sandbox_lookup;
   sb->base.close = sandbox_close;

@@ -120,11 +120,10 @@ static void async_written(void *arg, int rc) {
   idemd_resume(af->r); /* the event thread reads `af` from here on */
 }
 
-/* In a worker: the provider call, outside any transaction, then the
- * completion, queued. */
-static void async_execute(idemd_work_t *w) {
-  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
-  struct idemd_async_flow *af = r->async;
+/* The provider call, outside any transaction, then the completion,
+ * queued (the request is suspended). */
+static void execute_then_complete(struct idemd_async_flow *af) {
+  idemd_request_t *r = af->r;
   idem_outcome_t out = {0};
   int rc;
 
@@ -140,6 +139,11 @@ static void async_execute(idemd_work_t *w) {
     async_written(af, rc); /* not queued: as a failed write */
 }
 
+static void async_execute(idemd_work_t *w) {
+  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
+  execute_then_complete(r->async);
+}
+
 enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
   struct idemd_async_flow *af = r->async;
   const idemd_effect_t *e = af->e;
@@ -147,12 +151,14 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
 
   if (af->rc == IDEM_OK && af->stage == RESERVING && af->result == IDEM_RESERVE_WON &&
       e->execute) {
-    /* The provider call may wait: a worker makes it. If the workers are
+    /* A provider call that may wait goes to a worker. If the workers are
      * stopping, the record stays processing and the reconciler takes it
      * over when its lease ends, as after a crash. */
     af->stage = EXECUTING;
     idemd_suspend(r);
-    if (idemd_run_in_worker(r, async_execute) != 0)
+    if (e->execute_never_waits)
+      execute_then_complete(af); /* `r` and `af` are the writer's now */
+    else if (idemd_run_in_worker(r, async_execute) != 0)
       async_end(af);
     return MHD_YES;
   }

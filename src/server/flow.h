@@ -24,6 +24,7 @@ typedef struct idemd_effect {
    * transaction; fills `out`, whose strings must stay valid until
    * idemd_flow_run() returns. */
   void (*execute)(void *ctx, const idem_record_t *rec, idem_outcome_t *out);
+  int execute_never_waits; /* so an event thread may call it (flow.c) */
   void *ctx;
 } idemd_effect_t;
 

@@ -113,6 +113,8 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   /* Step 1 writes the payment as pending, with an outbox row. */
   pc->effect = (idemd_effect_t){.operation = OPERATION, .fingerprint = pc->fingerprint,
                                 .resource = &pc->resource, .prepare = prepare,
-                                .enqueue_outbox = 1, .execute = charge, .ctx = pc};
+                                .enqueue_outbox = 1, .execute = charge,
+                                .execute_never_waits = r->srv->provider->never_waits,
+                                .ctx = pc};
   return idemd_flow_run(r, &pc->effect);
 }
