@@ -41,6 +41,18 @@ static enum MHD_Result replay(idemd_request_t *r, const idem_scope_t *scope,
   return ret;
 }
 
+/* Remembers the first answer of a key, when completed, for its replays. */
+static void remember_new(idemd_request_t *r, const idem_scope_t *scope,
+                         const char *fingerprint, int status, const char *body,
+                         const char *location, idem_state_t state,
+                         int64_t expires_at) {
+  if (state == IDEM_STATE_COMPLETED && r->srv->replays) {
+    char *marked = idemd_mark_replayed(body);
+    remember(r, scope, fingerprint, status, marked, location, expires_at);
+    free(marked);
+  }
+}
+
 /* Sends the first answer of a request that won its key; a completed one
  * is also remembered for its replays. */
 static enum MHD_Result answer_new(idemd_request_t *r, const idem_scope_t *scope,
@@ -50,11 +62,7 @@ static enum MHD_Result answer_new(idemd_request_t *r, const idem_scope_t *scope,
   idemd_reply_headers_t h = {.location = location};
   if (status == 503)
     h.retry_after = 1;
-  if (state == IDEM_STATE_COMPLETED && r->srv->replays) {
-    char *marked = idemd_mark_replayed(body);
-    remember(r, scope, fingerprint, status, marked, location, expires_at);
-    free(marked);
-  }
+  remember_new(r, scope, fingerprint, status, body, location, state, expires_at);
   r->outcome = state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_NEW;
   return idemd_reply(r, status, body, strlen(body), &h);
 }
@@ -184,9 +192,44 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
   return ret;
 }
 
-void idemd_flow_abandon(idemd_request_t *r) {
-  if (r->async)
-    async_end(r->async);
+/* In a worker, for a request whose client left after its key was won:
+ * the provider call and the completion, so that the client's retry finds
+ * the payment made (and remembered) rather than a record waiting out its
+ * lease. Then the request is freed. */
+static void orphan_execute(idemd_work_t *w) {
+  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
+  struct idemd_async_flow *af = r->async;
+  idem_outcome_t out = {0};
+  idem_complete_t c;
+  int rc;
+
+  af->e->execute(af->e->ctx, &af->rec, &out);
+  c = (idem_complete_t){.scope = af->scope, .owner_token = af->rec.owner_token,
+                        .now_ms = idem_now_ms(), .ttl_ms = r->srv->cfg.key_ttl_ms,
+                        .outcome = out};
+  rc = idem_store_complete(r->srv->store, &c);
+  if (rc == IDEM_OK)
+    remember_new(r, &af->scope, af->e->fingerprint, out.status, out.body, out.location,
+                 out.state, c.now_ms + c.ttl_ms);
+  async_end(af);
+  idemd_request_free(r);
+}
+
+int idemd_flow_orphan(idemd_request_t *r) {
+  struct idemd_async_flow *af = r->async;
+
+  if (af == NULL)
+    return 0;
+  if (af->stage == RESERVING && af->rc == IDEM_OK && af->result == IDEM_RESERVE_WON &&
+      af->e->execute) {
+    r->conn = NULL;
+    r->work.run = orphan_execute;
+    if (idemd_workers_submit(r->srv->workers, &r->work) == 0)
+      return 1;
+    /* Stopping: the reconciler takes it over when its lease ends. */
+  }
+  async_end(af); /* nothing left to do */
+  return 0;
 }
 
 /* From the event thread, for a key to be reserved (prepared already):

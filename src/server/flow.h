@@ -36,10 +36,12 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e);
  * the event thread, when the request is resumed (r->async is set). */
 enum MHD_Result idemd_flow_resumed(idemd_request_t *r);
 
-/* Drops a flow that was resumed but whose connection closed before the
- * event thread could go on (the client left). What was written stays: a
- * payment reserved and not yet charged is taken over by the reconciler
- * when its lease ends, as after a crash. */
-void idemd_flow_abandon(idemd_request_t *r);
+/* For a request whose connection closed while its flow was between two
+ * steps (resumed, before its event thread went on: the client left).
+ * Returns 1 when the flow goes on without the connection and will free
+ * `r` itself (a payment reserved and not yet charged: a worker charges
+ * and completes it); 0 when nothing was left to do (`r` is the caller's
+ * to free). */
+int idemd_flow_orphan(idemd_request_t *r);
 
 #endif

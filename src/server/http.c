@@ -388,18 +388,25 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     r->outcome = r->outcome ? r->outcome : OUTCOME_ERROR;
   /* The client left (or we closed) before the whole answer went out. */
   r->aborted = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
-  if (r->response) /* resumed, then closed before it was sent */
+  if (r->response) { /* resumed, then closed before it was sent */
     MHD_destroy_response(r->response);
-  idemd_flow_abandon(r);
-  if (r->call_free)
-    r->call_free(r->call);
+    r->response = NULL;
+  }
   idemd_guard_busy(srv->guard, r->conn_guard, 0);
+  r->conn_guard = NULL; /* the connection's, gone with it */
   idemd_metrics_request(&srv->metrics, r->op, r->outcome, idem_mono_us() - r->start_us);
   idemd_log_request(r);
-  free(r->body);
-  free(r);
   *con_cls = NULL;
   atomic_fetch_sub(&srv->inflight, 1);
+  if (!idemd_flow_orphan(r))
+    idemd_request_free(r);
+}
+
+void idemd_request_free(idemd_request_t *r) {
+  if (r->call_free)
+    r->call_free(r->call);
+  free(r->body);
+  free(r);
 }
 
 /* A worker's turn at a deferred request: handle it again, allowed to

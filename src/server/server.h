@@ -121,6 +121,9 @@ int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w));
  * closed), back to its event thread. `r` must not be touched afterwards. */
 void idemd_resume(idemd_request_t *r);
 
+/* Frees a request and what it owns. */
+void idemd_request_free(idemd_request_t *r);
+
 /* Brings up a whole idemd from `cfg` into `srv` (zeroed): opens and
  * migrates the store, loads the log secret, sets up the provider, starts
  * HTTP (srv->port is the port bound, useful with port 0), the reconciler

@@ -444,7 +444,9 @@ static void *quitter_main(void *p) {
 
 /* Clients that hang up in the middle of their requests leave idemd
  * healthy, and able to stop at once (nothing is left waiting for a
- * connection that is gone); every order it wrote is whole. */
+ * connection that is gone); every order it wrote is whole, and every key
+ * it won is soon finished (a payment whose client left is still charged
+ * and completed, not left to wait out its lease). */
 static void test_clients_hanging_up(void **state) {
   h_server_t *s = h_server_start(NULL);
   const char *tok = h_tenant(s, "acme");
@@ -471,6 +473,11 @@ static void test_clients_hanging_up(void **state) {
     poll(NULL, 0, 50);
   }
   h_assert_healthy(s);
+  if (!h_db_wait(s, 10000, "SELECT CASE WHEN count(*) = 0 THEN 1 ELSE 0 END FROM "
+                           "idempotency_records WHERE state = 'processing'"))
+    fail_msg("%lld records were still processing 10 s after their clients left",
+             (long long)h_db_int(s, "SELECT count(*) FROM idempotency_records "
+                                    "WHERE state = 'processing'"));
   h_assert_db(s, 0, "SELECT count(*) FROM idempotency_records r WHERE r.operation = "
                     "'create_order' AND (r.state <> 'completed' OR NOT EXISTS "
                     "(SELECT 1 FROM orders o WHERE o.id = r.resource_id))");
