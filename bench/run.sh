@@ -139,13 +139,16 @@ bench_idemd sqlite "$run/idem.db"
 # 4. The long mixed run, on the SQLite server just measured.
 rss() { awk '/VmRSS/ { print $2 }' "/proc/$1/status"; }
 if [ "$long" -gt 0 ]; then
-  rss_start=$(rss "$idemd_pid")
   # Size the run from a short probe of the same mix, so it serves about N.
+  # The probe is also the warm-up: the start figure is taken after it, once
+  # the threads that serve the mix have run.
   probe=$(env IDEM_TOKEN="$token" IDEM_MODE=mixed IDEM_PATH=/payments IDEM_BODY="$pay" IDEM_EXPECT=201 \
           wrk -t1 -c64 -d3s -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 | grep '^result') || true
   per_s=$(sed -E 's/.*rps=([0-9]+).*/\1/' <<<"$probe")
   per_s=${per_s:-5000}
-  secs=$(( long / (per_s > 0 ? per_s : 5000) + 1 ))
+  # A quarter more time than the probe's rate needs: a long run is slower.
+  secs=$(( long * 5 / 4 / (per_s > 0 ? per_s : 5000) + 1 ))
+  rss_start=$(rss "$idemd_pid")
   out=$(env IDEM_TOKEN="$token" IDEM_MODE=mixed IDEM_PATH=/payments IDEM_BODY="$pay" IDEM_EXPECT=201 \
         wrk -t1 -c64 -d"${secs}s" -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 | grep '^result') || true
   rss_end=$(rss "$idemd_pid")
