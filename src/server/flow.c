@@ -85,6 +85,19 @@ static int answer_from_memory(idemd_request_t *r, const idem_scope_t *scope,
   return 1;
 }
 
+/* Step 2 of a multi-step operation, once its key is won: the effect's
+ * call, outside any transaction. `c` gets the completion that records its
+ * outcome as the owner of `rec`. */
+static void execute(const idemd_effect_t *e, idemd_server_t *srv,
+                    const idem_scope_t *scope, const idem_record_t *rec,
+                    idem_complete_t *c) {
+  idem_outcome_t out = {0};
+  e->execute(e->ctx, rec, &out);
+  *c = (idem_complete_t){.scope = *scope, .owner_token = rec->owner_token,
+                         .now_ms = idem_now_ms(), .ttl_ms = srv->cfg.key_ttl_ms,
+                         .outcome = out};
+}
+
 /* The flow of a won key without a thread waiting on it, for stores with
  * asynchronous writes (SQLite). The event thread queues the reservation
  * and suspends the request; the store's writer only notes the result and
@@ -132,15 +145,9 @@ static void async_written(void *arg, int rc) {
  * queued (the request is suspended). */
 static void execute_then_complete(struct idemd_async_flow *af) {
   idemd_request_t *r = af->r;
-  idem_outcome_t out = {0};
   int rc;
 
-  af->e->execute(af->e->ctx, &af->rec, &out);
-  af->done = (idem_complete_t){.scope = af->scope,
-                               .owner_token = af->rec.owner_token,
-                               .now_ms = idem_now_ms(),
-                               .ttl_ms = r->srv->cfg.key_ttl_ms,
-                               .outcome = out};
+  execute(af->e, r->srv, &af->scope, &af->rec, &af->done);
   af->stage = COMPLETING;
   rc = idem_store_complete_async(r->srv->store, &af->done, async_written, af);
   if (rc != IDEM_OK)
@@ -199,18 +206,12 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
 static void orphan_execute(idemd_work_t *w) {
   idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
   struct idemd_async_flow *af = r->async;
-  idem_outcome_t out = {0};
-  idem_complete_t c;
-  int rc;
+  idem_complete_t *c = &af->done;
 
-  af->e->execute(af->e->ctx, &af->rec, &out);
-  c = (idem_complete_t){.scope = af->scope, .owner_token = af->rec.owner_token,
-                        .now_ms = idem_now_ms(), .ttl_ms = r->srv->cfg.key_ttl_ms,
-                        .outcome = out};
-  rc = idem_store_complete(r->srv->store, &c);
-  if (rc == IDEM_OK)
-    remember_new(r, &af->scope, af->e->fingerprint, out.status, out.body, out.location,
-                 out.state, c.now_ms + c.ttl_ms);
+  execute(af->e, r->srv, &af->scope, &af->rec, c);
+  if (idem_store_complete(r->srv->store, c) == IDEM_OK)
+    remember_new(r, &af->scope, af->e->fingerprint, c->outcome.status, c->outcome.body,
+                 c->outcome.location, c->outcome.state, c->now_ms + c->ttl_ms);
   async_end(af);
   idemd_request_free(r);
 }
@@ -331,20 +332,16 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
 
     if (result == IDEM_RESERVE_WON) {
       if (e->execute) {
-        idem_outcome_t out = {0};
-        idem_complete_t c = {.scope = scope, .owner_token = rec.owner_token};
-        e->execute(e->ctx, &rec, &out);
-        c.now_ms = idem_now_ms();
-        c.ttl_ms = srv->cfg.key_ttl_ms;
-        c.outcome = out;
+        idem_complete_t c;
+        execute(e, srv, &scope, &rec, &c);
         rc = idem_store_complete(srv->store, &c);
         if (rc == IDEM_ELOST)
           continue; /* our lease ran out and another owner took over */
         idem_record_reset(&rec);
         if (rc != IDEM_OK)
           return idemd_reply_store_error(r, rc);
-        return answer_new(r, &scope, e->fingerprint, out.status, out.body,
-                          out.location, out.state, c.now_ms + c.ttl_ms);
+        return answer_new(r, &scope, e->fingerprint, c.outcome.status, c.outcome.body,
+                          c.outcome.location, c.outcome.state, c.now_ms + c.ttl_ms);
       }
       ret = answer_new(r, &scope, e->fingerprint, rec.response_status,
                        rec.response_body, rec.location, rec.state, rec.expires_at);

@@ -231,7 +231,10 @@ struct job {
   void *arg;
   int rc;
   sem_t done;
-  void (*cb)(struct job *); /* asynchronous: runs after the commit */
+  /* Asynchronous: called after the commit; the job was malloc'd, first in
+   * its block, and the writer frees the block before calling. */
+  idem_store_done_fn cb;
+  void *cb_arg;
   struct job *next;
 };
 
@@ -499,10 +502,15 @@ static void *writer_loop(void *arg) {
     /* `batch` may be freed by its owners as soon as each is posted. */
     for (struct job *j = batch, *next; j; j = next) {
       next = j->next;
-      if (j->cb)
-        j->cb(j); /* may queue more writes: q_lock is not held */
-      else
+      if (j->cb) {
+        idem_store_done_fn cb = j->cb;
+        void *cb_arg = j->cb_arg;
+        int job_rc = j->rc;
+        free(j);
+        cb(cb_arg, job_rc); /* may queue more writes: q_lock is not held */
+      } else {
         sem_post(&j->done);
+      }
     }
     pthread_mutex_lock(&s->q_lock);
   }
@@ -723,26 +731,12 @@ static int sq_reserve(idem_store_t *base, const idem_reserve_t *req,
 }
 
 /* An asynchronous reservation: the job, its arguments and the owner
- * token live together until the writer calls back. */
+ * token in one block, until the writer calls back. */
 struct async_reserve {
-  struct job job; /* first: the callback gets this back */
+  struct job job; /* first: the writer frees the block through it */
   struct reserve_args a;
   char owner[IDEM_TOKEN_MAX + 1];
-  idem_store_done_fn done;
-  void *done_arg;
 };
-
-static void reserve_called_back(struct job *j) {
-  struct async_reserve *ar = (struct async_reserve *)j;
-  idem_store_done_fn done = ar->done;
-  void *arg = ar->done_arg;
-  int rc = j->rc;
-
-  if (rc != IDEM_OK)
-    idem_record_reset(ar->a.out);
-  free(ar);
-  done(arg, rc);
-}
 
 static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
                             idem_record_t *out, idem_reserve_result_t *result,
@@ -756,9 +750,7 @@ static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
     return IDEM_ECRYPTO;
   }
   ar->a = (struct reserve_args){req, ar->owner, out, result};
-  ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .cb = reserve_called_back};
-  ar->done = done;
-  ar->done_arg = arg;
+  ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .cb = done, .cb_arg = arg};
   enqueue((sqlite_store_t *)base, &ar->job);
   return IDEM_OK;
 }
@@ -773,32 +765,14 @@ static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
   return write_tx((sqlite_store_t *)base, complete_fn, (void *)cp);
 }
 
-struct async_complete {
-  struct job job; /* first: the callback gets this back */
-  idem_store_done_fn done;
-  void *done_arg;
-};
-
-static void complete_called_back(struct job *j) {
-  struct async_complete *ac = (struct async_complete *)j;
-  idem_store_done_fn done = ac->done;
-  void *arg = ac->done_arg;
-  int rc = j->rc;
-
-  free(ac);
-  done(arg, rc);
-}
-
 static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
                              idem_store_done_fn done, void *arg) {
-  struct async_complete *ac = calloc(1, sizeof *ac);
+  struct job *j = calloc(1, sizeof *j);
 
-  if (ac == NULL)
+  if (j == NULL)
     return IDEM_ENOMEM;
-  ac->job = (struct job){.fn = complete_fn, .arg = (void *)cp, .cb = complete_called_back};
-  ac->done = done;
-  ac->done_arg = arg;
-  enqueue((sqlite_store_t *)base, &ac->job);
+  *j = (struct job){.fn = complete_fn, .arg = (void *)cp, .cb = done, .cb_arg = arg};
+  enqueue((sqlite_store_t *)base, j);
   return IDEM_OK;
 }
 

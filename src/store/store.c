@@ -169,7 +169,9 @@ struct async_shim {
 static void async_reserved(void *p, int rc) {
   struct async_shim sh = *(struct async_shim *)p;
   free(p);
-  if (rc == IDEM_OK && *sh.result == IDEM_RESERVE_EXISTS)
+  if (rc != IDEM_OK)
+    idem_record_reset(sh.out); /* as after a failed synchronous reserve */
+  else if (*sh.result == IDEM_RESERVE_EXISTS)
     memset(sh.out->owner_token, 0, sizeof sh.out->owner_token);
   sh.done(sh.arg, rc);
 }
