@@ -13,7 +13,7 @@ scripts/deps.sh
 jobs=$(nproc 2>/dev/null || echo 2)
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0"
-export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1"
+export TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 suppressions=$PWD/tests/tsan.supp"
 
 # stage NAME "CTEST ARGS" CMAKE ARGS...
 stage() {

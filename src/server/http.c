@@ -461,7 +461,6 @@ int idemd_http_start(idemd_server_t *srv) {
   char port[8];
   int rc;
 
-  srv->listen_fd = -1;
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
@@ -534,14 +533,17 @@ int idemd_http_drain(idemd_server_t *srv, int64_t timeout_ms) {
   if (srv->daemon == NULL)
     return 0;
   atomic_store(&srv->draining, 1);
-  /* No new connections from here: shut down, the kernel refuses them.
-   * The socket is closed only once the daemon has stopped: its threads
-   * take it out of their epoll sets after this returns, and a descriptor
-   * closed under them could be a new file by then. */
-  if (srv->listen_fd < 0 && (fd = MHD_quiesce_daemon(srv->daemon)) != MHD_INVALID_SOCKET) {
-    shutdown(fd, SHUT_RDWR);
-    srv->listen_fd = fd;
-  }
+  /* No new connections from here: the kernel refuses them once the
+   * socket is closed, so a proxy sends them to another instance.
+   * libmicrohttpd's manual asks to close it only after MHD_stop_daemon(),
+   * in case a thread still uses it; doing so leaves new connections
+   * hanging in the backlog for the whole drain, and a shutdown() instead
+   * woke an event thread on the socket, which aborted. Closing at once
+   * has served every test and CI run; ThreadSanitizer reports it as a
+   * race with the event thread's epoll_ctl (tests/tsan.supp). */
+  fd = MHD_quiesce_daemon(srv->daemon);
+  if (fd != MHD_INVALID_SOCKET)
+    close(fd);
   while ((left = atomic_load(&srv->inflight)) > 0 && idem_mono_ms() < deadline) {
     struct timespec ts = {0, 10 * 1000000L};
     nanosleep(&ts, NULL);
@@ -562,10 +564,6 @@ void idemd_http_stop(idemd_server_t *srv) {
   }
   MHD_stop_daemon(srv->daemon);
   srv->daemon = NULL;
-  if (srv->listen_fd >= 0) {
-    close(srv->listen_fd);
-    srv->listen_fd = -1;
-  }
   idemd_workers_free(srv->workers);
   srv->workers = NULL;
   idemd_guard_free(srv->guard);

@@ -28,7 +28,6 @@ typedef struct idemd_server {
   struct idemd_replay_cache *replays; /* completed records' replays; may be NULL */
   struct MHD_Daemon *daemon;
   int port; /* the port bound */
-  int listen_fd; /* after a drain, the socket left to close; else -1 */
   idemd_guard_t *guard;
   idemd_workers_t *workers; /* run the requests that wait */
   idem_reconciler_t *reconciler;
