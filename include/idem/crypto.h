@@ -50,6 +50,15 @@ IDEM_WARN_UNUSED int idem_random_bytes(void *buf, size_t len);
  * entropy. Returns IDEM_OK or IDEM_ECRYPTO. */
 IDEM_WARN_UNUSED int idem_random_token(char *out, size_t nchars);
 
+/* Like idem_random_token(), but the first 10 of the `nchars` (> 10)
+ * characters spell `ms` (milliseconds since the epoch, below 2^50), so
+ * tokens made later sort after earlier ones, byte for byte. Resource ids
+ * use it: each new row then lands at the end of its index instead of on a
+ * random page, which a group commit would otherwise write in full. The
+ * other characters are random (5 bits each). Returns IDEM_OK,
+ * IDEM_EINVAL when `nchars` is 10 or less, or IDEM_ECRYPTO. */
+IDEM_WARN_UNUSED int idem_sortable_token(char *out, size_t nchars, int64_t ms);
+
 /* Writes the lowercase hex of `len` bytes to `out` (2 * len + 1 bytes). */
 void idem_hex(const unsigned char *bytes, size_t len, char *out);
 

@@ -93,8 +93,10 @@ int idem_random_bytes(void *buf, size_t len) {
 static _Thread_local unsigned char token_pool[TOKEN_POOL];
 static _Thread_local size_t token_left;
 
+/* In ascending byte order, so that idem_sortable_token() sorts. */
+static const char alphabet[] = "0123456789abcdefghijklmnopqrstuv";
+
 int idem_random_token(char *out, size_t nchars) {
-  static const char alphabet[] = "0123456789abcdefghijklmnopqrstuv";
   size_t done = 0;
 
   while (done < nchars) {
@@ -117,6 +119,21 @@ int idem_random_token(char *out, size_t nchars) {
   }
   out[nchars] = '\0';
   return IDEM_OK;
+}
+
+int idem_sortable_token(char *out, size_t nchars, int64_t ms) {
+  enum { TIME_CHARS = 10 };
+  uint64_t t = ms < 0 ? 0 : (uint64_t)ms;
+
+  if (nchars <= TIME_CHARS) {
+    out[0] = '\0';
+    return IDEM_EINVAL;
+  }
+  for (int i = TIME_CHARS - 1; i >= 0; i--) {
+    out[i] = alphabet[t & 31];
+    t >>= 5;
+  }
+  return idem_random_token(out + TIME_CHARS, nchars - TIME_CHARS);
 }
 
 void idem_hex(const unsigned char *bytes, size_t len, char *out) {

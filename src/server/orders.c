@@ -38,12 +38,13 @@ static int prepare(void *ctx) {
   order_call_t *oc = ctx;
   char token[25], created_at[32];
   json_t *order;
+  int64_t now = idem_now_ms();
 
-  if (idem_random_token(token, 24) != IDEM_OK)
+  if (idem_sortable_token(token, 24, now) != IDEM_OK)
     return IDEM_ECRYPTO;
   snprintf(oc->id, sizeof oc->id, "ord_%s", token);
   snprintf(oc->location, sizeof oc->location, "/orders/%s", oc->id);
-  idem_format_time(idem_now_ms(), created_at, sizeof created_at);
+  idem_format_time(now, created_at, sizeof created_at);
   order = json_pack("{s:s, s:O, s:O, s:O, s:I, s:s, s:s}", "id", oc->id,
                     "customer_id", json_object_get(oc->cmd, "customer_id"), "items",
                     json_object_get(oc->cmd, "items"), "currency",

@@ -43,11 +43,12 @@ static int prepare(void *ctx) {
   payment_call_t *pc = ctx;
   idem_payment_t *p = &pc->payment;
   char token[25];
+  int64_t now = idem_now_ms();
 
-  if (idem_random_token(token, 24) != IDEM_OK)
+  if (idem_sortable_token(token, 24, now) != IDEM_OK)
     return IDEM_ECRYPTO;
   snprintf(p->id, sizeof p->id, "pay_%s", token);
-  idem_format_time(idem_now_ms(), p->created_at, sizeof p->created_at);
+  idem_format_time(now, p->created_at, sizeof p->created_at);
   if ((pc->pending_body = idem_payment_json(p, "pending", NULL)) == NULL)
     return IDEM_ENOMEM;
   pc->resource = (idem_resource_t){.kind = "payment", .id = p->id,
