@@ -1173,11 +1173,21 @@ static void sq_close(idem_store_t *base) {
   free(s);
 }
 
-/* SQLite counts its memory use under one global mutex by default, which
- * every connection's allocations (the writer's and each reader's) then
- * contend for. idemd never asks for those counts. The call only works
- * before SQLite initialises; later (SQLITE_MISUSE) it changes nothing. */
-static void configure_sqlite(void) { (void)sqlite3_config(SQLITE_CONFIG_MEMSTATUS, 0); }
+/* Set once, before SQLite initialises (later calls fail with
+ * SQLITE_MISUSE and change nothing):
+ * - SQLite counts its memory use under one global mutex by default, which
+ *   every connection's allocations (the writer's and each reader's) then
+ *   contend for; idemd never asks for those counts.
+ * - Each write of a group commit runs in its own savepoint, so a page
+ *   already changed in the batch is copied to the statement journal when
+ *   a later write changes it again. That journal spilled to a temporary
+ *   file past 64 KiB, which most batches under load reached: a dozen
+ *   page writes per commit to a file that is never read unless a write
+ *   fails. It stays in memory now (a batch holds at most MAX_BATCH writes). */
+static void configure_sqlite(void) {
+  (void)sqlite3_config(SQLITE_CONFIG_MEMSTATUS, 0);
+  (void)sqlite3_config(SQLITE_CONFIG_STMTJRNL_SPILL, -1);
+}
 
 int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
                       idem_store_t **out) {
