@@ -119,6 +119,35 @@ static void new_payment(struct payment *p) {
 /* Reserves `key` for a new payment the way POST /payments does (payment
  * and outbox row written with the record) and requires the win. `p` gets
  * the payment, `token` the owner token; returns the request (its scope). */
+/* The record a reservation returned is the stored one, field by field
+ * (the SQLite store builds it without reading it back). */
+static void assert_as_stored(fixture_t *fx, const idem_record_t *got, int64_t now) {
+  idem_scope_t sc = {got->tenant_id, got->operation, got->key};
+  idem_record_t want = {0};
+
+  assert_int_equal(idem_store_lookup(fx->store, &sc, now, &want), IDEM_OK);
+  assert_int_equal(got->tenant_id, want.tenant_id);
+  assert_string_equal(got->operation, want.operation);
+  assert_string_equal(got->key, want.key);
+  assert_string_equal(got->fingerprint, want.fingerprint);
+  assert_int_equal(got->state, want.state);
+  assert_int_equal(got->response_status, want.response_status);
+  if (want.response_body == NULL)
+    assert_null(got->response_body);
+  else
+    assert_string_equal(got->response_body, want.response_body);
+  assert_string_equal(got->location, want.location);
+  assert_string_equal(got->resource_id, want.resource_id);
+  assert_string_equal(got->provider_ref, want.provider_ref);
+  assert_string_equal(got->correlation_id, want.correlation_id);
+  assert_string_equal(got->owner_token, want.owner_token);
+  assert_int_equal(got->lease_expires_at, want.lease_expires_at);
+  assert_int_equal(got->created_at, want.created_at);
+  assert_int_equal(got->updated_at, want.updated_at);
+  assert_int_equal(got->expires_at, want.expires_at);
+  idem_record_reset(&want);
+}
+
 static idem_reserve_t reserve_payment(fixture_t *fx, const char *key,
                                       int64_t lease_ms, struct payment *p,
                                       char token[IDEM_TOKEN_MAX + 1]) {
@@ -133,6 +162,7 @@ static idem_reserve_t reserve_payment(fixture_t *fx, const char *key,
   assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
   assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
   assert_string_equal(rec.resource_id, p->id);
+  assert_as_stored(fx, &rec, req.now_ms);
   idem_copy(token, IDEM_TOKEN_MAX + 1, rec.owner_token);
   idem_record_reset(&rec);
   return req;
@@ -257,6 +287,7 @@ static void test_reserve_won_then_exists(void **state) {
   assert_int_equal(rec.expires_at, 0);
   assert_int_equal(rec.response_status, 0);
   assert_null(rec.response_body);
+  assert_as_stored(fx, &rec, fx->now);
   idem_record_reset(&rec);
 
   /* The same scope again, with the same or another request: the holder's
@@ -649,6 +680,7 @@ static void test_expired_record_is_taken_over(void **state) {
   assert_int_equal(rec.response_status, 0);
   assert_null(rec.response_body);
   assert_string_equal(rec.location, "");
+  assert_as_stored(fx, &rec, later);
   idem_record_reset(&rec);
   assert_int_equal(idem_store_lookup(fx->store, &req.scope, later, &rec), IDEM_OK);
   assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
