@@ -116,11 +116,19 @@ struct idemd_async_flow {
   enum async_stage stage;
   int rc; /* of the last write */
   idem_scope_t scope;
-  idem_reserve_t req;
   idem_record_t rec;
   idem_reserve_result_t result;
-  idem_complete_t done;
+  /* One write at a time, and the store is done with the reservation's
+   * request before the completion is made: sharing the space keeps the
+   * struct under 1 KiB, where malloc serves it from its per-thread cache
+   * (a larger block took its slow path on every new key). */
+  union {
+    idem_reserve_t req;   /* while RESERVING */
+    idem_complete_t done; /* from EXECUTING on */
+  };
 };
+_Static_assert(sizeof(struct idemd_async_flow) <= 1024,
+               "keep the flow within malloc's per-thread cache (see above)");
 
 /* Ends the asynchronous part (the request is answered, or about to be run
  * again by a worker). */
