@@ -225,6 +225,30 @@ uint64_t idem_store_watch(idem_store_t *store, const idem_scope_t *scope);
 int idem_store_wait(idem_store_t *store, const idem_scope_t *scope,
                     uint64_t ticket, int64_t timeout_ms);
 
+/* A request parked until its key changes, holding no thread (see
+ * idem_store_park()). The caller owns it and sets the two first fields;
+ * the rest belongs to the store while it is parked. */
+typedef struct idem_store_waiter {
+  /* Called once, from the thread that changed the key or expired the
+   * waiter; `timed_out` is 1 when its deadline passed. It must not wait,
+   * and the store no longer refers to `w` once it is called. */
+  void (*wake)(struct idem_store_waiter *w, int timed_out);
+  int64_t deadline_ms; /* on the idem_mono_ms() clock */
+  struct idem_store_waiter *next;
+} idem_store_waiter_t;
+
+/* Instead of sleeping in idem_store_wait(): parks `w` until a record that
+ * hashes like `scope` changed since `ticket` (w->wake(w, 0)) or
+ * idem_store_expire_waiters() finds its deadline passed (w->wake(w, 1)).
+ * Returns 0 when parked, or 1 when the record changed already (nothing is
+ * parked and `wake` is not called). */
+int idem_store_park(idem_store_t *store, const idem_scope_t *scope,
+                    uint64_t ticket, idem_store_waiter_t *w);
+
+/* Wakes, as timed out, every parked waiter whose deadline is at or before
+ * `now_ms` (INT64_MAX: all of them). Returns how many it woke. */
+int idem_store_expire_waiters(idem_store_t *store, int64_t now_ms);
+
 /* Reads a tenant's resource of `kind` by id; `*body` gets a malloc'd JSON
  * document the caller frees. IDEM_ENOTFOUND for an unknown id or one of
  * another tenant. */

@@ -15,6 +15,7 @@ struct stripe {
   pthread_mutex_t lock;
   pthread_cond_t cond;
   uint64_t gen;
+  idem_store_waiter_t *parked; /* all wait for the next generation */
 };
 
 struct idem__waitset {
@@ -97,19 +98,77 @@ int idem__waitset_wait(idem__waitset_t *ws, const idem_scope_t *scope,
   return rc;
 }
 
+int idem__waitset_park(idem__waitset_t *ws, const idem_scope_t *scope,
+                       uint64_t ticket, idem_store_waiter_t *w) {
+  struct stripe *st = stripe_of(ws, scope);
+  int moved;
+  pthread_mutex_lock(&st->lock);
+  moved = st->gen != ticket;
+  if (!moved) {
+    w->next = st->parked;
+    st->parked = w;
+  }
+  pthread_mutex_unlock(&st->lock);
+  return moved;
+}
+
+/* Calls each waiter of a detached list (no lock held: a wake-up may park
+ * again, or free the waiter). */
+static int wake_list(idem_store_waiter_t *w, int timed_out) {
+  int n = 0;
+  while (w) {
+    idem_store_waiter_t *next = w->next;
+    w->next = NULL;
+    w->wake(w, timed_out);
+    w = next;
+    n++;
+  }
+  return n;
+}
+
+int idem__waitset_expire(idem__waitset_t *ws, int64_t now_ms) {
+  int n = 0;
+  for (int i = 0; i < STRIPES; i++) {
+    struct stripe *st = &ws->s[i];
+    idem_store_waiter_t *due = NULL, **pp;
+    pthread_mutex_lock(&st->lock);
+    for (pp = &st->parked; *pp;) {
+      idem_store_waiter_t *w = *pp;
+      if (w->deadline_ms <= now_ms) {
+        *pp = w->next;
+        w->next = due;
+        due = w;
+      } else {
+        pp = &w->next;
+      }
+    }
+    pthread_mutex_unlock(&st->lock);
+    n += wake_list(due, 1);
+  }
+  return n;
+}
+
 void idem__waitset_wake(idem__waitset_t *ws, const idem_scope_t *scope) {
   struct stripe *st = stripe_of(ws, scope);
+  idem_store_waiter_t *parked;
   pthread_mutex_lock(&st->lock);
   st->gen++;
+  parked = st->parked;
+  st->parked = NULL;
   pthread_cond_broadcast(&st->cond);
   pthread_mutex_unlock(&st->lock);
+  wake_list(parked, 0);
 }
 
 void idem__waitset_wake_all(idem__waitset_t *ws) {
   for (int i = 0; i < STRIPES; i++) {
+    idem_store_waiter_t *parked;
     pthread_mutex_lock(&ws->s[i].lock);
     ws->s[i].gen++;
+    parked = ws->s[i].parked;
+    ws->s[i].parked = NULL;
     pthread_cond_broadcast(&ws->s[i].cond);
     pthread_mutex_unlock(&ws->s[i].lock);
+    wake_list(parked, 0);
   }
 }

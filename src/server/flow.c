@@ -185,11 +185,21 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
       async_end(af);
     return MHD_YES;
   }
+  if (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON &&
+      r->reruns < 3) {
+    /* Another request won the key first: the flow again from the start,
+     * here, finds its record (a replay, a 422, or a wait parked on it).
+     * Bounded, in case reads and the reservation keep disagreeing. */
+    r->reruns++;
+    async_end(af);
+    return idemd_rerun(r);
+  }
   if (af->rc == IDEM_ELOST || af->rc == IDEM_ENOTSUP ||
       (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON)) {
-    /* Another request holds the key, or took it over when our lease ran
-     * out (or the store has no asynchronous writes): the whole flow, which
-     * waits, replays or reports, in a worker. */
+    /* Our lease ran out and another request took the key over (or the
+     * store has no asynchronous writes, or the reruns above did not
+     * settle): the whole flow, which waits, replays or reports, in a
+     * worker. */
     async_end(af);
     return idemd_defer(r);
   }
@@ -279,7 +289,6 @@ static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
 enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
   idemd_server_t *srv = r->srv;
   idem_scope_t scope = {r->tenant.id, e->operation, r->key};
-  int64_t deadline = idem_mono_ms() + srv->cfg.inflight_wait_ms;
   idem_record_t rec = {0};
   enum MHD_Result ret;
   int prepared = e->prepare == NULL;
@@ -372,11 +381,14 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
       idem_record_reset(&rec);
       return ret;
     case IDEM_STATE_PROCESSING: {
-      int64_t left = deadline - idem_mono_ms();
+      int64_t left;
       idem_record_reset(&rec);
-      if (!r->may_block)
-        return idemd_defer(r); /* the wait below, bounded, in a worker */
-      if (left <= 0) {
+      /* The wait is bounded from the first time this request found the
+       * key held, across parks and hand-overs. */
+      if (r->inflight_deadline == 0)
+        r->inflight_deadline = idem_mono_ms() + srv->cfg.inflight_wait_ms;
+      left = r->inflight_deadline - idem_mono_ms();
+      if (left <= 0 || (!r->may_block && atomic_load(&srv->draining))) {
         idemd_reply_headers_t h = {.retry_after = 1};
         atomic_fetch_add_explicit(&srv->metrics.inflight_timeouts, 1,
                                   memory_order_relaxed);
@@ -385,6 +397,8 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
             r, 409, "a request with this Idempotency-Key is still being processed",
             &h);
       }
+      if (!r->may_block) /* no thread waits: parked until it changes */
+        return idemd_park(r, &scope, ticket);
       (void)idem_store_wait(srv->store, &scope, ticket, left);
       continue;
     }

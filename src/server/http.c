@@ -13,6 +13,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../lib/ticker.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "idem/key.h"
@@ -132,7 +133,8 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
   idemd_store_gauges_t g = {.pending = -1,
                            .processing = -1,
                            .connections_cut = idemd_guard_cut(r->srv->guard),
-                           .connections_refused = idemd_guard_refused(r->srv->guard)};
+                           .connections_refused = idemd_guard_refused(r->srv->guard),
+                           .parked = atomic_load(&r->srv->parked)};
   int64_t oldest = 0;
   enum MHD_Result ret;
   char *text;
@@ -253,6 +255,8 @@ static enum MHD_Result dispatch(idemd_request_t *r) {
   }
 }
 
+enum MHD_Result idemd_rerun(idemd_request_t *r) { return dispatch(r); }
+
 /* First call for a request: headers only. Answers at once when the path,
  * method, credentials or declared length already decide. */
 static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
@@ -321,11 +325,18 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     return on_headers(r, url);
   }
   if (r->deferred) {
-    /* Resumed: go on with the flow after an asynchronous write, or queue
-     * the answer a worker left (none: it failed, hang up). */
+    /* Resumed: look again after a parked wait, go on with the flow after
+     * an asynchronous write, or queue the answer a worker left (none: it
+     * failed, hang up). */
     struct MHD_Response *resp = r->response;
     enum MHD_Result ret = MHD_NO;
     r->deferred = 0;
+    if (r->parked) {
+      r->parked = 0;
+      atomic_fetch_sub(&srv->parked, 1);
+      atomic_fetch_sub(&srv->async_pending, 1);
+      return dispatch(r);
+    }
     if (r->async && resp == NULL)
       return idemd_flow_resumed(r);
     r->response = NULL;
@@ -445,6 +456,41 @@ int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w)) {
   return -1;
 }
 
+/* How often parked requests are checked for their deadline: a wait may
+ * last this much longer than --inflight-wait. */
+#define PARK_TICK_MS 20
+
+/* From whichever thread changed the key or expired the wait. */
+static void parked_wake(idem_store_waiter_t *w, int timed_out) {
+  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, waiter));
+  (void)timed_out; /* the flow finds its deadline passed (or draining) */
+  idemd_resume(r);
+}
+
+enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
+                           uint64_t ticket) {
+  idemd_server_t *srv = r->srv;
+
+  r->waiter.wake = parked_wake;
+  r->waiter.deadline_ms = r->inflight_deadline;
+  r->parked = 1;
+  atomic_fetch_add(&srv->async_pending, 1);
+  atomic_fetch_add(&srv->parked, 1);
+  idemd_suspend(r); /* before parking: a wake-up resumes it */
+  if (idem_store_park(srv->store, scope, ticket, &r->waiter) != 0)
+    idemd_resume(r); /* it changed meanwhile: look again now */
+  return MHD_YES;
+}
+
+/* Times out parked requests: those past their deadline, or all of them
+ * once idemd drains (each then answers 409 and closes). */
+static void expire_parked(void *ctx) {
+  idemd_server_t *srv = ctx;
+  (void)idem_store_expire_waiters(srv->store, atomic_load(&srv->draining)
+                                                  ? INT64_MAX
+                                                  : idem_mono_ms());
+}
+
 enum MHD_Result idemd_defer(idemd_request_t *r) {
   idemd_suspend(r);
   (void)idemd_run_in_worker(r, run_deferred);
@@ -481,9 +527,15 @@ int idemd_http_start(idemd_server_t *srv) {
                        MHD_USE_ITC | MHD_ALLOW_SUSPEND_RESUME |
                        (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0);
   unsigned int pool = srv->cfg.threads > 0 ? (unsigned int)srv->cfg.threads : cpu_count();
-  if ((srv->workers = idemd_workers_start(srv->cfg.workers)) == NULL) {
+  if ((srv->workers = idemd_workers_start(srv->cfg.workers)) == NULL ||
+      (srv->wait_timer = idem__ticker_start(PARK_TICK_MS, expire_parked, srv)) == NULL) {
     fprintf(stderr, "idemd: cannot start worker threads\n");
     freeaddrinfo(ai);
+    if (srv->workers) {
+      idemd_workers_stop(srv->workers);
+      idemd_workers_free(srv->workers);
+      srv->workers = NULL;
+    }
     idemd_guard_free(srv->guard);
     srv->guard = NULL;
     return -1;
@@ -505,6 +557,8 @@ int idemd_http_start(idemd_server_t *srv) {
   if (srv->daemon == NULL) {
     fprintf(stderr, "idemd: cannot listen on %s:%d\n", srv->cfg.listen_host,
             srv->cfg.listen_port);
+    idem__ticker_stop(srv->wait_timer);
+    srv->wait_timer = NULL;
     idemd_workers_stop(srv->workers);
     idemd_workers_free(srv->workers);
     srv->workers = NULL;
@@ -557,6 +611,7 @@ void idemd_http_stop(idemd_server_t *srv) {
   /* Workers first: each finishes its request and resumes the connection;
    * later deferrals are answered 503. Then the writes still queued with a
    * continuation (quick: a commit). Then the daemon closes everything. */
+  atomic_store(&srv->draining, 1); /* parked requests answer now */
   idemd_workers_stop(srv->workers);
   while (atomic_load(&srv->async_pending) > 0) {
     struct timespec ts = {0, 1000000L};
@@ -564,6 +619,8 @@ void idemd_http_stop(idemd_server_t *srv) {
   }
   MHD_stop_daemon(srv->daemon);
   srv->daemon = NULL;
+  idem__ticker_stop(srv->wait_timer);
+  srv->wait_timer = NULL;
   idemd_workers_free(srv->workers);
   srv->workers = NULL;
   idemd_guard_free(srv->guard);

@@ -83,6 +83,10 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
              "# TYPE idem_inflight_timeouts_total counter\n"
              "idem_inflight_timeouts_total %llu\n",
           LOAD(m->inflight_timeouts));
+  fprintf(f, "# HELP idem_inflight_parked Duplicates waiting for their original "
+             "without holding a thread.\n# TYPE idem_inflight_parked gauge\n"
+             "idem_inflight_parked %lld\n",
+          (long long)g->parked);
   fprintf(f, "# HELP idem_reconcile_settled_total Payments the reconciler settled.\n"
              "# TYPE idem_reconcile_settled_total counter\n"
              "idem_reconcile_settled_total %llu\n",

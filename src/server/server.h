@@ -32,8 +32,11 @@ typedef struct idemd_server {
   idemd_workers_t *workers; /* run the requests that wait */
   idem_reconciler_t *reconciler;
   struct idem__ticker *sweeper;
+  struct idem__ticker *wait_timer; /* times out parked duplicates */
   atomic_int inflight; /* requests started and not yet answered */
-  atomic_int async_pending; /* requests waiting on an asynchronous write */
+  atomic_int async_pending; /* requests waiting on an asynchronous write,
+                               or parked (idemd_park) */
+  atomic_int parked; /* requests parked on an in-flight duplicate */
   atomic_int draining; /* shutting down: answers close their connection */
   idemd_metrics_t metrics;
 } idemd_server_t;
@@ -86,6 +89,11 @@ typedef struct idemd_request {
   void *call;
   void (*call_free)(void *call);
   struct idemd_async_flow *async; /* the flow, while a write is queued */
+  /* Waiting for a duplicate in flight without a thread (idemd_park). */
+  idem_store_waiter_t waiter;
+  int parked;
+  int64_t inflight_deadline; /* idem_mono_ms(); 0 until it first waits */
+  int reruns; /* idemd_rerun() calls after a lost race for the key */
 
   /* What the log line and metrics report. */
   idemd_op_t op;
@@ -115,6 +123,18 @@ void idemd_suspend(idemd_request_t *r);
 /* For a suspended request: a worker runs `run` (0), or, when the workers
  * are stopping, the request is answered 503 and resumed (-1). */
 int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w));
+
+/* From an event thread's handler, on a resumed request that has not been
+ * answered: handles it again from the start, as when it first arrived. */
+enum MHD_Result idemd_rerun(idemd_request_t *r);
+
+/* From an event thread's handler, for a request whose key another request
+ * holds (its record processing): suspends it and parks it on the store
+ * until the key changes since `ticket` or r->inflight_deadline passes;
+ * then its event thread handles it again from the start. Holds no thread
+ * meanwhile. Returns MHD_YES; the caller must not touch `r` afterwards. */
+enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
+                           uint64_t ticket);
 
 /* Gives a suspended request, answered (or not: the connection is then
  * closed), back to its event thread. `r` must not be touched afterwards. */

@@ -233,6 +233,15 @@ uint64_t idem_store_watch(idem_store_t *store, const idem_scope_t *scope) {
   return idem__waitset_ticket(store->waits, scope);
 }
 
+int idem_store_park(idem_store_t *store, const idem_scope_t *scope,
+                    uint64_t ticket, idem_store_waiter_t *w) {
+  return idem__waitset_park(store->waits, scope, ticket, w);
+}
+
+int idem_store_expire_waiters(idem_store_t *store, int64_t now_ms) {
+  return idem__waitset_expire(store->waits, now_ms);
+}
+
 int idem_store_wait(idem_store_t *store, const idem_scope_t *scope,
                     uint64_t ticket, int64_t timeout_ms) {
   return idem__waitset_wait(store->waits, scope, ticket, timeout_ms);

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "harness.h"
 
@@ -397,6 +398,128 @@ static void test_waiting_requests_hold_up_no_other(void **state) {
   h_server_stop(s);
 }
 
+/* Requests sent together from another thread. */
+struct batch {
+  h_server_t *s;
+  int n;
+  h_req_t reqs[N];
+  h_resp_t out[N];
+};
+
+static void *batch_main(void *arg) {
+  struct batch *b = arg;
+  h_together(b->s, b->reqs, b->n, b->out);
+  return NULL;
+}
+
+static long metric(h_server_t *s, const char *name) {
+  char line[96];
+  h_resp_t r;
+  const char *p;
+  long v = -1;
+  snprintf(line, sizeof line, "\n%s ", name);
+  h_get(s, "/metrics", NULL, &r);
+  if (r.body && (p = strstr(r.body, line)) != NULL)
+    v = strtol(p + strlen(line), NULL, 10);
+  h_resp_free(&r);
+  return v;
+}
+
+/* Starts idemd with `flags` and one payment whose provider call holds its
+ * only worker, and waits until the payment's record is processing. */
+static h_server_t *start_slow_original(const char *const *flags, struct batch *orig,
+                                       pthread_t *t) {
+  h_server_t *s = h_server_start(flags);
+  const char *tok = h_tenant(s, "acme");
+
+  *orig = (struct batch){.s = s, .n = 1};
+  orig->reqs[0] = (h_req_t){
+      .method = "POST", .path = "/payments", .token = tok, .key = "held", .body = PAYMENT};
+  assert_int_equal(pthread_create(t, NULL, batch_main, orig), 0);
+  if (!h_db_wait(s, 10000, "SELECT count(*) FROM idempotency_records "
+                           "WHERE key = 'held' AND state = 'processing'")) {
+    pthread_join(*t, NULL);
+    fail_msg("the payment never reached the provider");
+  }
+  return s;
+}
+
+/* Duplicates of a key in flight wait without a thread (SQLite): with one
+ * worker, busy in the original's provider call, all of them are parked
+ * (idem_inflight_parked) and each gets the original's answer once it
+ * completes. On PostgreSQL they wait in workers: not this test. */
+static void test_duplicates_wait_without_a_thread(void **state) {
+  const char *const flags[] = {"--threads", "1", "--workers", "1",
+                               "--sandbox-delay", "2s", "--inflight-wait", "30s", NULL};
+  struct batch orig, dups;
+  pthread_t t_orig, t_dups;
+  h_server_t *s;
+  long parked = -1;
+  (void)state;
+
+  if (h_store_is_pg())
+    skip();
+  s = start_slow_original(flags, &orig, &t_orig);
+  dups = (struct batch){.s = s, .n = N};
+  for (int i = 0; i < N; i++)
+    dups.reqs[i] = orig.reqs[0];
+  assert_int_equal(pthread_create(&t_dups, NULL, batch_main, &dups), 0);
+  for (int i = 0; i < 400 && parked != N; i++) {
+    struct timespec ts = {0, 5 * 1000000L};
+    parked = metric(s, "idem_inflight_parked");
+    nanosleep(&ts, NULL);
+  }
+  pthread_join(t_orig, NULL);
+  pthread_join(t_dups, NULL);
+  assert_int_equal(parked, N);
+  h_assert_first(&orig.out[0], 201);
+  for (int i = 0; i < N; i++) {
+    h_context("duplicate %d", i);
+    h_assert_replay_of(&dups.out[i], &orig.out[0]);
+  }
+  h_context_clear();
+  assert_int_equal(metric(s, "idem_inflight_parked"), 0);
+  h_assert_db(s, 1, "SELECT count(*) FROM payments");
+  for (int i = 0; i < N; i++)
+    h_resp_free(&dups.out[i]);
+  h_resp_free(&orig.out[0]);
+  h_server_stop(s);
+}
+
+/* --inflight-wait counts from a duplicate's arrival, and its 409 needs no
+ * worker: with the only worker in a 3 s provider call, duplicates bounded
+ * at 300 ms are all answered 409 (Retry-After) before the original. */
+static void test_inflight_wait_bound_without_a_worker(void **state) {
+  const char *const flags[] = {"--threads", "1", "--workers", "1",
+                               "--sandbox-delay", "3s", "--inflight-wait", "300ms", NULL};
+  struct batch orig, dups;
+  pthread_t t_orig;
+  h_server_t *s;
+  (void)state;
+
+  if (h_store_is_pg())
+    skip();
+  s = start_slow_original(flags, &orig, &t_orig);
+  dups = (struct batch){.s = s, .n = 5};
+  for (int i = 0; i < dups.n; i++)
+    dups.reqs[i] = orig.reqs[0];
+  batch_main(&dups);
+  pthread_join(t_orig, NULL);
+  h_assert_first(&orig.out[0], 201);
+  for (int i = 0; i < dups.n; i++) {
+    h_context("duplicate %d", i);
+    h_assert_status(&dups.out[i], 409);
+    assert_string_equal(dups.out[i].retry_after, "1");
+    if (!(dups.out[i].t_end < orig.out[0].t_end))
+      fail_msg("the duplicate's 409 came after the original's answer");
+  }
+  h_context_clear();
+  for (int i = 0; i < dups.n; i++)
+    h_resp_free(&dups.out[i]);
+  h_resp_free(&orig.out[0]);
+  h_server_stop(s);
+}
+
 struct quitter {
   h_server_t *s;
   const char *tok;
@@ -494,6 +617,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_many_connections_unique_keys, h_teardown),
       cmocka_unit_test_teardown(test_waiting_requests_hold_up_no_other, h_teardown),
       cmocka_unit_test_teardown(test_clients_hanging_up, h_teardown),
+      cmocka_unit_test_teardown(test_duplicates_wait_without_a_thread, h_teardown),
+      cmocka_unit_test_teardown(test_inflight_wait_bound_without_a_worker, h_teardown),
   };
   int rc;
   h_init(argc, argv);
