@@ -403,6 +403,11 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
     MHD_destroy_response(r->response);
     r->response = NULL;
   }
+  if (r->parked) { /* woken, then closed before it looked again */
+    r->parked = 0;
+    atomic_fetch_sub(&srv->parked, 1);
+    atomic_fetch_sub(&srv->async_pending, 1);
+  }
   idemd_guard_busy(srv->guard, r->conn_guard, 0);
   r->conn_guard = NULL; /* the connection's, gone with it */
   idemd_metrics_request(&srv->metrics, r->op, r->outcome, idem_mono_us() - r->start_us);

@@ -607,6 +607,66 @@ static void test_clients_hanging_up(void **state) {
   h_server_stop(s); /* fails when idemd does not exit promptly */
 }
 
+/* Sends a duplicate of the held payment and hangs up after `ms`. */
+static void *short_duplicate(void *p) {
+  struct quitter *q = p;
+  CURL *h = curl_easy_init();
+  struct curl_slist *all;
+  char url[128], auth[160];
+
+  if (h == NULL)
+    return NULL;
+  snprintf(url, sizeof url, "http://127.0.0.1:%d/payments", q->s->port);
+  snprintf(auth, sizeof auth, "Authorization: Bearer %s", q->tok);
+  all = curl_slist_append(curl_slist_append(NULL, auth), "Idempotency-Key: held");
+  all = curl_slist_append(all, "Content-Type: application/json");
+  curl_easy_setopt(h, CURLOPT_URL, url);
+  curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
+  curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(h, CURLOPT_HTTPHEADER, all);
+  curl_easy_setopt(h, CURLOPT_POSTFIELDS, PAYMENT);
+  curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, drop_body);
+  curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 200L);
+  (void)curl_easy_perform(h); /* a timeout: the point */
+  curl_slist_free_all(all);
+  curl_easy_cleanup(h);
+  return NULL;
+}
+
+/* Duplicates whose clients hang up while they are parked leave nothing
+ * behind: once the original completes they are resumed, find their
+ * connection gone, and idemd stops at once (a parked request still
+ * counted would hold the stop up for ever). */
+static void test_parked_clients_hanging_up(void **state) {
+  const char *const flags[] = {"--threads", "1", "--workers", "1",
+                               "--sandbox-delay", "1s", NULL};
+  struct batch orig;
+  struct quitter q[8];
+  pthread_t t_orig, t[8];
+  h_server_t *s;
+  (void)state;
+
+  if (h_store_is_pg())
+    skip();
+  s = start_slow_original(flags, &orig, &t_orig);
+  for (int i = 0; i < 8; i++) {
+    q[i] = (struct quitter){s, orig.reqs[0].token, i};
+    assert_int_equal(pthread_create(&t[i], NULL, short_duplicate, &q[i]), 0);
+  }
+  for (int i = 0; i < 8; i++)
+    pthread_join(t[i], NULL);
+  pthread_join(t_orig, NULL);
+  h_assert_first(&orig.out[0], 201);
+  h_resp_free(&orig.out[0]);
+  if (!h_db_wait(s, 5000, "SELECT count(*) FROM idempotency_records "
+                          "WHERE key = 'held' AND state = 'completed'"))
+    fail_msg("the original never completed");
+  for (int i = 0; i < 200 && metric(s, "idem_inflight_parked") != 0; i++)
+    poll(NULL, 0, 10);
+  assert_int_equal(metric(s, "idem_inflight_parked"), 0);
+  h_server_stop(s); /* fails when idemd does not exit promptly */
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_together_same_key, h_teardown),
@@ -619,6 +679,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_clients_hanging_up, h_teardown),
       cmocka_unit_test_teardown(test_duplicates_wait_without_a_thread, h_teardown),
       cmocka_unit_test_teardown(test_inflight_wait_bound_without_a_worker, h_teardown),
+      cmocka_unit_test_teardown(test_parked_clients_hanging_up, h_teardown),
   };
   int rc;
   h_init(argc, argv);
