@@ -234,14 +234,16 @@ typedef struct idem_store_waiter {
    * and the store no longer refers to `w` once it is called. */
   void (*wake)(struct idem_store_waiter *w, int timed_out);
   int64_t deadline_ms; /* on the idem_mono_ms() clock */
+  uint64_t hash;       /* the store's: of the scope it waits on */
   struct idem_store_waiter *next;
 } idem_store_waiter_t;
 
-/* Instead of sleeping in idem_store_wait(): parks `w` until a record that
- * hashes like `scope` changed since `ticket` (w->wake(w, 0)) or
+/* Instead of sleeping in idem_store_wait(): parks `w` until `scope`'s
+ * record changes (w->wake(w, 0); rarely another key with the same hash,
+ * a spurious wake-up: read the record again) or
  * idem_store_expire_waiters() finds its deadline passed (w->wake(w, 1)).
- * Returns 0 when parked, or 1 when the record changed already (nothing is
- * parked and `wake` is not called). */
+ * Returns 0 when parked, or 1 when a record of its stripe changed since
+ * `ticket` (nothing is parked and `wake` is not called: read again). */
 int idem_store_park(idem_store_t *store, const idem_scope_t *scope,
                     uint64_t ticket, idem_store_waiter_t *w);
 

@@ -39,6 +39,7 @@ struct thread_ctx {
 };
 static _Thread_local struct thread_ctx tctx;
 static pthread_key_t tctx_key;
+static int tctx_key_ok;
 static pthread_once_t tctx_once = PTHREAD_ONCE_INIT;
 
 static void tctx_free(void *arg) {
@@ -48,12 +49,14 @@ static void tctx_free(void *arg) {
   memset(t, 0, sizeof *t);
 }
 
-static void tctx_init(void) { (void)pthread_key_create(&tctx_key, tctx_free); }
+static void tctx_init(void) { tctx_key_ok = pthread_key_create(&tctx_key, tctx_free) == 0; }
 
-/* Registers this thread's contexts for freeing at exit (once per thread). */
+/* Registers this thread's contexts for freeing at exit (once per thread).
+ * Without a key (none left) they are only freed with the process. */
 static void tctx_register(void) {
   pthread_once(&tctx_once, tctx_init);
-  (void)pthread_setspecific(tctx_key, &tctx);
+  if (tctx_key_ok)
+    (void)pthread_setspecific(tctx_key, &tctx);
 }
 
 int idem_sha256(const void *data, size_t len, unsigned char out[IDEM_SHA256_LEN]) {

@@ -22,8 +22,9 @@ struct idem__waitset {
   struct stripe s[STRIPES];
 };
 
-/* FNV-1a over the scope; only spreads keys across stripes. */
-static struct stripe *stripe_of(idem__waitset_t *ws, const idem_scope_t *sc) {
+/* FNV-1a over the scope: picks its stripe, and tells parked waiters of
+ * different keys on one stripe apart. */
+static uint64_t hash_of(const idem_scope_t *sc) {
   uint64_t h = 1469598103934665603ULL;
   const unsigned char *p;
   for (int i = 0; i < 8; i++) {
@@ -38,7 +39,11 @@ static struct stripe *stripe_of(idem__waitset_t *ws, const idem_scope_t *sc) {
     h ^= *p;
     h *= 1099511628211ULL;
   }
-  return &ws->s[h % STRIPES];
+  return h;
+}
+
+static struct stripe *stripe_of(idem__waitset_t *ws, const idem_scope_t *sc) {
+  return &ws->s[hash_of(sc) % STRIPES];
 }
 
 idem__waitset_t *idem__waitset_new(void) {
@@ -102,6 +107,7 @@ int idem__waitset_park(idem__waitset_t *ws, const idem_scope_t *scope,
                        uint64_t ticket, idem_store_waiter_t *w) {
   struct stripe *st = stripe_of(ws, scope);
   int moved;
+  w->hash = hash_of(scope);
   pthread_mutex_lock(&st->lock);
   moved = st->gen != ticket;
   if (!moved) {
@@ -149,15 +155,26 @@ int idem__waitset_expire(idem__waitset_t *ws, int64_t now_ms) {
 }
 
 void idem__waitset_wake(idem__waitset_t *ws, const idem_scope_t *scope) {
-  struct stripe *st = stripe_of(ws, scope);
-  idem_store_waiter_t *parked;
+  uint64_t h = hash_of(scope);
+  struct stripe *st = &ws->s[h % STRIPES];
+  idem_store_waiter_t *woken = NULL, **pp;
   pthread_mutex_lock(&st->lock);
   st->gen++;
-  parked = st->parked;
-  st->parked = NULL;
+  /* Parked waiters of other keys on this stripe stay parked: each would
+   * otherwise run its whole request again for nothing. */
+  for (pp = &st->parked; *pp;) {
+    idem_store_waiter_t *w = *pp;
+    if (w->hash == h) {
+      *pp = w->next;
+      w->next = woken;
+      woken = w;
+    } else {
+      pp = &w->next;
+    }
+  }
   pthread_cond_broadcast(&st->cond);
   pthread_mutex_unlock(&st->lock);
-  wake_list(parked, 0);
+  wake_list(woken, 0);
 }
 
 void idem__waitset_wake_all(idem__waitset_t *ws) {

@@ -38,8 +38,8 @@ int idem__waitset_park(idem__waitset_t *ws, const idem_scope_t *scope,
  * `now_ms`; returns how many. */
 int idem__waitset_expire(idem__waitset_t *ws, int64_t now_ms);
 
-/* Advances `scope`'s stripe and wakes everyone waiting on it, parked or
- * asleep. */
+/* Advances `scope`'s stripe and wakes the threads asleep on it and the
+ * waiters parked on `scope` (by hash). */
 void idem__waitset_wake(idem__waitset_t *ws, const idem_scope_t *scope);
 
 /* Wakes every waiter of every stripe (after lost notifications). */

@@ -57,8 +57,9 @@ static size_t put_string(char *out, const char *s) {
 /* Written directly rather than built with jansson: a payment is written
  * two or three times per request, always in this one shape, and building
  * it as a json_t and dumping it was a seventh of a new payment's
- * instructions (docs/performance.md). The output is what json_dumps()
- * with JSON_COMPACT gave for the same fields, in the same order. */
+ * instructions (docs/performance.md). For validated fields (visible
+ * ASCII) the output is what json_dumps() with JSON_COMPACT gave for the
+ * same fields, in the same order (tests/unit/test_payment.c). */
 char *idem_payment_json(const idem_payment_t *p, const char *status,
                         const char *error) {
   /* Every string at most 6 bytes per input byte once escaped. */

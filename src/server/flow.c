@@ -139,7 +139,7 @@ static void async_end(struct idemd_async_flow *af) {
   idem_record_reset(&af->rec);
   r->async = NULL;
   free(af);
-  atomic_fetch_sub(&srv->async_pending, 1);
+  idemd_pending_leave(srv);
 }
 
 /* On the writer: note the result, give the request back. */
@@ -190,9 +190,15 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
     /* Another request won the key first: the flow again from the start,
      * here, finds its record (a replay, a 422, or a wait parked on it).
      * Bounded, in case reads and the reservation keep disagreeing. */
+    idemd_server_t *srv = r->srv;
     r->reruns++;
+    /* Counted through the rerun, which may suspend it again: the stop
+     * must not see 0 in between (af still counts here, so it cannot). */
+    atomic_fetch_add(&srv->async_pending, 1);
     async_end(af);
-    return idemd_rerun(r);
+    ret = idemd_rerun(r);
+    idemd_pending_leave(srv);
+    return ret;
   }
   if (af->rc == IDEM_ELOST || af->rc == IDEM_ENOTSUP ||
       (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON)) {
@@ -258,11 +264,15 @@ int idemd_flow_orphan(idemd_request_t *r) {
 static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
                          const idem_scope_t *scope) {
   idemd_server_t *srv = r->srv;
-  struct idemd_async_flow *af = calloc(1, sizeof *af);
+  struct idemd_async_flow *af;
   int rc;
 
-  if (af == NULL)
+  if (idemd_pending_enter(srv) != 0)
+    return -1; /* stopping */
+  if ((af = calloc(1, sizeof *af)) == NULL) {
+    idemd_pending_leave(srv);
     return -1;
+  }
   af->r = r;
   af->e = e;
   af->stage = RESERVING;
@@ -277,7 +287,6 @@ static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
                              .enqueue_outbox = e->enqueue_outbox,
                              .outcome = e->outcome};
   r->async = af;
-  atomic_fetch_add(&srv->async_pending, 1);
   idemd_suspend(r);
   rc = idem_store_reserve_async(srv->store, &af->req, &af->rec, &af->result,
                                 async_written, af);

@@ -332,10 +332,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     enum MHD_Result ret = MHD_NO;
     r->deferred = 0;
     if (r->parked) {
+      /* Still counted while it runs again (it may be suspended again):
+       * the stop must not see 0 in between. */
       r->parked = 0;
       atomic_fetch_sub(&srv->parked, 1);
-      atomic_fetch_sub(&srv->async_pending, 1);
-      return dispatch(r);
+      ret = dispatch(r);
+      idemd_pending_leave(srv);
+      return ret;
     }
     if (r->async && resp == NULL)
       return idemd_flow_resumed(r);
@@ -406,7 +409,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   if (r->parked) { /* woken, then closed before it looked again */
     r->parked = 0;
     atomic_fetch_sub(&srv->parked, 1);
-    atomic_fetch_sub(&srv->async_pending, 1);
+    idemd_pending_leave(srv);
   }
   idemd_guard_busy(srv->guard, r->conn_guard, 0);
   r->conn_guard = NULL; /* the connection's, gone with it */
@@ -472,14 +475,37 @@ static void parked_wake(idem_store_waiter_t *w, int timed_out) {
   idemd_resume(r);
 }
 
+int idemd_pending_enter(idemd_server_t *srv) {
+  /* Counted first, then checked: idemd_http_stop() sets `stopping` first,
+   * then reads the count, so one of the two sees the other. */
+  atomic_fetch_add(&srv->async_pending, 1);
+  if (atomic_load(&srv->stopping)) {
+    atomic_fetch_sub(&srv->async_pending, 1);
+    return -1;
+  }
+  return 0;
+}
+
+void idemd_pending_leave(idemd_server_t *srv) {
+  atomic_fetch_sub(&srv->async_pending, 1);
+}
+
+/* The answer to a request that can no longer be suspended. */
+static enum MHD_Result reply_stopping(idemd_request_t *r) {
+  idemd_reply_headers_t h = {.retry_after = 1, .close = 1};
+  r->outcome = OUTCOME_ERROR;
+  return idemd_reply_error(r, 503, "shutting down, retry later", &h);
+}
+
 enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
                            uint64_t ticket) {
   idemd_server_t *srv = r->srv;
 
+  if (idemd_pending_enter(srv) != 0)
+    return reply_stopping(r);
   r->waiter.wake = parked_wake;
   r->waiter.deadline_ms = r->inflight_deadline;
   r->parked = 1;
-  atomic_fetch_add(&srv->async_pending, 1);
   atomic_fetch_add(&srv->parked, 1);
   idemd_suspend(r); /* before parking: a wake-up resumes it */
   if (idem_store_park(srv->store, scope, ticket, &r->waiter) != 0)
@@ -491,12 +517,15 @@ enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
  * once idemd drains (each then answers 409 and closes). */
 static void expire_parked(void *ctx) {
   idemd_server_t *srv = ctx;
-  (void)idem_store_expire_waiters(srv->store, atomic_load(&srv->draining)
-                                                  ? INT64_MAX
-                                                  : idem_mono_ms());
+  int draining = atomic_load(&srv->draining);
+  if (atomic_load(&srv->parked) == 0 && !draining)
+    return; /* nothing to look at (one parking now is seen next tick) */
+  (void)idem_store_expire_waiters(srv->store, draining ? INT64_MAX : idem_mono_ms());
 }
 
 enum MHD_Result idemd_defer(idemd_request_t *r) {
+  if (atomic_load(&r->srv->stopping))
+    return reply_stopping(r); /* no worker would take it: not suspended */
   idemd_suspend(r);
   (void)idemd_run_in_worker(r, run_deferred);
   return MHD_YES;
@@ -617,6 +646,7 @@ void idemd_http_stop(idemd_server_t *srv) {
    * later deferrals are answered 503. Then the writes still queued with a
    * continuation (quick: a commit). Then the daemon closes everything. */
   atomic_store(&srv->draining, 1); /* parked requests answer now */
+  atomic_store(&srv->stopping, 1);  /* and none is suspended any more */
   idemd_workers_stop(srv->workers);
   while (atomic_load(&srv->async_pending) > 0) {
     struct timespec ts = {0, 1000000L};

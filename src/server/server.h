@@ -38,6 +38,8 @@ typedef struct idemd_server {
                                or parked (idemd_park) */
   atomic_int parked; /* requests parked on an in-flight duplicate */
   atomic_int draining; /* shutting down: answers close their connection */
+  atomic_int stopping; /* the daemon stops once async_pending is 0: no
+                          request may be suspended any more */
   idemd_metrics_t metrics;
 } idemd_server_t;
 
@@ -123,6 +125,15 @@ void idemd_suspend(idemd_request_t *r);
 /* For a suspended request: a worker runs `run` (0), or, when the workers
  * are stopping, the request is answered 503 and resumed (-1). */
 int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w));
+
+/* Counts a request about to be suspended for an asynchronous step (a
+ * queued write, a parked wait) in srv->async_pending, which idemd's stop
+ * waits to see at 0 before it stops the daemon. Returns 0, or -1 when
+ * idemd is stopping (nothing counted: answer the request instead). */
+int idemd_pending_enter(idemd_server_t *srv);
+
+/* Ends what idemd_pending_enter() counted. */
+void idemd_pending_leave(idemd_server_t *srv);
 
 /* From an event thread's handler, on a resumed request that has not been
  * answered: handles it again from the start, as when it first arrived. */

@@ -109,13 +109,13 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "UPDATE resources SET status = COALESCE(?4, status), "
         "body = COALESCE(?5, body), provider_ref = COALESCE(?6, provider_ref), "
         "updated_at = ?7 WHERE id = COALESCE(?8, (SELECT resource_id FROM "
-        "idempotency_records WHERE " SCOPE_MATCH "))",
+        "idempotency_records WHERE " SCOPE_MATCH ")) AND tenant_id = ?1",
     /* ?4, like ?8 above, is the outcome's resource id when it names one:
      * ST_COMPLETE has just stored it in the record, so the lookup would
      * find the same id. */
     [ST_DELETE_OUTBOX] = "DELETE FROM outbox WHERE resource_id = COALESCE(?4, "
                          "(SELECT resource_id FROM idempotency_records WHERE "
-                         SCOPE_MATCH "))",
+                         SCOPE_MATCH ")) AND tenant_id = ?1",
     [ST_RESOURCE_GET] = "SELECT body FROM resources WHERE id = ?1 AND "
                         "tenant_id = ?2 AND kind = ?3",
     [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
@@ -326,7 +326,7 @@ static int conn_new(sqlite_store_t *s, struct conn **out) {
    * commit, so an acknowledged write survives power loss. */
   if (exec(c->db, "PRAGMA journal_mode = WAL") != SQLITE_OK ||
       exec(c->db, "PRAGMA synchronous = FULL") != SQLITE_OK ||
-      exec(c->db, "PRAGMA foreign_keys = ON") != SQLITE_OK || (getenv("XP") && exec(c->db, getenv("XP")) != SQLITE_OK)) {
+      exec(c->db, "PRAGMA foreign_keys = ON") != SQLITE_OK) {
     conn_free(c);
     return IDEM_ESTORE;
   }

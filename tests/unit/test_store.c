@@ -116,9 +116,6 @@ static void new_payment(struct payment *p) {
                              .body = p->body};
 }
 
-/* Reserves `key` for a new payment the way POST /payments does (payment
- * and outbox row written with the record) and requires the win. `p` gets
- * the payment, `token` the owner token; returns the request (its scope). */
 /* The record a reservation returned is the stored one, field by field
  * (the SQLite store builds it without reading it back). */
 static void assert_as_stored(fixture_t *fx, const idem_record_t *got, int64_t now) {
@@ -148,6 +145,9 @@ static void assert_as_stored(fixture_t *fx, const idem_record_t *got, int64_t no
   idem_record_reset(&want);
 }
 
+/* Reserves `key` for a new payment the way POST /payments does (payment
+ * and outbox row written with the record) and requires the win. `p` gets
+ * the payment, `token` the owner token; returns the request (its scope). */
 static idem_reserve_t reserve_payment(fixture_t *fx, const char *key,
                                       int64_t lease_ms, struct payment *p,
                                       char token[IDEM_TOKEN_MAX + 1]) {
