@@ -11,14 +11,19 @@
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "store_impl.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <semaphore.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <stdatomic.h>
 #include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "idem/clock.h"
 #include "idem/crypto.h"
 
 enum stmt_id {
@@ -266,6 +271,11 @@ typedef struct sqlite_store {
   int writer_running;
   pthread_t writer;
   atomic_uint_fast64_t commits, writes;
+
+  /* API keys, remembered (see "Tenant cache" below). */
+  uint64_t *tenants_changed; /* the shared counter; NULL: no cache */
+  pthread_mutex_t tc_lock;
+  struct tenant_entry *tc; /* TENANT_CACHE entries */
 } sqlite_store_t;
 
 static const idem_store_methods_t sqlite_methods;
@@ -858,6 +868,78 @@ static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
   return rc;
 }
 
+/* ---- Tenant cache -------------------------------------------------------
+ *
+ * Every request checks its API key, and reading the key's tenant was a
+ * quarter of a replay's CPU (a read transaction: file locks, a statement).
+ * Tenants found are remembered, and forgotten as soon as any tenant
+ * changes, in any process: every change made through this store (idemd
+ * tenant create, rotate-key, disable, enable) adds one to a counter kept
+ * in a small file beside the database (`<db>-tenants`, mapped shared by
+ * every process that opens it), and an entry counts only while the
+ * counter is what it was before the entry was read. The counter moves
+ * after the change commits, so by the time the command returns, no
+ * process answers with the old key. An entry also lasts at most
+ * TENANT_TTL_MS, which bounds staleness after a change made another way
+ * (SQL on the file by hand) or a command killed between its commit and
+ * the counter. Without the file (say, a read-only directory), every key
+ * is read from the database as before. */
+#define TENANT_CACHE 64 /* entries, direct-mapped by key lookup */
+#define TENANT_TTL_MS 1000
+
+struct tenant_entry {
+  idem_tenant_t t;
+  uint64_t changed; /* the counter when `t` was read */
+  int64_t until_ms; /* idem_mono_ms() */
+  int used;
+};
+
+static uint64_t tenants_changed(const sqlite_store_t *s) {
+  return __atomic_load_n(s->tenants_changed, __ATOMIC_ACQUIRE);
+}
+
+/* After a change to a tenant has committed. */
+static void tenants_bump(sqlite_store_t *s) {
+  if (s->tenants_changed)
+    __atomic_add_fetch(s->tenants_changed, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Maps the shared counter (creating its file); leaves the cache off when
+ * it cannot. */
+static void tenants_map(sqlite_store_t *s) {
+  char path[4096];
+  struct stat st;
+  mode_t mode = 0600;
+  void *map;
+  int fd;
+
+  if (stat(s->path, &st) == 0) /* as SQLite does for -wal and -shm */
+    mode = st.st_mode & 0777;
+  if (snprintf(path, sizeof path, "%s-tenants", s->path) >= (int)sizeof path ||
+      (fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, mode)) < 0)
+    return;
+  if (fstat(fd, &st) != 0 || (st.st_size < 8 && ftruncate(fd, 8) != 0)) {
+    close(fd);
+    return;
+  }
+  map = mmap(NULL, 8, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd); /* the mapping keeps the file */
+  if (map == MAP_FAILED)
+    return;
+  if ((s->tc = calloc(TENANT_CACHE, sizeof *s->tc)) == NULL) {
+    munmap(map, 8);
+    return;
+  }
+  s->tenants_changed = map;
+}
+
+static struct tenant_entry *tenant_slot(sqlite_store_t *s, const char *lookup) {
+  uint32_t h = 2166136261u;
+  for (const unsigned char *p = (const unsigned char *)lookup; *p; p++)
+    h = (h ^ *p) * 16777619u;
+  return &s->tc[h % TENANT_CACHE];
+}
+
 static int tenant_create_fn(struct conn *c, void *arg) {
   idem_tenant_t *t = arg;
   sqlite3_stmt *st = stmt(c, ST_TENANT_CREATE);
@@ -875,7 +957,10 @@ static int tenant_create_fn(struct conn *c, void *arg) {
 }
 
 static int sq_tenant_create(idem_store_t *base, idem_tenant_t *t) {
-  return write_tx((sqlite_store_t *)base, tenant_create_fn, t);
+  int rc = write_tx((sqlite_store_t *)base, tenant_create_fn, t);
+  if (rc == IDEM_OK)
+    tenants_bump((sqlite_store_t *)base);
+  return rc;
 }
 
 /* Copies the current row of a statement selecting TENANT_COLUMNS. */
@@ -921,7 +1006,32 @@ static int tenant_query(sqlite_store_t *s, enum stmt_id id, const char *arg,
 
 static int sq_tenant_find(idem_store_t *base, const char *lookup,
                           idem_tenant_t *out) {
-  return tenant_query((sqlite_store_t *)base, ST_TENANT_FIND, lookup, out);
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct tenant_entry *e;
+  uint64_t changed;
+  int64_t now;
+  int rc;
+
+  if (s->tenants_changed == NULL)
+    return tenant_query(s, ST_TENANT_FIND, lookup, out);
+  changed = tenants_changed(s); /* before the read: a change after it */
+  now = idem_mono_ms();         /* makes the entry stale at once */
+  e = tenant_slot(s, lookup);
+  pthread_mutex_lock(&s->tc_lock);
+  if (e->used && e->changed == changed && e->until_ms > now &&
+      strcmp(e->t.key_lookup, lookup) == 0) {
+    *out = e->t;
+    pthread_mutex_unlock(&s->tc_lock);
+    return IDEM_OK;
+  }
+  pthread_mutex_unlock(&s->tc_lock);
+  rc = tenant_query(s, ST_TENANT_FIND, lookup, out);
+  if (rc == IDEM_OK) { /* unknown keys are not remembered */
+    pthread_mutex_lock(&s->tc_lock);
+    *e = (struct tenant_entry){*out, changed, now + TENANT_TTL_MS, 1};
+    pthread_mutex_unlock(&s->tc_lock);
+  }
+  return rc;
 }
 
 static int sq_tenant_by_name(idem_store_t *base, const char *name,
@@ -947,7 +1057,10 @@ static int tenant_update_fn(struct conn *c, void *arg) {
 }
 
 static int sq_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
-  return write_tx((sqlite_store_t *)base, tenant_update_fn, (void *)t);
+  int rc = write_tx((sqlite_store_t *)base, tenant_update_fn, (void *)t);
+  if (rc == IDEM_OK)
+    tenants_bump((sqlite_store_t *)base);
+  return rc;
 }
 
 static int sq_tenant_list(idem_store_t *base, idem_tenant_t *out, int max, int *n) {
@@ -1199,6 +1312,10 @@ static void sq_close(idem_store_t *base) {
   pthread_mutex_destroy(&s->write_lock);
   pthread_mutex_destroy(&s->q_lock);
   pthread_cond_destroy(&s->q_ready);
+  pthread_mutex_destroy(&s->tc_lock);
+  if (s->tenants_changed)
+    munmap(s->tenants_changed, 8);
+  free(s->tc);
   free(s->path);
   free(s);
 }
@@ -1243,12 +1360,14 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
   pthread_mutex_init(&s->write_lock, NULL);
   pthread_mutex_init(&s->q_lock, NULL);
   pthread_cond_init(&s->q_ready, NULL);
+  pthread_mutex_init(&s->tc_lock, NULL);
   /* Open one connection now so a bad path fails here, not on a request. */
   if ((rc = conn_new(s, &c)) != IDEM_OK) {
     sq_close(&s->base);
     return rc;
   }
   conn_put(s, c);
+  tenants_map(s);
   if (pthread_create(&s->writer, NULL, writer_loop, s) != 0) {
     sq_close(&s->base);
     return IDEM_ENOMEM;

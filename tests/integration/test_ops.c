@@ -1108,6 +1108,8 @@ static void test_no_arguments_serves(void **state) {
     unlink(p);
     snprintf(p, sizeof p, "%s-shm", db);
     unlink(p);
+    snprintf(p, sizeof p, "%s-tenants", db);
+    unlink(p);
     unlink(log);
     rmdir(dir);
     if (!ok)

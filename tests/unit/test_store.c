@@ -203,7 +203,7 @@ static int teardown(void **state) {
     return 0;
   idem_store_close(fx->store);
   if (fx->dir[0]) {
-    static const char *const suffixes[] = {"", "-wal", "-shm", "-journal"};
+    static const char *const suffixes[] = {"", "-wal", "-shm", "-journal", "-tenants"};
     for (size_t i = 0; i < ARRAY_LEN(suffixes); i++) {
       char file[sizeof fx->path + 16];
       snprintf(file, sizeof file, "%s%s", fx->path, suffixes[i]);
@@ -260,6 +260,43 @@ static void test_tenants(void **state) {
                    IDEM_ENOTFOUND);
   assert_int_equal(idem_store_tenant_find(fx->store, "no-such-lookup", &found),
                    IDEM_ENOTFOUND);
+}
+
+/* A change made through another handle on the same database (another
+ * process: `idemd tenant rotate-key` while a server runs) is seen by the
+ * next lookup at once, though lookups are remembered (SQLite). */
+static void test_tenant_change_seen_at_once(void **state) {
+  fixture_t *fx = *state;
+  idem_store_t *cli = NULL;
+  idem_tenant_t found, changed = fx->tenant;
+  const char *url = fx->dir[0] ? fx->path : getenv("IDEM_TEST_STORE_URL");
+
+  assert_int_equal(idem_store_open(url, NULL, &cli), IDEM_OK);
+  for (int round = 0; round < 3; round++) {
+    /* Remembered here, then disabled there: refused at once. */
+    assert_int_equal(idem_store_tenant_find(fx->store, changed.key_lookup, &found), IDEM_OK);
+    assert_int_equal(found.disabled, 0);
+    changed.disabled = 1;
+    assert_int_equal(idem_store_tenant_update(cli, &changed), IDEM_OK);
+    assert_int_equal(idem_store_tenant_find(fx->store, changed.key_lookup, &found), IDEM_OK);
+    assert_int_equal(found.disabled, 1);
+    changed.disabled = 0;
+    assert_int_equal(idem_store_tenant_update(cli, &changed), IDEM_OK);
+    /* A new key there: the old one is unknown here at once. */
+    assert_int_equal(idem_store_tenant_find(fx->store, changed.key_lookup, &found), IDEM_OK);
+    {
+      char old_lookup[sizeof changed.key_lookup];
+      memcpy(old_lookup, changed.key_lookup, sizeof old_lookup);
+      assert_int_equal(
+          idem_random_token(changed.key_lookup, sizeof changed.key_lookup - 1), IDEM_OK);
+      assert_int_equal(idem_store_tenant_update(cli, &changed), IDEM_OK);
+      assert_int_equal(idem_store_tenant_find(fx->store, old_lookup, &found), IDEM_ENOTFOUND);
+      assert_int_equal(idem_store_tenant_find(fx->store, changed.key_lookup, &found),
+                       IDEM_OK);
+      assert_int_equal(found.id, fx->tenant.id);
+    }
+  }
+  idem_store_close(cli);
 }
 
 /* ---- reservations ----------------------------------------------------- */
@@ -1246,6 +1283,7 @@ int main(int argc, char **argv) {
 #define STORE_TEST(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
   const struct CMUnitTest tests[] = {
       STORE_TEST(test_migrate_is_idempotent),
+      STORE_TEST(test_tenant_change_seen_at_once),
       STORE_TEST(test_tenants),
       STORE_TEST(test_reserve_won_then_exists),
       STORE_TEST(test_scope_isolation),
