@@ -11,10 +11,10 @@
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "store_impl.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <semaphore.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <stdatomic.h>
@@ -273,7 +273,7 @@ typedef struct sqlite_store {
   atomic_uint_fast64_t commits, writes;
 
   /* API keys, remembered (see "Tenant cache" below). */
-  uint64_t *tenants_changed; /* the shared counter; NULL: no cache */
+  int tenants_fd; /* the change file; -1: no cache */
   pthread_mutex_t tc_lock;
   struct tenant_entry *tc; /* TENANT_CACHE entries */
 } sqlite_store_t;
@@ -874,63 +874,53 @@ static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
  * quarter of a replay's CPU (a read transaction: file locks, a statement).
  * Tenants found are remembered, and forgotten as soon as any tenant
  * changes, in any process: every change made through this store (idemd
- * tenant create, rotate-key, disable, enable) adds one to a counter kept
- * in a small file beside the database (`<db>-tenants`, mapped shared by
- * every process that opens it), and an entry counts only while the
- * counter is what it was before the entry was read. The counter moves
- * after the change commits, so by the time the command returns, no
- * process answers with the old key. An entry also lasts at most
- * TENANT_TTL_MS, which bounds staleness after a change made another way
- * (SQL on the file by hand) or a command killed between its commit and
- * the counter. Without the file (say, a read-only directory), every key
- * is read from the database as before. */
+ * tenant create, rotate-key, disable, enable) appends one byte to a file
+ * beside the database (`<db>-tenants`, opened O_APPEND by every process
+ * that uses the database), and an entry counts only while that file's
+ * size is what it was before the entry was read (one fstat() per lookup,
+ * a tenth of the read it replaces). The byte is written after the change
+ * commits, so by the time the command returns, no process answers with
+ * the old key. An entry also lasts at most TENANT_TTL_MS, which bounds
+ * staleness after a change made another way (SQL on the file by hand, a
+ * replaced file) or a command killed between its commit and its byte.
+ * Without the file (say, a read-only directory), every key is read from
+ * the database as before. */
 #define TENANT_CACHE 64 /* entries, direct-mapped by key lookup */
 #define TENANT_TTL_MS 1000
 
 struct tenant_entry {
   idem_tenant_t t;
-  uint64_t changed; /* the counter when `t` was read */
+  int64_t changed;  /* the file's size when `t` was read */
   int64_t until_ms; /* idem_mono_ms() */
   int used;
 };
 
-static uint64_t tenants_changed(const sqlite_store_t *s) {
-  return __atomic_load_n(s->tenants_changed, __ATOMIC_ACQUIRE);
+/* The change count: the file's size; -1 when it cannot be read. */
+static int64_t tenants_changed(const sqlite_store_t *s) {
+  struct stat st;
+  return fstat(s->tenants_fd, &st) == 0 ? (int64_t)st.st_size : -1;
 }
 
 /* After a change to a tenant has committed. */
 static void tenants_bump(sqlite_store_t *s) {
-  if (s->tenants_changed)
-    __atomic_add_fetch(s->tenants_changed, 1, __ATOMIC_SEQ_CST);
+  if (s->tenants_fd >= 0 && write(s->tenants_fd, "+", 1) != 1)
+    idem__store_set_error("sqlite: cannot note a tenant change in %s-tenants: %s",
+                          s->path, strerror(errno)); /* entries expire anyway */
 }
 
-/* Maps the shared counter (creating its file); leaves the cache off when
- * it cannot. */
-static void tenants_map(sqlite_store_t *s) {
+/* Opens (creating) the change file; leaves the cache off when it cannot. */
+static void tenants_open(sqlite_store_t *s) {
   char path[4096];
   struct stat st;
   mode_t mode = 0600;
-  void *map;
-  int fd;
 
+  s->tenants_fd = -1;
   if (stat(s->path, &st) == 0) /* as SQLite does for -wal and -shm */
     mode = st.st_mode & 0777;
   if (snprintf(path, sizeof path, "%s-tenants", s->path) >= (int)sizeof path ||
-      (fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, mode)) < 0)
+      (s->tc = calloc(TENANT_CACHE, sizeof *s->tc)) == NULL)
     return;
-  if (fstat(fd, &st) != 0 || (st.st_size < 8 && ftruncate(fd, 8) != 0)) {
-    close(fd);
-    return;
-  }
-  map = mmap(NULL, 8, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd); /* the mapping keeps the file */
-  if (map == MAP_FAILED)
-    return;
-  if ((s->tc = calloc(TENANT_CACHE, sizeof *s->tc)) == NULL) {
-    munmap(map, 8);
-    return;
-  }
-  s->tenants_changed = map;
+  s->tenants_fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, mode);
 }
 
 static struct tenant_entry *tenant_slot(sqlite_store_t *s, const char *lookup) {
@@ -1008,14 +998,14 @@ static int sq_tenant_find(idem_store_t *base, const char *lookup,
                           idem_tenant_t *out) {
   sqlite_store_t *s = (sqlite_store_t *)base;
   struct tenant_entry *e;
-  uint64_t changed;
-  int64_t now;
+  int64_t changed, now;
   int rc;
 
-  if (s->tenants_changed == NULL)
+  if (s->tenants_fd < 0 || (changed = tenants_changed(s)) < 0)
     return tenant_query(s, ST_TENANT_FIND, lookup, out);
-  changed = tenants_changed(s); /* before the read: a change after it */
-  now = idem_mono_ms();         /* makes the entry stale at once */
+  /* `changed` is read before the tenant: a change after it makes the
+   * entry stale at once. */
+  now = idem_mono_ms();
   e = tenant_slot(s, lookup);
   pthread_mutex_lock(&s->tc_lock);
   if (e->used && e->changed == changed && e->until_ms > now &&
@@ -1313,8 +1303,8 @@ static void sq_close(idem_store_t *base) {
   pthread_mutex_destroy(&s->q_lock);
   pthread_cond_destroy(&s->q_ready);
   pthread_mutex_destroy(&s->tc_lock);
-  if (s->tenants_changed)
-    munmap(s->tenants_changed, 8);
+  if (s->tenants_fd >= 0)
+    close(s->tenants_fd);
   free(s->tc);
   free(s->path);
   free(s);
@@ -1355,6 +1345,7 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
     return IDEM_ENOMEM;
   }
   s->base.methods = &sqlite_methods;
+  s->tenants_fd = -1; /* until tenants_open() */
   s->busy_timeout_ms = opts->busy_timeout_ms > 0 ? opts->busy_timeout_ms : 5000;
   pthread_mutex_init(&s->pool_lock, NULL);
   pthread_mutex_init(&s->write_lock, NULL);
@@ -1367,7 +1358,7 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
     return rc;
   }
   conn_put(s, c);
-  tenants_map(s);
+  tenants_open(s);
   if (pthread_create(&s->writer, NULL, writer_loop, s) != 0) {
     sq_close(&s->base);
     return IDEM_ENOMEM;
