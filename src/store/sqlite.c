@@ -273,7 +273,9 @@ typedef struct sqlite_store {
   atomic_uint_fast64_t commits, writes;
 
   /* API keys, remembered (see "Tenant cache" below). */
-  int tenants_fd; /* the change file; -1: no cache */
+  int tenants_fd;       /* the change file; -1: no cache */
+  int tenants_writable; /* 0: this process only reads it */
+  int tenants_exists;   /* the file exists, whether this process can use it */
   pthread_mutex_t tc_lock;
   struct tenant_entry *tc; /* TENANT_CACHE entries */
 } sqlite_store_t;
@@ -901,26 +903,63 @@ static int64_t tenants_changed(const sqlite_store_t *s) {
   return fstat(s->tenants_fd, &st) == 0 ? (int64_t)st.st_size : -1;
 }
 
-/* After a change to a tenant has committed. */
+/* After a change to a tenant (committed, or maybe: an extra count only
+ * empties the caches). When this process cannot count it in the file the
+ * servers read (not writable by this user, or not there), it waits until
+ * every entry remembered before the change has expired, so the change
+ * still holds for everyone once the command returns. */
 static void tenants_bump(sqlite_store_t *s) {
-  if (s->tenants_fd >= 0 && write(s->tenants_fd, "+", 1) != 1)
-    idem__store_set_error("sqlite: cannot note a tenant change in %s-tenants: %s",
-                          s->path, strerror(errno)); /* entries expire anyway */
+  struct timespec wait = {TENANT_TTL_MS / 1000, (TENANT_TTL_MS % 1000 + 100) * 1000000L};
+
+  if (s->tenants_fd >= 0 && s->tenants_writable && write(s->tenants_fd, "+", 1) == 1)
+    return;
+  if (!s->tenants_exists)
+    return; /* no file, so no server remembers keys */
+  fprintf(stderr, "idem: cannot count a tenant change in %s-tenants; waiting %d ms "
+                  "for servers to forget the old key\n", s->path, TENANT_TTL_MS + 100);
+  while (nanosleep(&wait, &wait) != 0 && errno == EINTR)
+    ;
 }
 
-/* Opens (creating) the change file; leaves the cache off when it cannot. */
-static void tenants_open(sqlite_store_t *s) {
+/* Opens the change file of the database `db` (named as SQLite resolved it,
+ * symbolic links and all, as its -wal and -shm are), creating it with the
+ * database's mode and owner as SQLite does for those. Read-only when this
+ * user may not write it (its changes then wait instead); no cache at all
+ * when it cannot be opened. */
+static void tenants_open(sqlite_store_t *s, sqlite3 *db) {
+  const char *name = sqlite3_db_filename(db, "main");
   char path[4096];
   struct stat st;
-  mode_t mode = 0600;
+  int fd;
 
-  s->tenants_fd = -1;
-  if (stat(s->path, &st) == 0) /* as SQLite does for -wal and -shm */
-    mode = st.st_mode & 0777;
-  if (snprintf(path, sizeof path, "%s-tenants", s->path) >= (int)sizeof path ||
-      (s->tc = calloc(TENANT_CACHE, sizeof *s->tc)) == NULL)
+  if (name == NULL || name[0] == '\0' || stat(name, &st) != 0 ||
+      snprintf(path, sizeof path, "%s-tenants", name) >= (int)sizeof path)
     return;
-  s->tenants_fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, mode);
+  if ((s->tc = calloc(TENANT_CACHE, sizeof *s->tc)) == NULL) {
+    s->tenants_exists = access(path, F_OK) == 0;
+    return;
+  }
+  fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
+            st.st_mode & 0777);
+  if (fd >= 0) {
+    (void)fchmod(fd, st.st_mode & 0777); /* not narrowed by the umask */
+    if (geteuid() == 0)
+      (void)fchown(fd, st.st_uid, st.st_gid);
+    s->tenants_writable = 1;
+  } else if (errno == EEXIST) {
+    fd = open(path, O_WRONLY | O_APPEND | O_NOFOLLOW | O_CLOEXEC);
+    if (fd >= 0)
+      s->tenants_writable = 1;
+    else if (errno == EACCES)
+      fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  }
+  if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
+    close(fd);
+    fd = -1;
+    s->tenants_writable = 0;
+  }
+  s->tenants_fd = fd;
+  s->tenants_exists = fd >= 0 || access(path, F_OK) == 0;
 }
 
 static struct tenant_entry *tenant_slot(sqlite_store_t *s, const char *lookup) {
@@ -948,7 +987,7 @@ static int tenant_create_fn(struct conn *c, void *arg) {
 
 static int sq_tenant_create(idem_store_t *base, idem_tenant_t *t) {
   int rc = write_tx((sqlite_store_t *)base, tenant_create_fn, t);
-  if (rc == IDEM_OK)
+  if (rc != IDEM_EEXIST) /* it may have committed: count it */
     tenants_bump((sqlite_store_t *)base);
   return rc;
 }
@@ -1048,7 +1087,7 @@ static int tenant_update_fn(struct conn *c, void *arg) {
 
 static int sq_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
   int rc = write_tx((sqlite_store_t *)base, tenant_update_fn, (void *)t);
-  if (rc == IDEM_OK)
+  if (rc != IDEM_ENOTFOUND) /* it may have committed: count it */
     tenants_bump((sqlite_store_t *)base);
   return rc;
 }
@@ -1357,8 +1396,8 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
     sq_close(&s->base);
     return rc;
   }
+  tenants_open(s, c->db);
   conn_put(s, c);
-  tenants_open(s);
   if (pthread_create(&s->writer, NULL, writer_loop, s) != 0) {
     sq_close(&s->base);
     return IDEM_ENOMEM;
