@@ -110,7 +110,19 @@ http {
   }
 }
 NGINX
-"$nginx" -c "$run/nginx.conf" 2>/dev/null
+# free_port only probes: another process may take the port first. Then
+# nginx exits at once, and another port is tried, loudly after five.
+for attempt in 1 2 3 4 5; do
+  "$nginx" -c "$run/nginx.conf" 2>"$run/nginx-start.log" && break
+  if [ "$attempt" = 5 ]; then
+    echo "bench: nginx did not start:" >&2
+    cat "$run/nginx-start.log" >&2
+    exit 1
+  fi
+  old_port=$port_ng
+  port_ng=$(free_port)
+  sed -i "s/listen 127.0.0.1:$old_port;/listen 127.0.0.1:$port_ng;/" "$run/nginx.conf"
+done
 wait_http "$port_ng" payments
 token=""
 wrk_run "nginx: fixed 201 for POST /payments" "$port_ng" new /payments "$pay" 201
