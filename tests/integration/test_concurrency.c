@@ -450,7 +450,7 @@ static h_server_t *start_slow_original(const char *const *flags, struct batch *o
  * completes. On PostgreSQL they wait in workers: not this test. */
 static void test_duplicates_wait_without_a_thread(void **state) {
   const char *const flags[] = {"--threads", "1", "--workers", "1",
-                               "--sandbox-delay", "2s", "--inflight-wait", "30s", NULL};
+                               "--sandbox-delay", "4s", "--inflight-wait", "30s", NULL};
   struct batch orig, dups;
   pthread_t t_orig, t_dups;
   h_server_t *s;
@@ -464,7 +464,8 @@ static void test_duplicates_wait_without_a_thread(void **state) {
   for (int i = 0; i < N; i++)
     dups.reqs[i] = orig.reqs[0];
   assert_int_equal(pthread_create(&t_dups, NULL, batch_main, &dups), 0);
-  for (int i = 0; i < 400 && parked != N; i++) {
+  /* Within the original's 4 s (slow builds, sanitizers, take longer). */
+  for (int i = 0; i < 800 && parked != N; i++) {
     struct timespec ts = {0, 5 * 1000000L};
     parked = metric(s, "idem_inflight_parked");
     nanosleep(&ts, NULL);
