@@ -98,6 +98,20 @@ static void execute(const idemd_effect_t *e, idemd_server_t *srv,
                          .outcome = out};
 }
 
+/* The reservation of `scope` for request `r`, now. */
+static idem_reserve_t reserve_request(const idemd_request_t *r, const idemd_effect_t *e,
+                                      const idem_scope_t *scope) {
+  return (idem_reserve_t){.scope = *scope,
+                          .fingerprint = e->fingerprint,
+                          .correlation_id = r->request_id,
+                          .now_ms = idem_now_ms(),
+                          .lease_ms = r->srv->cfg.lease_ms,
+                          .ttl_ms = r->srv->cfg.key_ttl_ms,
+                          .resource = e->resource,
+                          .enqueue_outbox = e->enqueue_outbox,
+                          .outcome = e->outcome};
+}
+
 /* The flow of a won key without a thread waiting on it, for stores with
  * asynchronous writes (SQLite). The event thread queues the reservation
  * and suspends the request; the store's writer only notes the result and
@@ -277,15 +291,7 @@ static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
   af->e = e;
   af->stage = RESERVING;
   af->scope = *scope;
-  af->req = (idem_reserve_t){.scope = af->scope,
-                             .fingerprint = e->fingerprint,
-                             .correlation_id = r->request_id,
-                             .now_ms = idem_now_ms(),
-                             .lease_ms = srv->cfg.lease_ms,
-                             .ttl_ms = srv->cfg.key_ttl_ms,
-                             .resource = e->resource,
-                             .enqueue_outbox = e->enqueue_outbox,
-                             .outcome = e->outcome};
+  af->req = reserve_request(r, e, &af->scope);
   r->async = af;
   idemd_suspend(r);
   rc = idem_store_reserve_async(srv->store, &af->req, &af->rec, &af->result,
@@ -338,17 +344,7 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
         }
         prepared = 1;
       }
-      idem_reserve_t req = {
-          .scope = scope,
-          .fingerprint = e->fingerprint,
-          .correlation_id = r->request_id,
-          .now_ms = idem_now_ms(),
-          .lease_ms = srv->cfg.lease_ms,
-          .ttl_ms = srv->cfg.key_ttl_ms,
-          .resource = e->resource,
-          .enqueue_outbox = e->enqueue_outbox,
-          .outcome = e->outcome,
-      };
+      idem_reserve_t req = reserve_request(r, e, &scope);
       rc = idem_store_reserve(srv->store, &req, &rec, &result);
     }
     if (rc != IDEM_OK) {

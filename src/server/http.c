@@ -450,16 +450,20 @@ void idemd_resume(idemd_request_t *r) {
   MHD_resume_connection(r->conn); /* `r` may be gone from here on */
 }
 
-int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w)) {
+/* The answer to a request idemd is stopping too soon to handle. */
+static enum MHD_Result reply_stopping(idemd_request_t *r) {
   idemd_reply_headers_t h = {.retry_after = 1, .close = 1};
+  r->outcome = OUTCOME_ERROR;
+  return idemd_reply_error(r, 503, "shutting down, retry later", &h);
+}
 
+int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w)) {
   r->work.run = run;
   if (idemd_workers_submit(r->srv->workers, &r->work) == 0)
     return 0;
   /* Stopping: no worker will take it. Answer 503 from here instead. */
   r->stash = 1; /* so the answer waits for the resume below */
-  r->outcome = OUTCOME_ERROR;
-  idemd_reply_error(r, 503, "shutting down, retry later", &h);
+  (void)reply_stopping(r);
   idemd_resume(r);
   return -1;
 }
@@ -488,13 +492,6 @@ int idemd_pending_enter(idemd_server_t *srv) {
 
 void idemd_pending_leave(idemd_server_t *srv) {
   atomic_fetch_sub(&srv->async_pending, 1);
-}
-
-/* The answer to a request that can no longer be suspended. */
-static enum MHD_Result reply_stopping(idemd_request_t *r) {
-  idemd_reply_headers_t h = {.retry_after = 1, .close = 1};
-  r->outcome = OUTCOME_ERROR;
-  return idemd_reply_error(r, 503, "shutting down, retry later", &h);
 }
 
 enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,

@@ -845,6 +845,41 @@ static void free_live(void) {
   pthread_mutex_unlock(&live_lock);
 }
 
+static size_t ignore_body(char *b, size_t size, size_t n, void *ud) {
+  (void)b;
+  (void)ud;
+  return size * n;
+}
+
+CURLcode h_post_timeout(h_server_t *s, const char *path, const char *token,
+                        const char *key, const char *body, long timeout_ms) {
+  struct curl_slist *hdrs = NULL;
+  char url[192], auth[256], idem[320];
+  CURL *c = curl_easy_init();
+  CURLcode rc;
+
+  if (c == NULL)
+    return CURLE_FAILED_INIT;
+  snprintf(url, sizeof url, "http://127.0.0.1:%d%s", s->port, path);
+  snprintf(auth, sizeof auth, "Authorization: Bearer %s", token);
+  snprintf(idem, sizeof idem, "Idempotency-Key: %s", key);
+  hdrs = curl_slist_append(hdrs, auth);
+  hdrs = curl_slist_append(hdrs, idem);
+  hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
+  hdrs = curl_slist_append(hdrs, "Expect:");
+  curl_easy_setopt(c, CURLOPT_URL, url);
+  curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
+  curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, timeout_ms);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, ignore_body);
+  rc = curl_easy_perform(c);
+  curl_slist_free_all(hdrs);
+  curl_easy_cleanup(c);
+  return rc;
+}
+
 void h_http_on(CURL *c, h_server_t *s, const h_req_t *req, h_resp_t *out) {
   const char *method = req->method ? req->method : "GET";
   struct curl_slist *hdrs = NULL;

@@ -135,6 +135,11 @@ void h_http_on(CURL *c, h_server_t *s, const h_req_t *req, h_resp_t *out);
 void h_post(h_server_t *s, const char *path, const char *token, const char *key,
             const char *body, h_resp_t *out);
 void h_get(h_server_t *s, const char *path, const char *token, h_resp_t *out);
+/* A POST by a client that gives up after `timeout_ms` (its connection
+ * then closes), the answer ignored. Returns libcurl's result. Never fails
+ * the test, so threads may call it. */
+CURLcode h_post_timeout(h_server_t *s, const char *path, const char *token,
+                        const char *key, const char *body, long timeout_ms);
 /* Sends `len` raw bytes (a whole request, normally with Connection: close)
  * and parses the answer. Never fails the test. */
 void h_raw(h_server_t *s, const char *bytes, size_t len, h_resp_t *out);

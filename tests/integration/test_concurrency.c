@@ -527,42 +527,20 @@ struct quitter {
   int index;
 };
 
-static size_t drop_body(char *p, size_t size, size_t n, void *arg) {
-  (void)p;
-  (void)arg;
-  return size * n;
-}
-
 /* Sends new-key orders and payments, giving up on each after 1 to 4 ms, so
  * that some are abandoned at every step of their flow (before the write,
  * while it is queued, just after it is answered). */
 static void *quitter_main(void *p) {
   struct quitter *q = p;
-  CURL *h = curl_easy_init();
-  char url[128], auth[160], key[96];
+  char key[96];
 
-  if (h == NULL)
-    return NULL;
-  snprintf(auth, sizeof auth, "Authorization: Bearer %s", q->tok);
   for (int i = 0; i < 150; i++) {
-    struct curl_slist *all;
     int order = i % 2;
-    snprintf(url, sizeof url, "http://127.0.0.1:%d%s", q->s->port, order ? "/orders" : "/payments");
-    snprintf(key, sizeof key, "Idempotency-Key: quit-%d-%d", q->index, i);
-    all = curl_slist_append(curl_slist_append(NULL, auth), key);
-    all = curl_slist_append(all, "Content-Type: application/json");
-    curl_easy_setopt(h, CURLOPT_URL, url);
-    curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
-    curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-    curl_easy_setopt(h, CURLOPT_HTTPHEADER, all);
-    curl_easy_setopt(h, CURLOPT_POSTFIELDS, order ? ORDER : PAYMENT);
-    curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, drop_body);
-    curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 1L + (long)(i % 4));
-    (void)curl_easy_perform(h); /* mostly a timeout: the point */
-    curl_easy_setopt(h, CURLOPT_HTTPHEADER, NULL);
-    curl_slist_free_all(all);
+    snprintf(key, sizeof key, "quit-%d-%d", q->index, i);
+    /* mostly a timeout: the point */
+    (void)h_post_timeout(q->s, order ? "/orders" : "/payments", q->tok, key,
+                         order ? ORDER : PAYMENT, 1L + (long)(i % 4));
   }
-  curl_easy_cleanup(h);
   return NULL;
 }
 
@@ -611,26 +589,7 @@ static void test_clients_hanging_up(void **state) {
 /* Sends a duplicate of the held payment and hangs up after `ms`. */
 static void *short_duplicate(void *p) {
   struct quitter *q = p;
-  CURL *h = curl_easy_init();
-  struct curl_slist *all;
-  char url[128], auth[160];
-
-  if (h == NULL)
-    return NULL;
-  snprintf(url, sizeof url, "http://127.0.0.1:%d/payments", q->s->port);
-  snprintf(auth, sizeof auth, "Authorization: Bearer %s", q->tok);
-  all = curl_slist_append(curl_slist_append(NULL, auth), "Idempotency-Key: held");
-  all = curl_slist_append(all, "Content-Type: application/json");
-  curl_easy_setopt(h, CURLOPT_URL, url);
-  curl_easy_setopt(h, CURLOPT_NOPROXY, "*");
-  curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(h, CURLOPT_HTTPHEADER, all);
-  curl_easy_setopt(h, CURLOPT_POSTFIELDS, PAYMENT);
-  curl_easy_setopt(h, CURLOPT_WRITEFUNCTION, drop_body);
-  curl_easy_setopt(h, CURLOPT_TIMEOUT_MS, 200L);
-  (void)curl_easy_perform(h); /* a timeout: the point */
-  curl_slist_free_all(all);
-  curl_easy_cleanup(h);
+  (void)h_post_timeout(q->s, "/payments", q->tok, "held", PAYMENT, 200); /* a timeout */
   return NULL;
 }
 

@@ -136,42 +136,6 @@ static int send_unread(h_server_t *s, const char *tok, const char *key,
   return fd;
 }
 
-static size_t discard(char *b, size_t size, size_t n, void *ud) {
-  (void)b;
-  (void)ud;
-  return size * n;
-}
-
-/* A POST /payments by a client that gives up after timeout_ms. Returns
- * libcurl's result. */
-static CURLcode post_timeout(h_server_t *s, const char *tok, const char *key,
-                             const char *body, long timeout_ms) {
-  struct curl_slist *hdrs = NULL;
-  char url[96], auth[256], idem[256];
-  CURL *c = curl_easy_init();
-  CURLcode rc;
-
-  assert_non_null(c);
-  snprintf(url, sizeof url, "http://127.0.0.1:%d/payments", s->port);
-  snprintf(auth, sizeof auth, "Authorization: Bearer %s", tok);
-  snprintf(idem, sizeof idem, "Idempotency-Key: %s", key);
-  hdrs = curl_slist_append(hdrs, auth);
-  hdrs = curl_slist_append(hdrs, idem);
-  hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
-  hdrs = curl_slist_append(hdrs, "Expect:");
-  curl_easy_setopt(c, CURLOPT_URL, url);
-  curl_easy_setopt(c, CURLOPT_NOPROXY, "*");
-  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
-  curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
-  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, timeout_ms);
-  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, discard);
-  rc = curl_easy_perform(c);
-  curl_slist_free_all(hdrs);
-  curl_easy_cleanup(c);
-  return rc;
-}
-
 /* The client goes away while idemd is at the provider (a reset, and a
  * client-side timeout); idemd finishes the payment anyway, and the retry
  * gets it back: the same payment, replayed, one charge. */
@@ -203,7 +167,7 @@ static void test_response_lost(void **state) {
   h_resp_free(&r);
 
   /* A client that gives up after 200 ms, the provider still working. */
-  assert_int_equal(post_timeout(s, tok, "lost-2", PAYMENT, 200),
+  assert_int_equal(h_post_timeout(s, "/payments", tok, "lost-2", PAYMENT, 200),
                    CURLE_OPERATION_TIMEDOUT);
   h_assert_db(s, 1, RECORD_IN_STATE, "lost-2", "processing");
   wait_record(s, "lost-2", "completed", 10000);
