@@ -3,6 +3,7 @@
  * then the route's own 422), body reading under a cap, and the log line
  * and metrics once each answer is sent. */
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netdb.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -612,23 +613,32 @@ int idemd_http_start(idemd_server_t *srv) {
 
 int idemd_http_drain(idemd_server_t *srv, int64_t timeout_ms) {
   int64_t deadline = idem_mono_ms() + timeout_ms;
-  int left;
-  MHD_socket fd;
+  const union MHD_DaemonInfo *info;
+  int left, fd;
 
   if (srv->daemon == NULL)
     return 0;
   atomic_store(&srv->draining, 1);
-  /* No new connections from here: the kernel refuses them once the
-   * socket is closed, so a proxy sends them to another instance.
-   * libmicrohttpd's manual asks to close it only after MHD_stop_daemon(),
-   * in case a thread still uses it; doing so leaves new connections
-   * hanging in the backlog for the whole drain, and a shutdown() instead
-   * woke an event thread on the socket, which aborted. Closing at once
-   * has served every test and CI run; ThreadSanitizer reports it as a
-   * race with the event thread's epoll_ctl (tests/tsan.supp). */
-  fd = MHD_quiesce_daemon(srv->daemon);
-  if (fd != MHD_INVALID_SOCKET)
+  /* No new connections from here: the listening socket is swapped, under
+   * the same descriptor, for an unbound one, so the kernel refuses new
+   * connections at once (a proxy sends them to another instance), while
+   * libmicrohttpd keeps a valid descriptor, which it closes when it stops
+   * (an event thread that still tries to accept on it gets EINVAL, which
+   * it ignores). MHD_quiesce_daemon() is not used: in libmicrohttpd
+   * 0.9.75 it races its own event threads (each takes the socket out of
+   * its epoll set once it sees the daemon quiesced; quiesce does it too,
+   * and aborts when it finds it gone, as seen in CI). Closing the socket
+   * outright would free the descriptor's number for reuse; shutdown()
+   * left it readable, waking the event threads for ever. ThreadSanitizer
+   * reports the swap as a race with an event thread's use of the
+   * descriptor (tests/tsan.supp). */
+  info = MHD_get_daemon_info(srv->daemon, MHD_DAEMON_INFO_LISTEN_FD);
+  if (info != NULL && info->listen_fd != MHD_INVALID_SOCKET &&
+      (fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) >= 0) {
+    if (dup2(fd, info->listen_fd) < 0)
+      fprintf(stderr, "idemd: cannot close the listening socket: %s\n", strerror(errno));
     close(fd);
+  }
   while ((left = atomic_load(&srv->inflight)) > 0 && idem_mono_ms() < deadline) {
     struct timespec ts = {0, 10 * 1000000L};
     nanosleep(&ts, NULL);
