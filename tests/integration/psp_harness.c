@@ -252,8 +252,23 @@ void p_kill(p_psp_t *p) {
 }
 
 void p_pause(p_psp_t *p) {
+  int status = 0;
+  pid_t w;
+
   assert_true(p->running);
   assert_int_equal(kill(p->pid, SIGSTOP), 0);
+  /* kill() returns before the stop: the kernel wakes one thread to take
+   * SIGSTOP, and another thread scheduled first may still serve a request
+   * (seen in CI under load). waitpid reports the stop once every thread
+   * has stopped. */
+  do
+    w = waitpid(p->pid, &status, WUNTRACED);
+  while (w < 0 && errno == EINTR);
+  if (w != p->pid || !WIFSTOPPED(status)) {
+    p->running = w == p->pid ? 0 : p->running;
+    fail_msg("idem-psp did not stop on SIGSTOP (waitpid %d, status 0x%x)", (int)w,
+             status);
+  }
   p->paused = 1;
 }
 

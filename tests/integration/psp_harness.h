@@ -41,7 +41,8 @@ void p_stop(p_psp_t *p);
 /* kill -9 and reap. */
 void p_kill(p_psp_t *p);
 /* SIGSTOP / SIGCONT: a provider that hangs. The kernel still accepts
- * connections and buffers requests; they are served after p_resume(). */
+ * connections and buffers requests; they are served after p_resume().
+ * p_pause() returns once every thread of idem-psp has stopped. */
 void p_pause(p_psp_t *p);
 void p_resume(p_psp_t *p);
 
