@@ -26,4 +26,9 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
 int idem__postgres_open(const char *url, const idem_store_options_t *opts,
                         idem_store_t **out);
 
+/* Tests only: applies the SQLite schema up to `version` (not past it),
+ * so that a test can fill an older schema and migrate it. `store` must be
+ * a SQLite store. IDEM_EINVAL for a version this program does not have. */
+int idem__sqlite_migrate_to(idem_store_t *store, int version);
+
 #endif

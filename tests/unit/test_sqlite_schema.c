@@ -1,0 +1,174 @@
+/* The SQLite schema's migrations on a database that holds data: each
+ * step keeps every row, and what the store reads and enforces afterwards
+ * still holds. The rows are written with SQL as an older idemd wrote
+ * them, then the store migrates to the current version. */
+#include "support.h"
+
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "../../src/store/store_impl.h"
+#include "idem/store.h"
+
+struct fixture {
+  char dir[256], path[300];
+};
+
+static int setup(void **state) {
+  struct fixture *fx = calloc(1, sizeof *fx);
+  const char *tmp = getenv("TMPDIR");
+
+  assert_non_null(fx);
+  snprintf(fx->dir, sizeof fx->dir, "%s/idem-schema-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+  if (mkdtemp(fx->dir) == NULL)
+    fail_msg("mkdtemp %s failed", fx->dir);
+  snprintf(fx->path, sizeof fx->path, "%s/idem.db", fx->dir);
+  *state = fx;
+  return 0;
+}
+
+static int teardown(void **state) {
+  struct fixture *fx = *state;
+  static const char *const suffix[] = {"", "-wal", "-shm", "-tenants"};
+  char name[320];
+
+  for (size_t i = 0; i < ARRAY_LEN(suffix); i++) {
+    snprintf(name, sizeof name, "%s%s", fx->path, suffix[i]);
+    unlink(name);
+  }
+  rmdir(fx->dir);
+  free(fx);
+  return 0;
+}
+
+static void sql(sqlite3 *db, const char *text) {
+  char *err = NULL;
+  if (sqlite3_exec(db, text, NULL, NULL, &err) != SQLITE_OK) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s: %s", err ? err : "?", text);
+    sqlite3_free(err);
+    fail_msg("%s", msg);
+  }
+}
+
+/* The single integer `query` returns. */
+static long long number(sqlite3 *db, const char *query) {
+  sqlite3_stmt *st;
+  long long v;
+  assert_int_equal(sqlite3_prepare_v2(db, query, -1, &st, NULL), SQLITE_OK);
+  assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+  v = sqlite3_column_int64(st, 0);
+  sqlite3_finalize(st);
+  return v;
+}
+
+/* Version 2 -> current: the records table is copied (rowids and every
+ * column kept), resources and outbox move into their primary keys, the
+ * views come back, and constraints still hold. */
+static void test_from_version_2(void **state) {
+  struct fixture *fx = *state;
+  idem_store_t *store;
+  sqlite3 *db;
+  idem_scope_t scope = {1, "create_payment", "key-pending"};
+  idem_record_t rec = {0}, claimed[4] = {{0}};
+  int n = 0;
+  char *body = NULL;
+
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem__sqlite_migrate_to(store, 2), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  sql(db, "PRAGMA foreign_keys = ON");
+  assert_int_equal(number(db, "PRAGMA user_version"), 2);
+  sql(db,
+      "INSERT INTO tenants (id, name, key_lookup, key_hash, created_at) "
+      "VALUES (1, 'acme', 'lookup', x'00', 1);"
+      "INSERT INTO resources VALUES ('pay_1', 1, 'payment', 'pending', "
+      "'{\"id\":\"pay_1\",\"amount\":10}', NULL, 5, 5);"
+      "INSERT INTO resources VALUES ('ord_1', 1, 'order', 'created', "
+      "'{\"id\":\"ord_1\",\"total\":7}', NULL, 6, 6);"
+      "INSERT INTO outbox VALUES ('pay_1', 1, 'create_payment', 'key-pending', 5, 2, 9);"
+      "INSERT INTO idempotency_records (rowid, tenant_id, operation, key, "
+      "fingerprint, state, response_status, response_body, location, "
+      "resource_id, provider_ref, correlation_id, owner_token, "
+      "lease_expires_at, created_at, updated_at, expires_at) VALUES "
+      "(41, 1, 'create_payment', 'key-pending', 'fp1', 'pending', 202, "
+      "'{\"status\":\"pending\"}', '/payments/pay_1', 'pay_1', 'ref', 'req_1', "
+      "NULL, NULL, 5, 5, NULL),"
+      "(42, 1, 'create_order', 'key-done', 'fp2', 'completed', 201, "
+      "'{\"id\":\"ord_1\"}', '/orders/ord_1', 'ord_1', NULL, 'req_2', NULL, "
+      "NULL, 6, 6, 4102444800000);");
+
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(number(db, "PRAGMA user_version"), 3);
+
+  /* Every row, as it was. */
+  assert_int_equal(number(db, "SELECT count(*) FROM idempotency_records"), 2);
+  assert_int_equal(number(db, "SELECT rowid FROM idempotency_records WHERE key = 'key-done'"),
+                   42);
+  assert_int_equal(number(db, "SELECT count(*) FROM idempotency_records WHERE rowid = 41 "
+                              "AND state = 'pending' AND response_status = 202 AND "
+                              "provider_ref = 'ref' AND resource_id = 'pay_1' AND "
+                              "correlation_id = 'req_1' AND expires_at IS NULL"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM resources"), 2);
+  assert_int_equal(number(db, "SELECT count(*) FROM outbox WHERE resource_id = 'pay_1' "
+                              "AND attempts = 2 AND next_attempt_at = 9"),
+                   1);
+  assert_int_equal(number(db, "SELECT amount FROM payments WHERE id = 'pay_1'"), 10);
+  assert_int_equal(number(db, "SELECT total FROM orders WHERE id = 'ord_1'"), 7);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_check"), 0);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
+                              "'records_open'"),
+                   0);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name IN "
+                              "('resources', 'outbox') AND sql LIKE '%WITHOUT ROWID'"),
+                   2);
+
+  /* Constraints: a state outside the four, an outbox row without its
+   * payment, a second record for a key. */
+  assert_int_not_equal(sqlite3_exec(db,
+                                    "UPDATE idempotency_records SET state = 'bogus' "
+                                    "WHERE rowid = 42",
+                                    NULL, NULL, NULL),
+                       SQLITE_OK);
+  assert_int_not_equal(sqlite3_exec(db, "DELETE FROM resources WHERE id = 'pay_1'", NULL,
+                                    NULL, NULL),
+                       SQLITE_OK);
+  assert_int_not_equal(sqlite3_exec(db,
+                                    "INSERT INTO idempotency_records (tenant_id, "
+                                    "operation, key, fingerprint, state, "
+                                    "correlation_id, created_at, updated_at) VALUES "
+                                    "(1, 'create_order', 'key-done', 'x', "
+                                    "'processing', 'r', 1, 1)",
+                                    NULL, NULL, NULL),
+                       SQLITE_OK);
+
+  /* What the store reads: the record, the resource, and the pending
+   * payment the reconciler must settle. */
+  assert_int_equal(idem_store_lookup(store, &scope, 10, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PENDING);
+  assert_string_equal(rec.resource_id, "pay_1");
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_resource_get(store, 1, "order", "ord_1", &body), IDEM_OK);
+  assert_string_equal(body, "{\"id\":\"ord_1\",\"total\":7}");
+  free(body);
+  assert_int_equal(idem_store_claim(store, 10, 1000, 4, claimed, &n), IDEM_OK);
+  assert_int_equal(n, 1);
+  assert_string_equal(claimed[0].key, "key-pending");
+  idem_record_reset(&claimed[0]);
+
+  /* Migrating again changes nothing. */
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(number(db, "PRAGMA user_version"), 3);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test_setup_teardown(test_from_version_2, setup, teardown),
+  };
+  return cmocka_run_group_tests_name("sqlite schema migrations", tests, NULL, NULL);
+}
