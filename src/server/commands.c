@@ -55,8 +55,14 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   mallopt(M_TRIM_THRESHOLD, 64 * 1024 * 1024);
   mallopt(M_MMAP_THRESHOLD, 1024 * 1024);
 
-  if (idemd_server_start(&srv, cfg) != 0)
+  /* Request lines of the last 50 ms may be lost with the process (kill -9
+   * or a crash); everything else is written at once. */
+  if (idemd_log_batch_start(50) != 0)
+    idemd_log_event("warn", "request lines are written one by one", NULL);
+  if (idemd_server_start(&srv, cfg) != 0) {
+    idemd_log_batch_stop();
     return 1;
+  }
   sigwait(&stop, &sig);
   idemd_log_event("info", "shutting down", "signal",
                   sig == SIGTERM ? "SIGTERM" : "SIGINT", NULL);
@@ -70,10 +76,12 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
     snprintf(n, sizeof n, "%d", left);
     idemd_log_event("warn", "exiting with requests unfinished at --shutdown-timeout",
                     "requests", n, NULL);
+    idemd_log_flush();
     fflush(stderr);
     _exit(0);
   }
   idemd_server_stop(&srv);
+  idemd_log_batch_stop();
   return 0;
 }
 

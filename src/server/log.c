@@ -1,6 +1,7 @@
 /* JSON log lines for requests and events. */
 #include "server/log.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,10 +9,78 @@
 #include <sys/time.h>
 #include <time.h>
 
+#include "../lib/ticker.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
 
 static int min_level = 1;
+
+/* Request lines gathered into one write() of about 4 KiB (stderr is
+ * unbuffered: one line was one system call, and appending it to a file a
+ * few microseconds of the kernel's time). Lines wait at most one flush
+ * interval. Event lines empty the batch first, then go out at once, so
+ * the order holds. LINE_MAX_BYTES is the longest line idemd writes. */
+#define LINE_MAX_BYTES 1024
+#define BATCH_BYTES 4096
+static struct {
+  pthread_mutex_t lock;
+  int on;
+  size_t len;
+  char buf[BATCH_BYTES + LINE_MAX_BYTES];
+  idem__ticker_t *ticker;
+} batch = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static void flush_locked(void) {
+  if (batch.len > 0)
+    fwrite(batch.buf, 1, batch.len, stderr);
+  batch.len = 0;
+}
+
+static void flush_tick(void *ctx) {
+  (void)ctx;
+  pthread_mutex_lock(&batch.lock);
+  flush_locked();
+  pthread_mutex_unlock(&batch.lock);
+}
+
+int idemd_log_batch_start(int64_t every_ms) {
+  idem__ticker_t *t = idem__ticker_start(every_ms, flush_tick, NULL);
+  if (t == NULL)
+    return -1;
+  pthread_mutex_lock(&batch.lock);
+  batch.ticker = t;
+  batch.on = 1;
+  pthread_mutex_unlock(&batch.lock);
+  return 0;
+}
+
+void idemd_log_batch_stop(void) {
+  idem__ticker_t *t;
+  pthread_mutex_lock(&batch.lock);
+  t = batch.ticker;
+  batch.ticker = NULL;
+  batch.on = 0;
+  flush_locked();
+  pthread_mutex_unlock(&batch.lock);
+  idem__ticker_stop(t);
+}
+
+void idemd_log_flush(void) { flush_tick(NULL); }
+
+/* Writes `n` bytes of whole lines: into the batch when there is one. */
+static void write_lines(const char *text, size_t n, int batched) {
+  pthread_mutex_lock(&batch.lock);
+  if (batch.on && batched && n <= LINE_MAX_BYTES) {
+    memcpy(batch.buf + batch.len, text, n);
+    batch.len += n;
+    if (batch.len >= BATCH_BYTES)
+      flush_locked();
+  } else {
+    flush_locked();
+    fwrite(text, 1, n, stderr);
+  }
+  pthread_mutex_unlock(&batch.lock);
+}
 
 static int level_of(const char *name) {
   static const char *const names[] = {"debug", "info", "warn", "error"};
@@ -23,13 +92,19 @@ static int level_of(const char *name) {
 
 void idemd_log_set_level(const char *level) { min_level = level_of(level); }
 
+/* UTC with milliseconds; the date and time up to the second are made
+ * once per second per thread. */
 static void timestamp(char *out, size_t len) {
+  static __thread time_t last_sec = -1;
+  static __thread char base[24];
   struct timeval tv;
-  struct tm tm;
-  char base[24];
   gettimeofday(&tv, NULL);
-  gmtime_r(&tv.tv_sec, &tm);
-  strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
+  if (tv.tv_sec != last_sec) {
+    struct tm tm;
+    gmtime_r(&tv.tv_sec, &tm);
+    strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
+    last_sec = tv.tv_sec;
+  }
   snprintf(out, len, "%.20s.%03dZ", base, (int)(tv.tv_usec / 1000) % 1000);
 }
 
@@ -38,7 +113,7 @@ static void emit(json_t *line) {
   if (text) {
     size_t n = strlen(text);
     text[n] = '\n'; /* json_dumps leaves room for the NUL we replace */
-    fwrite(text, 1, n + 1, stderr);
+    write_lines(text, n + 1, 0);
     free(text);
   }
   json_decref(line);
@@ -84,7 +159,7 @@ void idemd_key_id(const idemd_request_t *r, const char *operation) {
 /* A small bounded writer for the request line: the hot path of logging,
  * formatted straight into a buffer rather than through a JSON tree. */
 struct line {
-  char buf[1024];
+  char buf[LINE_MAX_BYTES];
   size_t len;
 };
 
@@ -147,5 +222,5 @@ void idemd_log_request(const idemd_request_t *r) {
     PUT_LIT(&l, ",\"aborted\":true");
   l.buf[l.len++] = '}';
   l.buf[l.len++] = '\n';
-  fwrite(l.buf, 1, l.len, stderr);
+  write_lines(l.buf, l.len, 1);
 }

@@ -1,6 +1,7 @@
 /* idemd's logs: one JSON line per request on stderr (SPEC section 5), plus
- * event lines for start-up, shutdown and failures. A line is written with
- * one call, so lines from many threads never interleave. */
+ * event lines for start-up, shutdown and failures. Lines from many threads
+ * never interleave. While batching is on (idemd serve), request lines are
+ * written together, at most one interval after they were made. */
 #ifndef IDEMD_LOG_H
 #define IDEMD_LOG_H
 
@@ -13,6 +14,18 @@ void idemd_log_set_level(const char *level);
 /* Writes the request line of `r`: time, request id, tenant, operation,
  * key id (never the raw key), outcome, status, latency. */
 void idemd_log_request(const idemd_request_t *r);
+
+/* Starts batching request lines, flushed every `every_ms` and whenever
+ * about 4 KiB are waiting. Event lines are never held: each first writes
+ * the lines before it. Returns -1 (and nothing changes) when no thread
+ * can be started. */
+int idemd_log_batch_start(int64_t every_ms);
+
+/* Writes what is waiting and stops batching. */
+void idemd_log_batch_stop(void);
+
+/* Writes what is waiting now (before _exit, say). */
+void idemd_log_flush(void);
 
 /* Writes {"ts","level","msg", k1: v1, ...}: a NULL-terminated list of
  * string pairs. */

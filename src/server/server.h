@@ -60,7 +60,7 @@ typedef struct idemd_request {
   void *conn_guard; /* the guard's record of this connection */
   idemd_route_t route;
   const char *method;
-  char path[256];
+  char path[128]; /* for the log line (longer paths are cut there) */
   char resource_id[64]; /* {id} of GET routes */
   char request_id[65];
   int64_t start_us;
