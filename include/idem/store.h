@@ -83,6 +83,8 @@ typedef struct idem_tenant {
 typedef struct idem_store_stats {
   uint64_t commits; /* write transactions committed (each one sync) */
   uint64_t writes;  /* writes they carried; writes / commits is the batch */
+  uint64_t batch_reruns; /* batches run again write by write after a
+                          * write failed (the others were rolled back) */
 } idem_store_stats_t;
 
 /* A query over records, for support tools. */

@@ -150,6 +150,7 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
   idem_store_stats(r->srv->store, &st);
   g.store_commits = st.commits;
   g.store_writes = st.writes;
+  g.store_batch_reruns = st.batch_reruns;
   g.replay_cache_hits = idemd_replay_cache_hits(r->srv->replays);
   text = idemd_metrics_render(&r->srv->metrics, &g);
   if (text == NULL)

@@ -115,6 +115,11 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
              "writes / commits is the mean group-commit batch.\n"
              "# TYPE idem_store_writes_total counter\nidem_store_writes_total %llu\n",
           (unsigned long long)g->store_writes);
+  fprintf(f, "# HELP idem_store_batch_reruns_total Batches rolled back because one "
+             "write failed, then run again with each write on its own.\n"
+             "# TYPE idem_store_batch_reruns_total counter\n"
+             "idem_store_batch_reruns_total %llu\n",
+          (unsigned long long)g->store_batch_reruns);
   fprintf(f, "# HELP idem_replay_cache_hits_total Replays (and mismatches) answered "
              "from memory, without the store.\n"
              "# TYPE idem_replay_cache_hits_total counter\nidem_replay_cache_hits_total %llu\n",

@@ -64,6 +64,7 @@ typedef struct idemd_store_gauges {
   uint64_t connections_refused;  /* counter: beyond --max-connections */
   uint64_t store_commits;        /* counter: write transactions (syncs) */
   uint64_t store_writes;         /* counter: writes they carried */
+  uint64_t store_batch_reruns;   /* counter: batches run again write by write */
   uint64_t replay_cache_hits;    /* counter: replays answered from memory */
   int64_t parked;                /* duplicates waiting without a thread */
 } idemd_store_gauges_t;

@@ -330,6 +330,9 @@ struct job {
   int (*fn)(struct conn *, void *);
   void *arg;
   int rc;
+  /* fn may run again after a rollback: it sets every output it has and
+   * holds nothing from an earlier run (reservations and completions). */
+  int rerunnable;
   sem_t done;
   /* Asynchronous: called after the commit; the job was malloc'd, first in
    * its block, and the writer frees the block before calling. */
@@ -357,7 +360,7 @@ typedef struct sqlite_store {
   int stopping;
   int writer_running;
   pthread_t writer;
-  atomic_uint_fast64_t commits, writes;
+  atomic_uint_fast64_t commits, writes, batch_reruns;
 
   /* API keys, remembered (see "Tenant cache" below). */
   int tenants_fd;       /* the change file; -1: no cache */
@@ -545,11 +548,39 @@ static int savepoint(struct conn *c, enum stmt_id id) {
   return st ? run(c, st, "savepoint") : IDEM_ESTORE;
 }
 
-/* Runs a batch of writes in one transaction: each in its own savepoint, so
- * a write that fails is undone alone; one COMMIT (one fsync) for all. A
- * failed COMMIT fails every write of the batch. */
+/* Runs the batch's writes one after the other, with nothing to undo one
+ * alone. Returns 1 when all succeeded (the transaction stays open for the
+ * COMMIT), 0 when one failed (the transaction is rolled back, and the
+ * batch must run again write by write). */
+static int run_batch_whole(sqlite_store_t *s, struct conn *c, struct job *jobs) {
+  for (struct job *j = jobs; j; j = j->next)
+    if ((j->rc = j->fn(c, j->arg)) != IDEM_OK) {
+      (void)write_end(s, c, 0);
+      return 0;
+    }
+  return 1;
+}
+
+/* Runs a batch of writes in one transaction, with one COMMIT (one fsync)
+ * for all; a failed COMMIT fails every write of the batch. A write that
+ * fails is undone alone: each runs in its own savepoint. Savepoints cost
+ * every write two statements and a copy of each page it changes again
+ * (the statement journal), and a write almost never fails, so a batch of
+ * writes that may run twice runs without them first; only if one of its
+ * writes fails is the whole transaction rolled back and the batch run
+ * again with savepoints. */
 static void run_batch(sqlite_store_t *s, struct conn *c, struct job *jobs) {
   int rc = write_begin(s, c);
+  int whole = 1;
+
+  for (struct job *j = jobs; j && whole; j = j->next)
+    whole = j->rerunnable;
+  if (rc == IDEM_OK && whole) {
+    if (run_batch_whole(s, c, jobs))
+      goto commit;
+    atomic_fetch_add(&s->batch_reruns, 1);
+    rc = write_begin(s, c);
+  }
   if (rc != IDEM_OK) {
     for (struct job *j = jobs; j; j = j->next)
       j->rc = rc;
@@ -564,6 +595,7 @@ static void run_batch(sqlite_store_t *s, struct conn *c, struct job *jobs) {
     if (savepoint(c, ST_RELEASE) != IDEM_OK && j->rc == IDEM_OK)
       j->rc = IDEM_ESTORE;
   }
+commit:
   rc = write_end(s, c, 1);
   for (struct job *j = jobs; j; j = j->next)
     if (rc != IDEM_OK && j->rc == IDEM_OK)
@@ -647,8 +679,9 @@ static void enqueue(sqlite_store_t *s, struct job *j) {
     pthread_cond_signal(&s->q_ready);
 }
 
-static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
-  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK};
+static int write_job(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg,
+                     int rerunnable) {
+  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK, .rerunnable = rerunnable};
 
   sem_init(&j.done, 0, 0);
   enqueue(s, &j);
@@ -656,6 +689,10 @@ static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *a
     ;
   sem_destroy(&j.done);
   return j.rc;
+}
+
+static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
+  return write_job(s, fn, arg, 0);
 }
 
 /* Copies the current row of a statement selecting RECORD_COLUMNS. */
@@ -857,7 +894,7 @@ static int sq_reserve(idem_store_t *base, const idem_reserve_t *req,
 
   if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
     return IDEM_ECRYPTO;
-  rc = write_tx((sqlite_store_t *)base, reserve_fn, &a);
+  rc = write_job((sqlite_store_t *)base, reserve_fn, &a, 1);
   if (rc != IDEM_OK)
     idem_record_reset(out);
   return rc;
@@ -883,7 +920,8 @@ static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
     return IDEM_ECRYPTO;
   }
   ar->a = (struct reserve_args){req, ar->owner, out, result};
-  ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .cb = done, .cb_arg = arg};
+  ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .rerunnable = 1, .cb = done,
+                         .cb_arg = arg};
   enqueue((sqlite_store_t *)base, &ar->job);
   return IDEM_OK;
 }
@@ -895,7 +933,7 @@ static int complete_fn(struct conn *c, void *arg) {
 }
 
 static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
-  return write_tx((sqlite_store_t *)base, complete_fn, (void *)cp);
+  return write_job((sqlite_store_t *)base, complete_fn, (void *)cp, 1);
 }
 
 static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
@@ -904,7 +942,8 @@ static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
 
   if (j == NULL)
     return IDEM_ENOMEM;
-  *j = (struct job){.fn = complete_fn, .arg = (void *)cp, .cb = done, .cb_arg = arg};
+  *j = (struct job){.fn = complete_fn, .arg = (void *)cp, .rerunnable = 1, .cb = done,
+                    .cb_arg = arg};
   enqueue((sqlite_store_t *)base, j);
   return IDEM_OK;
 }
@@ -1568,6 +1607,7 @@ static void sq_stats(idem_store_t *base, idem_store_stats_t *out) {
   sqlite_store_t *s = (sqlite_store_t *)base;
   out->commits = atomic_load(&s->commits);
   out->writes = atomic_load(&s->writes);
+  out->batch_reruns = atomic_load(&s->batch_reruns);
 }
 
 static const idem_store_methods_t sqlite_methods = {

@@ -557,6 +557,95 @@ static void test_async_reserve_and_complete(void **state) {
   idem_record_reset(&rec);
 }
 
+/* Counts the callbacks of many asynchronous writes. */
+struct async_many {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int calls;
+  int rc[64];
+};
+
+struct async_slot {
+  struct async_many *m;
+  int i;
+};
+
+static void async_many_done(void *arg, int rc) {
+  struct async_slot *sl = arg;
+  pthread_mutex_lock(&sl->m->lock);
+  sl->m->rc[sl->i] = rc;
+  sl->m->calls++;
+  pthread_cond_signal(&sl->m->cond);
+  pthread_mutex_unlock(&sl->m->lock);
+}
+
+/* A write that fails among others queued with it: it alone fails and
+ * leaves nothing behind (here a reservation whose payment id is taken,
+ * after its record was inserted), and every other write of its batch is
+ * kept. On SQLite the writes of a batch first run without savepoints, so
+ * the failure rolls the batch back and runs it again write by write. */
+static void test_failed_write_among_others(void **state) {
+  enum { N = 41, BAD = 20 };
+  fixture_t *fx = *state;
+  struct async_many m = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}};
+  struct async_slot slots[N];
+  struct payment pays[N], taken;
+  idem_reserve_t reqs[N];
+  idem_record_t recs[N], rec = {0};
+  idem_reserve_result_t results[N];
+  char fp[IDEM_FINGERPRINT_LEN], keys[N][32];
+  idem_store_stats_t before, after;
+
+  if (strcmp(idem_store_backend(fx->store), "sqlite") != 0)
+    skip(); /* the asynchronous forms are SQLite's */
+  make_fp(fp, 1);
+  new_payment(&taken);
+  {
+    idem_reserve_t first = request(fx, OP_PAY, "holds-the-id", fp);
+    first.resource = &taken.res;
+    assert_int_equal(reserve(fx, &first, &rec), IDEM_RESERVE_WON);
+    idem_record_reset(&rec);
+  }
+  idem_store_stats(fx->store, &before);
+  memset(recs, 0, sizeof recs);
+  for (int i = 0; i < N; i++) {
+    snprintf(keys[i], sizeof keys[i], "batch-%d", i);
+    new_payment(&pays[i]);
+    reqs[i] = request(fx, OP_PAY, keys[i], fp);
+    reqs[i].resource = i == BAD ? &taken.res : &pays[i].res;
+    reqs[i].enqueue_outbox = 1;
+    slots[i] = (struct async_slot){&m, i};
+  }
+  /* Queued back to back: most land in one batch with the bad one. */
+  for (int i = 0; i < N; i++)
+    assert_int_equal(idem_store_reserve_async(fx->store, &reqs[i], &recs[i], &results[i],
+                                              async_many_done, &slots[i]),
+                     IDEM_OK);
+  pthread_mutex_lock(&m.lock);
+  while (m.calls < N)
+    pthread_cond_wait(&m.cond, &m.lock);
+  pthread_mutex_unlock(&m.lock);
+
+  for (int i = 0; i < N; i++) {
+    idem_scope_t sc = {fx->tenant.id, OP_PAY, keys[i]};
+    if (i == BAD) {
+      assert_int_not_equal(m.rc[i], IDEM_OK);
+      assert_int_equal(idem_store_lookup(fx->store, &sc, fx->now, &rec), IDEM_ENOTFOUND);
+      continue;
+    }
+    assert_int_equal(m.rc[i], IDEM_OK);
+    assert_int_equal(results[i], IDEM_RESERVE_WON);
+    assert_string_equal(recs[i].resource_id, pays[i].id);
+    assert_as_stored(fx, &recs[i], fx->now);
+    idem_record_reset(&recs[i]);
+  }
+  /* N - 1 payments and their outbox rows, plus the first one's. */
+  assert_int_equal(count(fx, "payments"), N);
+  assert_int_equal(count(fx, "outbox"), N - 1);
+  idem_store_stats(fx->store, &after);
+  assert_true(after.batch_reruns > before.batch_reruns);
+}
+
 static void test_complete_needs_the_owner(void **state) {
   static const char first[] = "{\"n\":1}", second[] = "{\"n\":2}";
   fixture_t *fx = *state;
@@ -1339,6 +1428,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_concurrent_distinct_keys),
       STORE_TEST(test_wait_wakes_on_completion),
       STORE_TEST(test_wait_times_out),
+      STORE_TEST(test_failed_write_among_others),
       STORE_TEST(test_sweep),
       STORE_TEST(test_sweep_large_batch),
       STORE_TEST(test_meta_first_value_wins),
