@@ -231,9 +231,11 @@ static const char *const migrations[] = {
      *   evaluates through a temporary b-tree built on each INSERT or
      *   UPDATE: some 100 KB allocated and freed per write. The table is
      *   copied into one whose CHECK compares with each state in turn.
-     * - records_open goes: no query could use it (a partial index on
-     *   state does not match "?2 IS NULL OR state = ?2"), yet each
-     *   payment inserted into it and deleted from it.
+     * - records_open is made again as records_unsettled, its condition
+     *   written with OR: SQLite could not see that "state = 'pending'"
+     *   falls within an IN list, so the counts of pending and processing
+     *   records that /metrics reads scanned the whole table (0.16 s
+     *   each at a million records).
      * - resources and outbox are kept in their primary key (WITHOUT
      *   ROWID): with a rowid each row was written twice, in the table
      *   and in the index on its id.
@@ -274,6 +276,8 @@ static const char *const migrations[] = {
     "ALTER TABLE records_v3 RENAME TO idempotency_records;"
     "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
     "WHERE expires_at IS NOT NULL;"
+    "CREATE INDEX records_unsettled ON idempotency_records (state, created_at) "
+    "WHERE state = 'processing' OR state = 'pending';"
     "CREATE TABLE resources_v3 ("
     " id TEXT PRIMARY KEY,"
     " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
