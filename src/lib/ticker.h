@@ -1,5 +1,6 @@
 /* Internal: a background thread that calls a function every interval until
- * stopped. Shared by idemd's reconciler and sweeper. */
+ * stopped. idemd's reconciler, sweeper, connection watchdog, parked-request
+ * timer and log flusher each run on one. */
 #ifndef IDEM_LIB_TICKER_H
 #define IDEM_LIB_TICKER_H
 

@@ -76,7 +76,7 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
     snprintf(n, sizeof n, "%d", left);
     idemd_log_event("warn", "exiting with requests unfinished at --shutdown-timeout",
                     "requests", n, NULL);
-    idemd_log_flush();
+    idemd_log_batch_stop();
     fflush(stderr);
     _exit(0);
   }

@@ -15,18 +15,20 @@
 
 static int min_level = 1;
 
-/* Request lines gathered into one write() of about 4 KiB (stderr is
+/* Request lines gathered into one write() of up to 4 KiB (stderr is
  * unbuffered: one line was one system call, and appending it to a file a
- * few microseconds of the kernel's time). Lines wait at most one flush
- * interval. Event lines empty the batch first, then go out at once, so
- * the order holds. LINE_MAX_BYTES is the longest line idemd writes. */
+ * few microseconds of the kernel's time). 4 KiB is PIPE_BUF: a batch
+ * written to a pipe is never interleaved with another writer's. Lines
+ * wait at most one flush interval. Event lines empty the batch first,
+ * then go out at once, so the order holds. LINE_MAX_BYTES bounds a
+ * request line. */
 #define LINE_MAX_BYTES 1024
 #define BATCH_BYTES 4096
 static struct {
   pthread_mutex_t lock;
   int on;
   size_t len;
-  char buf[BATCH_BYTES + LINE_MAX_BYTES];
+  char buf[BATCH_BYTES];
   idem__ticker_t *ticker;
 } batch = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -65,16 +67,15 @@ void idemd_log_batch_stop(void) {
   idem__ticker_stop(t);
 }
 
-void idemd_log_flush(void) { flush_tick(NULL); }
 
 /* Writes `n` bytes of whole lines: into the batch when there is one. */
 static void write_lines(const char *text, size_t n, int batched) {
   pthread_mutex_lock(&batch.lock);
   if (batch.on && batched && n <= LINE_MAX_BYTES) {
+    if (batch.len + n > sizeof batch.buf)
+      flush_locked();
     memcpy(batch.buf + batch.len, text, n);
     batch.len += n;
-    if (batch.len >= BATCH_BYTES)
-      flush_locked();
   } else {
     flush_locked();
     fwrite(text, 1, n, stderr);

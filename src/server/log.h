@@ -16,16 +16,14 @@ void idemd_log_set_level(const char *level);
 void idemd_log_request(const idemd_request_t *r);
 
 /* Starts batching request lines, flushed every `every_ms` and whenever
- * about 4 KiB are waiting. Event lines are never held: each first writes
+ * the next line would not fit in 4 KiB. Event lines are never held: each first writes
  * the lines before it. Returns -1 (and nothing changes) when no thread
  * can be started. */
 int idemd_log_batch_start(int64_t every_ms);
 
-/* Writes what is waiting and stops batching. */
+/* Writes what is waiting and stops batching: later lines go out at once
+ * (call it before _exit, too). */
 void idemd_log_batch_stop(void);
-
-/* Writes what is waiting now (before _exit, say). */
-void idemd_log_flush(void);
 
 /* Writes {"ts","level","msg", k1: v1, ...}: a NULL-terminated list of
  * string pairs. */

@@ -243,8 +243,8 @@ static const char *const migrations[] = {
      * the new resources, so that no foreign key is broken at any step;
      * RENAME carries that reference along. The views name resources and
      * are made again afterwards. */
-    "DROP VIEW payments;"
-    "DROP VIEW orders;"
+    "DROP VIEW IF EXISTS payments;"
+    "DROP VIEW IF EXISTS orders;"
     "CREATE TABLE records_v3 ("
     " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
     " operation TEXT NOT NULL,"
@@ -319,6 +319,12 @@ static const char *const migrations[] = {
 };
 
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
+
+/* Schema objects of idem's own that version 3 may drop and make again. */
+#define V3_OWN_OBJECTS                                                        \
+  "'payments', 'orders', 'records_expiry', 'records_open', "                  \
+  "'records_unsettled'"
+
 #define BUSY_RETRIES 50
 
 struct conn {
@@ -552,16 +558,22 @@ static int savepoint(struct conn *c, enum stmt_id id) {
   return st ? run(c, st, "savepoint") : IDEM_ESTORE;
 }
 
+static int complete_fn(struct conn *c, void *arg);
+
 /* Runs the batch's writes one after the other, with nothing to undo one
  * alone. Returns 1 when all succeeded (the transaction stays open for the
  * COMMIT), 0 when one failed (the transaction is rolled back, and the
  * batch must run again write by write). */
 static int run_batch_whole(sqlite_store_t *s, struct conn *c, struct job *jobs) {
-  for (struct job *j = jobs; j; j = j->next)
-    if ((j->rc = j->fn(c, j->arg)) != IDEM_OK) {
+  for (struct job *j = jobs; j; j = j->next) {
+    j->rc = j->fn(c, j->arg);
+    /* A completion whose lease was lost changed nothing: apply_outcome()
+     * finds that out with its first statement. That is its result. */
+    if (j->rc != IDEM_OK && !(j->rc == IDEM_ELOST && j->fn == complete_fn)) {
       (void)write_end(s, c, 0);
       return 0;
     }
+  }
   return 1;
 }
 
@@ -591,6 +603,14 @@ static void run_batch(sqlite_store_t *s, struct conn *c, struct job *jobs) {
     return;
   }
   for (struct job *j = jobs; j; j = j->next) {
+    /* Some errors (a full disk, I/O, memory) make SQLite roll back the
+     * whole transaction. A SAVEPOINT would then start a new one, which
+     * its RELEASE would commit: the rest fail unrun instead (and the
+     * writes before, undone with it, fail at the COMMIT). */
+    if (sqlite3_get_autocommit(c->db)) {
+      j->rc = IDEM_ESTORE;
+      continue;
+    }
     if ((j->rc = savepoint(c, ST_SAVEPOINT)) != IDEM_OK)
       continue;
     j->rc = j->fn(c, j->arg);
@@ -1408,6 +1428,35 @@ static int sq_ping(idem_store_t *base) {
   return rc;
 }
 
+/* Version 3 copies idempotency_records, resources and outbox into new
+ * tables: an index of an operator's on them would silently go, and a view
+ * or trigger of theirs would make the renames fail. Such objects stop the
+ * migration here, by name, before anything changes. */
+static int v3_check_foreign_objects(sqlite3 *db) {
+  static const char sql[] =
+      "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
+      "WHERE type IN ('view', 'trigger', 'index') "
+      "AND name NOT LIKE 'sqlite_autoindex_%' AND name NOT IN (" V3_OWN_OBJECTS ") "
+      "AND (type <> 'index' OR tbl_name IN ('idempotency_records', "
+      "'resources', 'outbox'))";
+  sqlite3_stmt *st = NULL;
+  int rc = IDEM_OK;
+
+  if (sqlite3_prepare_v2(db, sql, -1, &st, NULL) != SQLITE_OK ||
+      sqlite3_step(st) != SQLITE_ROW) {
+    rc = fail(db, sqlite3_errcode(db), "read schema");
+  } else if (sqlite3_column_type(st, 0) != SQLITE_NULL) {
+    idem__store_set_error(
+        "schema version 3 rebuilds the tables idempotency_records, resources and "
+        "outbox; drop these objects first and make them again after the "
+        "migration: %s",
+        (const char *)sqlite3_column_text(st, 0));
+    rc = IDEM_ESCHEMA;
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
 static int migrate_to(sqlite_store_t *s, int target) {
   struct conn *c;
   sqlite3_stmt *st = NULL;
@@ -1434,6 +1483,8 @@ static int migrate_to(sqlite_store_t *s, int target) {
   for (int v = version; rc == IDEM_OK && v < target; v++) {
     char pragma[64];
     snprintf(pragma, sizeof pragma, "PRAGMA user_version = %d", v + 1);
+    if (v + 1 == 3 && (rc = v3_check_foreign_objects(c->db)) != IDEM_OK)
+      break;
     if (exec(c->db, migrations[v]) != SQLITE_OK || exec(c->db, pragma) != SQLITE_OK)
       rc = IDEM_ESTORE;
   }
@@ -1493,19 +1544,24 @@ static void sq_close(idem_store_t *base) {
  * - SQLite counts its memory use under one global mutex by default, which
  *   every connection's allocations (the writer's and each reader's) then
  *   contend for; idemd never asks for those counts.
- * - Each write of a group commit runs in its own savepoint, so a page
- *   already changed in the batch is copied to the statement journal when
- *   a later write changes it again. That journal spilled to a temporary
- *   file past 64 KiB, which most batches under load reached: a dozen
- *   page writes per commit to a file that is never read unless a write
- *   fails. It is now kept in memory (-1: never spilled); its size is
- *   bounded by the pages one batch changes. A threshold of 512 KiB was
- *   tried first: this SQLite (3.40) then failed any statement whose
- *   journal did spill with SQLITE_FULL (test_sweep_large_batch), and any
- *   threshold from 135 KB did the same. */
+ * - A page already changed in a transaction is copied to the statement
+ *   journal when a later statement (or write of a batch, in its own
+ *   savepoint) changes it again, so that statement alone can be undone.
+ *   The journal spills to a temporary file past a threshold; at SQLite's
+ *   64 KiB most batches under load spilled: a dozen page writes per
+ *   commit to a file that is never read unless a write fails. The
+ *   threshold is now 120 KiB, as high as it can go: the journal spills
+ *   its first block (the threshold's size) in one write, and the unix
+ *   file layer writes at most 128 KiB per call, so a larger threshold
+ *   makes every spill fail with SQLITE_FULL (512 KiB did: a sweep of 500
+ *   large records failed, test_sweep_large_batch). Never spilling (-1)
+ *   is no better: this SQLite is built with SECURE_DELETE, so a DELETE
+ *   or DROP TABLE journals every page it frees, and the schema 3
+ *   migration of 250,000 records held 148 MB in memory (7.8 MB with a
+ *   threshold). */
 static void configure_sqlite(void) {
   (void)sqlite3_config(SQLITE_CONFIG_MEMSTATUS, 0);
-  (void)sqlite3_config(SQLITE_CONFIG_STMTJRNL_SPILL, -1);
+  (void)sqlite3_config(SQLITE_CONFIG_STMTJRNL_SPILL, 120 * 1024);
 }
 
 int idem__sqlite_open(const char *path, const idem_store_options_t *opts,

@@ -166,6 +166,20 @@ static void test_log_lines_hide_keys(void **state) {
                                                                : "create_order");
   }
   h_context_clear();
+  /* Request lines are written in batches, event lines at once: the order
+   * still holds, every request line before the stop's "shutting down". */
+  {
+    size_t i, last_request = 0, shutting_down = 0;
+    json_t *l;
+    json_array_foreach(lines, i, l) {
+      const char *msg = json_string_value(json_object_get(l, "msg"));
+      if (msg && strcmp(msg, "request") == 0)
+        last_request = i;
+      else if (msg && strcmp(msg, "shutting down") == 0)
+        shutting_down = i;
+    }
+    assert_true(shutting_down > last_request);
+  }
   /* The key id names (tenant, operation, key): the same for one key on one
    * route, different across keys and across routes. */
   assert_string_equal(key_ids[0], key_ids[1]);

@@ -153,6 +153,19 @@ static void test_from_version_2(void **state) {
   assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name IN "
                               "('resources', 'outbox') AND sql LIKE '%WITHOUT ROWID'"),
                    2);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
+                              "'records_expiry'"),
+                   1);
+  /* Foreign keys: records and resources to tenants, outbox to resources. */
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list("
+                              "'idempotency_records') WHERE \"table\" = 'tenants'"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('resources') "
+                              "WHERE \"table\" = 'tenants'"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('outbox') "
+                              "WHERE \"table\" = 'resources'"),
+                   1);
   /* The counts /metrics reads go through the index of unsettled records,
    * not through every record. */
   for (size_t i = 0; i < ARRAY_LEN(unsettled_queries); i++) {
@@ -202,9 +215,47 @@ static void test_from_version_2(void **state) {
   idem_store_close(store);
 }
 
+/* An operator's own view or index on the tables version 3 rebuilds stops
+ * the migration before anything changes, naming them; once they are
+ * dropped it goes through. */
+static void test_version_3_refuses_foreign_objects(void **state) {
+  struct fixture *fx = *state;
+  idem_store_t *store;
+  sqlite3 *db;
+
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem__sqlite_migrate_to(store, 2), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  sql(db, "INSERT INTO tenants (id, name, key_lookup, key_hash, created_at) "
+          "VALUES (1, 'acme', 'lookup', x'00', 1);"
+          "CREATE VIEW my_open AS SELECT key FROM idempotency_records "
+          "WHERE state = 'pending';"
+          "CREATE INDEX my_by_kind ON resources (kind);"
+          "CREATE INDEX my_tenant_names ON tenants (created_at);");
+
+  assert_int_equal(idem_store_migrate(store), IDEM_ESCHEMA);
+  assert_contains(idem_store_last_error(), "view my_open");
+  assert_contains(idem_store_last_error(), "index my_by_kind");
+  /* An index on a table version 3 leaves alone is not in the way. */
+  assert_null(strstr(idem_store_last_error(), "my_tenant_names"));
+  assert_int_equal(number(db, "PRAGMA user_version"), 2);
+  assert_int_equal(number(db, "SELECT count(*) FROM tenants"), 1);
+
+  sql(db, "DROP VIEW my_open; DROP INDEX my_by_kind;");
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(number(db, "PRAGMA user_version"), 3);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
+                              "'my_tenant_names'"),
+                   1);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_from_version_2, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_version_3_refuses_foreign_objects, setup,
+                                      teardown),
   };
   return cmocka_run_group_tests_name("sqlite schema migrations", tests, NULL, NULL);
 }

@@ -1306,10 +1306,11 @@ static void test_sweep(void **state) {
   assert_int_equal(idem_store_sweep(fx->store, at, 0, &deleted), IDEM_EINVAL);
 }
 
-/* A sweep larger than any request's write: deleting 600 records of 2 KiB
- * changes far more pages than one payment does, and each changed page is
- * kept to undo that one write (SQLite's statement journal). That journal
- * once failed past a size (SQLITE_FULL from a spill threshold of 512 KiB)
+/* A sweep larger than any request's write: deleting 600 records of 2 KiB,
+ * each beside one that stays, changes far more pages than one payment
+ * does, and each changed page is kept to undo that one statement
+ * (SQLite's statement journal). That journal once failed past a size
+ * (SQLITE_FULL when it spilled to a file with a threshold over 128 KiB)
  * and the sweep with it. */
 static void test_sweep_large_batch(void **state) {
   enum { RECORDS = 600, BODY = 2048 };
@@ -1326,12 +1327,12 @@ static void test_sweep_large_batch(void **state) {
   body[BODY - 1] = '"';
   body[BODY] = '\0';
   make_fp(fp, 1);
-  for (int i = 0; i < RECORDS; i++) {
+  for (int i = 0; i < 2 * RECORDS; i++) {
     idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = body};
     idem_reserve_t req;
     snprintf(key, sizeof key, "bulk-%d", i);
     req = request(fx, OP_PAY, key, fp);
-    req.ttl_ms = ttl;
+    req.ttl_ms = i % 2 ? TTL_MS : ttl; /* every other one stays */
     req.outcome = &out;
     assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
     idem_record_reset(&rec);
@@ -1339,9 +1340,14 @@ static void test_sweep_large_batch(void **state) {
   free(body);
   assert_int_equal(idem_store_sweep(fx->store, fx->now + 2 * ttl, 2 * RECORDS, &deleted),
                    IDEM_OK);
-  /* Other tenants' expired records, on a shared database, may go too. */
-  assert_true(deleted >= RECORDS);
-  assert_int_equal(count(fx, "records"), 0);
+  assert_true(deleted > 0);
+  /* Other tenants' expired records, on a shared database, go too. */
+  for (int calls = 0; deleted > 0; calls++) {
+    assert_true(calls < 1000);
+    assert_int_equal(idem_store_sweep(fx->store, fx->now + 2 * ttl, 2 * RECORDS, &deleted),
+                     IDEM_OK);
+  }
+  assert_int_equal(count(fx, "records"), RECORDS);
 }
 
 static void test_meta_first_value_wins(void **state) {
