@@ -761,10 +761,12 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
 }
 
 /* Applies an outcome to a record owned by `owner` (inside a write
- * transaction). IDEM_ELOST when the owner no longer holds it. */
+ * transaction). IDEM_ELOST when the owner no longer holds it. `outbox`:
+ * the record may have an outbox row to remove (0 when the caller knows it
+ * has none: a single-step reservation that enqueued none). */
 static int apply_outcome(struct conn *c, const idem_scope_t *sc,
                          const char *owner, const idem_outcome_t *o,
-                         int64_t now_ms, int64_t ttl_ms) {
+                         int64_t now_ms, int64_t ttl_ms, int outbox) {
   sqlite3_stmt *st = stmt(c, ST_COMPLETE);
   int rc;
 
@@ -801,7 +803,7 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
     if ((rc = run(c, st, "update resource")) != IDEM_OK)
       return rc;
   }
-  if (o->state != IDEM_STATE_PENDING) {
+  if (outbox && o->state != IDEM_STATE_PENDING) {
     st = stmt(c, ST_DELETE_OUTBOX);
     if (st == NULL)
       return IDEM_ESTORE;
@@ -833,6 +835,29 @@ static int won_record(const idem_reserve_t *req, const char *owner,
   out->lease_expires_at = req->now_ms + req->lease_ms;
   out->created_at = req->now_ms;
   out->updated_at = req->now_ms;
+  return IDEM_OK;
+}
+
+/* The record a single-step reservation left once apply_outcome() wrote
+ * req->outcome over the won one: as ST_COMPLETE sets it. */
+static int settled_record(const idem_reserve_t *req, const char *owner,
+                          idem_record_t *out) {
+  const idem_outcome_t *o = req->outcome;
+  int rc = won_record(req, owner, out);
+
+  if (rc != IDEM_OK)
+    return rc;
+  out->state = o->state;
+  out->response_status = o->status;
+  if (o->body && (out->response_body = strdup(o->body)) == NULL)
+    return IDEM_ENOMEM;
+  idem_copy(out->location, sizeof out->location, o->location);
+  if (o->resource_id)
+    idem_copy(out->resource_id, sizeof out->resource_id, o->resource_id);
+  idem_copy(out->provider_ref, sizeof out->provider_ref, o->provider_ref);
+  out->owner_token[0] = '\0';
+  out->lease_expires_at = 0;
+  out->expires_at = o->state == IDEM_STATE_PENDING ? 0 : req->now_ms + req->ttl_ms;
   return IDEM_OK;
 }
 
@@ -890,10 +915,10 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   }
   if (req->outcome) {
     rc = apply_outcome(c, &req->scope, owner, req->outcome, req->now_ms,
-                       req->ttl_ms);
+                       req->ttl_ms, req->enqueue_outbox);
     if (rc != IDEM_OK)
       return rc == IDEM_ELOST ? IDEM_ESTORE : rc;
-    return read_record(c, &req->scope, out);
+    return settled_record(req, owner, out);
   }
   return won_record(req, owner, out);
 }
@@ -953,7 +978,7 @@ static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
 static int complete_fn(struct conn *c, void *arg) {
   const idem_complete_t *cp = arg;
   return apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
-                       cp->ttl_ms);
+                       cp->ttl_ms, 1);
 }
 
 static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {

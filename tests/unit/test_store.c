@@ -722,17 +722,39 @@ static void test_single_step_reserve(void **state) {
   assert_string_equal(rec.resource_id, id);
   assert_string_equal(rec.owner_token, "");
   assert_int_equal(rec.expires_at, fx->now + TTL_MS);
+  /* Built from what was written on SQLite; the same as a read. */
+  assert_as_stored(fx, &rec, fx->now);
   idem_record_reset(&rec);
   assert_int_equal(count(fx, "orders"), 1);
   assert_int_equal(count(fx, "outbox"), 0);
   assert_int_equal(count(fx, "processing"), 0);
+  {
+    /* A pending outcome that names its resource and provider reference,
+     * with no body. */
+    char id2[40];
+    idem_resource_t res2 = {.kind = "order", .status = "created", .body = order};
+    idem_outcome_t pending = {.state = IDEM_STATE_PENDING, .status = 202,
+                              .resource_id = id2, .provider_ref = "ref-9"};
+    idem_reserve_t req2 = request(fx, OP_ORDER, "key-pending", fp);
+    random_name(id2, sizeof id2, "ord_");
+    res2.id = id2;
+    req2.resource = &res2;
+    req2.outcome = &pending;
+    assert_int_equal(reserve(fx, &req2, &rec), IDEM_RESERVE_WON);
+    assert_int_equal(rec.state, IDEM_STATE_PENDING);
+    assert_int_equal(rec.expires_at, 0);
+    assert_string_equal(rec.provider_ref, "ref-9");
+    assert_null(rec.response_body);
+    assert_as_stored(fx, &rec, fx->now);
+    idem_record_reset(&rec);
+  }
 
   req.now_ms = fx->now + 1000;
   assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_EXISTS);
   assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
   assert_same_json(rec.response_body, order);
   idem_record_reset(&rec);
-  assert_int_equal(count(fx, "orders"), 1);
+  assert_int_equal(count(fx, "orders"), 2);
 }
 
 static void test_pending_outcome(void **state) {
