@@ -96,6 +96,7 @@ typedef struct idemd_request {
   int parked;
   int64_t inflight_deadline; /* idem_mono_ms(); 0 until it first waits */
   int reruns; /* idemd_rerun() calls after a lost race for the key */
+  int looked_up; /* the flow has gone to the store for this key once */
 
   /* What the log line and metrics report. */
   idemd_op_t op;
