@@ -558,8 +558,6 @@ static int savepoint(struct conn *c, enum stmt_id id) {
   return st ? run(c, st, "savepoint") : IDEM_ESTORE;
 }
 
-static int complete_fn(struct conn *c, void *arg);
-
 /* Runs the batch's writes one after the other, with nothing to undo one
  * alone. Returns 1 when all succeeded (the transaction stays open for the
  * COMMIT), 0 when one failed (the transaction is rolled back, and the
@@ -567,9 +565,9 @@ static int complete_fn(struct conn *c, void *arg);
 static int run_batch_whole(sqlite_store_t *s, struct conn *c, struct job *jobs) {
   for (struct job *j = jobs; j; j = j->next) {
     j->rc = j->fn(c, j->arg);
-    /* A completion whose lease was lost changed nothing: apply_outcome()
-     * finds that out with its first statement. That is its result. */
-    if (j->rc != IDEM_OK && !(j->rc == IDEM_ELOST && j->fn == complete_fn)) {
+    /* IDEM_ELOST (a lease lost) is returned with nothing written: it is
+     * that write's result, not a failure to undo. */
+    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
       (void)write_end(s, c, 0);
       return 0;
     }
@@ -761,7 +759,8 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
 }
 
 /* Applies an outcome to a record owned by `owner` (inside a write
- * transaction). IDEM_ELOST when the owner no longer holds it. `outbox`:
+ * transaction). IDEM_ELOST, with nothing written, when the owner no
+ * longer holds it (its first statement finds that out). `outbox`:
  * the record may have an outbox row to remove (0 when the caller knows it
  * has none: a single-step reservation that enqueued none). */
 static int apply_outcome(struct conn *c, const idem_scope_t *sc,
