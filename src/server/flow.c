@@ -156,11 +156,35 @@ static void async_end(struct idemd_async_flow *af) {
   idemd_pending_leave(srv);
 }
 
-/* On the writer: note the result, give the request back. */
+static void execute_then_complete(struct idemd_async_flow *af);
+static void async_execute(idemd_work_t *w);
+
+/* On the writer: note the result, give the request back. A reservation
+ * won for a provider call goes on to that call instead, the connection
+ * still suspended: a provider that never waits (the sandbox) is called
+ * here, and its completion joins the writer's next batch; any other is
+ * handed to a worker. Either way the event thread is not woken between
+ * the two writes: a payment costs it one suspend and resume, not two
+ * (docs/performance.md). When the workers are stopping, the request goes
+ * back to its event thread, which answers it (idemd_flow_resumed). */
 static void async_written(void *arg, int rc) {
   struct idemd_async_flow *af = arg;
+  idemd_request_t *r = af->r;
+
   af->rc = rc;
-  idemd_resume(af->r); /* the event thread reads `af` from here on */
+  if (rc == IDEM_OK && af->stage == RESERVING && af->result == IDEM_RESERVE_WON &&
+      af->e->execute) {
+    af->stage = EXECUTING;
+    if (af->e->execute_never_waits) {
+      execute_then_complete(af);
+      return;
+    }
+    r->work.run = async_execute;
+    if (idemd_workers_submit(r->srv->workers, &r->work) == 0)
+      return;
+    af->stage = RESERVING;
+  }
+  idemd_resume(r); /* the event thread reads `af` from here on */
 }
 
 /* The provider call, outside any transaction, then the completion,
@@ -237,38 +261,14 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
   return ret;
 }
 
-/* In a worker, for a request whose client left after its key was won:
- * the provider call and the completion, so that the client's retry finds
- * the payment made (and remembered) rather than a record waiting out its
- * lease. Then the request is freed. */
-static void orphan_execute(idemd_work_t *w) {
-  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
-  struct idemd_async_flow *af = r->async;
-  idem_complete_t *c = &af->done;
-
-  execute(af->e, r->srv, &af->scope, &af->rec, c);
-  if (idem_store_complete(r->srv->store, c) == IDEM_OK)
-    remember_new(r, &af->scope, af->e->fingerprint, c->outcome.status, c->outcome.body,
-                 c->outcome.location, c->outcome.state, c->now_ms + c->ttl_ms);
-  async_end(af);
-  idemd_request_free(r);
-}
-
-int idemd_flow_orphan(idemd_request_t *r) {
-  struct idemd_async_flow *af = r->async;
-
-  if (af == NULL)
-    return 0;
-  if (af->stage == RESERVING && af->rc == IDEM_OK && af->result == IDEM_RESERVE_WON &&
-      af->e->execute) {
-    r->conn = NULL;
-    r->work.run = orphan_execute;
-    if (idemd_workers_submit(r->srv->workers, &r->work) == 0)
-      return 1;
-    /* Stopping: the reconciler takes it over when its lease ends. */
-  }
-  async_end(af); /* nothing left to do */
-  return 0;
+void idemd_flow_orphan(idemd_request_t *r) {
+  /* A payment's connection stays suspended from its reservation to its
+   * completion (async_written), so a closed connection is only seen after
+   * the last write, or after a reservation whose call no worker would
+   * take (idemd is stopping: the reconciler takes the record over when
+   * its lease ends). Nothing is left to do but let go. */
+  if (r->async)
+    async_end(r->async);
 }
 
 /* From the event thread, for a key to be reserved (prepared already):

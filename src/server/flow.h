@@ -38,10 +38,8 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r);
 
 /* For a request whose connection closed while its flow was between two
  * steps (resumed, before its event thread went on: the client left).
- * Returns 1 when the flow goes on without the connection and will free
- * `r` itself (a payment reserved and not yet charged: a worker charges
- * and completes it); 0 when nothing was left to do (`r` is the caller's
- * to free). */
-int idemd_flow_orphan(idemd_request_t *r);
+ * Ends the flow's part (what was written stays); `r` is still the
+ * caller's to free. */
+void idemd_flow_orphan(idemd_request_t *r);
 
 #endif

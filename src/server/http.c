@@ -419,8 +419,8 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   idemd_log_request(r);
   *con_cls = NULL;
   atomic_fetch_sub(&srv->inflight, 1);
-  if (!idemd_flow_orphan(r))
-    idemd_request_free(r);
+  idemd_flow_orphan(r);
+  idemd_request_free(r);
 }
 
 void idemd_request_free(idemd_request_t *r) {
