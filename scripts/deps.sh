@@ -5,7 +5,7 @@ set -euo pipefail
 
 pkgs=(build-essential cmake pkg-config
       libmicrohttpd-dev libjansson-dev libcmocka-dev libcurl4-openssl-dev
-      libsqlite3-dev libpq-dev libssl-dev sqlite3 nginx-light
+      libsqlite3-dev libpq-dev libssl-dev libjemalloc-dev sqlite3 nginx-light
       postgresql postgresql-client  # throwaway clusters of the PostgreSQL tests
       python3 python3-yaml python3-jsonschema  # tests/api/check_openapi.py
 )

@@ -51,7 +51,9 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   /* Keep freed memory for reuse instead of handing it back at once: the
    * writer's savepoints and each request free blocks that would otherwise
    * make malloc trim its heaps, and every trim (madvise) flushes the TLBs
-   * of all cores. Measured: new-key payments 5,700 -> 7,400 req/s. */
+   * of all cores. Measured: new-key payments 5,700 -> 7,400 req/s.
+   * (glibc's malloc only: idemd is normally linked with jemalloc, see
+   * CMakeLists.txt, and these then change nothing.) */
   mallopt(M_TRIM_THRESHOLD, 64 * 1024 * 1024);
   mallopt(M_MMAP_THRESHOLD, 1024 * 1024);
 
