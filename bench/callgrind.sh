@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Instructions per request (valgrind --tool=callgrind), for the new-key and
-# replay paths of POST /payments. Counts are repeatable for the same binary
-# and inputs, whatever else the machine is doing. Each figure is
+# replay paths of POST /payments, and the new-key path of POST /orders.
+# Counts are repeatable for the same binary and inputs, whatever else the
+# machine is doing. Each figure is
 # (instructions of a run with N requests - a run with none) / N.
 # Usage: bench/callgrind.sh [N]   (default 300)
 set -euo pipefail
@@ -14,9 +15,10 @@ idemd="$repo/build-bench/idemd"
 run=$(mktemp -d /tmp/idem-cg.XXXXXX)
 trap 'rm -rf "$run"' EXIT
 
-# profile NAME MODE COUNT -> prints the total instruction count
+# profile NAME MODE COUNT [PATH BODY] -> prints the total instruction count
 profile() {
-  local name=$1 mode=$2 count=$3 port=$((20000 + RANDOM % 20000)) token pid
+  local name=$1 mode=$2 count=$3 path=${4:-/payments} body=${5:-'{\"amount\": 15990}'}
+  local port=$((20000 + RANDOM % 20000)) token pid
   rm -f "$run/$name.db"*
   token=$("$idemd" tenant create cg --db "$run/$name.db")
   # One worker: with many, each request may wake a fresh thread, whose
@@ -33,9 +35,9 @@ profile() {
       local key=first
       if [ "$mode" = new ] && [ "$i" -gt 0 ]; then key="k$i"; fi
       [ "$i" -gt 0 ] && echo next
-      printf 'url = "http://127.0.0.1:%s/payments"\nrequest = "POST"\n' "$port"
+      printf 'url = "http://127.0.0.1:%s%s"\nrequest = "POST"\n' "$port" "$path"
       printf 'header = "Authorization: Bearer %s"\nheader = "Content-Type: application/json"\n' "$token"
-      printf 'header = "Idempotency-Key: %s"\ndata = "{\\"amount\\": 15990}"\noutput = "/dev/null"\n' "$key"
+      printf 'header = "Idempotency-Key: %s"\ndata = "%s"\noutput = "/dev/null"\n' "$key" "$body"
     done
   } >"$run/$name.curl"
   curl -s -K "$run/$name.curl"
@@ -46,6 +48,9 @@ profile() {
 base=$(profile base replay 0)
 new=$(profile new new "$n")
 replay=$(profile replay replay "$n")
+order=$(profile order new "$n" /orders \
+  '{\"customer_id\": \"c1\", \"items\": [{\"sku\": \"A1\", \"quantity\": 2, \"unit_price\": 1000}], \"currency\": \"BRL\"}')
 echo "callgrind, instructions per request ($n requests, minus a run with one; kept-alive connection):"
 echo "  new-key POST /payments (reserve, sandbox charge, complete): $(( (new - base) / n ))"
 echo "  replay of a completed key:                                 $(( (replay - base) / n ))"
+echo "  new-key POST /orders (written with its reservation):        $(( (order - base) / n ))"
