@@ -31,9 +31,10 @@ typedef struct idem_provider idem_provider_t;
 
 struct idem_provider {
   const char *name;
-  /* 1 when charge() returns at once, never waiting on a network or a
-   * timer (the sandbox without --sandbox-delay): an event loop may call
-   * it inline. */
+  /* 1 when charge() is cheap and returns at once, never waiting on a
+   * network or a timer (the sandbox without --sandbox-delay). It may then
+   * be called on the store's single writer thread (server/flow.c), so it
+   * must not call the store either. */
   int never_waits;
   /* Charges `c` once per provider key, ever; fills `out`. Never fails
    * otherwise: a transport problem is an outcome. */

@@ -114,14 +114,15 @@ static idem_reserve_t reserve_request(const idemd_request_t *r, const idemd_effe
 
 /* The flow of a won key without a thread waiting on it, for stores with
  * asynchronous writes (SQLite). The event thread queues the reservation
- * and suspends the request; the store's writer only notes the result and
- * resumes it; the event thread goes on from there (idemd_flow_resumed):
- * it answers a single-step operation, or has a worker make the provider
- * call and queue the completion, whose result comes back the same way.
- * Anything else (the key held by another request, a lease lost) goes to a
- * worker, which runs the request again from the start through
- * idemd_flow_run(). The writer, which every write goes through, does no
- * more than that. */
+ * and suspends the request. The store's writer calls back
+ * (async_written): a won single-step operation is resumed and answered
+ * by its event thread (idemd_flow_resumed); a won payment goes on to its
+ * provider call, made on the writer for a provider that never waits or
+ * by a worker otherwise, and its completion is queued the same way; the
+ * request is resumed once that is written. Anything else (the key held
+ * by another request, a lease lost) is resumed at once and its event
+ * thread reruns the flow, or hands it to a worker, which runs it again
+ * from the start through idemd_flow_run(). */
 enum async_stage { RESERVING, EXECUTING, COMPLETING };
 
 struct idemd_async_flow {
@@ -132,6 +133,9 @@ struct idemd_async_flow {
   idem_scope_t scope;
   idem_record_t rec;
   idem_reserve_result_t result;
+  /* The store's message for a failed write, taken on the thread that saw
+   * it (idem_store_last_error() is per thread); for the log only. */
+  char *detail;
   /* One write at a time, and the store is done with the reservation's
    * request before the completion is made: sharing the space keeps the
    * struct under 1 KiB, where malloc serves it from its per-thread cache
@@ -151,6 +155,7 @@ static void async_end(struct idemd_async_flow *af) {
   idemd_server_t *srv = r->srv;
 
   idem_record_reset(&af->rec);
+  free(af->detail);
   r->async = NULL;
   free(af);
   idemd_pending_leave(srv);
@@ -172,6 +177,8 @@ static void async_written(void *arg, int rc) {
   idemd_request_t *r = af->r;
 
   af->rc = rc;
+  if (rc != IDEM_OK && rc != IDEM_ELOST && rc != IDEM_ENOTSUP && af->detail == NULL)
+    af->detail = strdup(idem_store_last_error()); /* NULL: logged without */
   if (rc == IDEM_OK && af->stage == RESERVING && af->result == IDEM_RESERVE_WON &&
       af->e->execute) {
     af->stage = EXECUTING;
@@ -212,14 +219,13 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
 
   if (af->rc == IDEM_OK && af->stage == RESERVING && af->result == IDEM_RESERVE_WON &&
       e->execute) {
-    /* A provider call that may wait goes to a worker. If the workers are
-     * stopping, the record stays processing and the reconciler takes it
-     * over when its lease ends, as after a crash. */
+    /* Only when the workers refused the call in async_written (idemd is
+     * stopping): one more try, which answers 503 if they refuse again.
+     * The record then stays processing and the reconciler takes it over
+     * when its lease ends, as after a crash. */
     af->stage = EXECUTING;
     idemd_suspend(r);
-    if (e->execute_never_waits)
-      execute_then_complete(af); /* `r` and `af` are the writer's now */
-    else if (idemd_run_in_worker(r, async_execute) != 0)
+    if (idemd_run_in_worker(r, async_execute) != 0)
       async_end(af);
     return MHD_YES;
   }
@@ -248,7 +254,7 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
     return idemd_defer(r);
   }
   if (af->rc != IDEM_OK)
-    ret = idemd_reply_store_error(r, af->rc);
+    ret = idemd_reply_store_failure(r, af->rc, af->detail);
   else if (af->stage == RESERVING) /* single step: done and on disk */
     ret = answer_new(r, &af->scope, e->fingerprint, af->rec.response_status,
                      af->rec.response_body, af->rec.location, af->rec.state,
@@ -266,9 +272,22 @@ void idemd_flow_orphan(idemd_request_t *r) {
    * completion (async_written), so a closed connection is only seen after
    * the last write, or after a reservation whose call no worker would
    * take (idemd is stopping: the reconciler takes the record over when
-   * its lease ends). Nothing is left to do but let go. */
-  if (r->async)
-    async_end(r->async);
+   * its lease ends). What was written stays; a completed first answer is
+   * still remembered, for the client's retry. */
+  struct idemd_async_flow *af = r->async;
+
+  if (af == NULL)
+    return;
+  if (af->rc == IDEM_OK && af->stage == COMPLETING)
+    remember_new(r, &af->scope, af->e->fingerprint, af->done.outcome.status,
+                 af->done.outcome.body, af->done.outcome.location,
+                 af->done.outcome.state, af->done.now_ms + af->done.ttl_ms);
+  else if (af->rc == IDEM_OK && af->stage == RESERVING &&
+           af->result == IDEM_RESERVE_WON && af->e->execute == NULL)
+    remember_new(r, &af->scope, af->e->fingerprint, af->rec.response_status,
+                 af->rec.response_body, af->rec.location, af->rec.state,
+                 af->rec.expires_at);
+  async_end(af);
 }
 
 /* From the event thread, for a key to be reserved (prepared already):

@@ -24,7 +24,9 @@ typedef struct idemd_effect {
    * transaction; fills `out`, whose strings must stay valid until
    * idemd_flow_run() returns. */
   void (*execute)(void *ctx, const idem_record_t *rec, idem_outcome_t *out);
-  int execute_never_waits; /* so an event thread may call it (flow.c) */
+  /* 1 when execute() is cheap, never waits and never calls the store:
+   * it is then called on the store's writer thread (flow.c). */
+  int execute_never_waits;
   void *ctx;
 } idemd_effect_t;
 

@@ -72,11 +72,15 @@ enum MHD_Result idemd_reply_errors(idemd_request_t *r, json_t *errors) {
 }
 
 enum MHD_Result idemd_reply_store_error(idemd_request_t *r, int err) {
+  return idemd_reply_store_failure(r, err, idem_store_last_error());
+}
+
+enum MHD_Result idemd_reply_store_failure(idemd_request_t *r, int err,
+                                          const char *detail) {
   idemd_reply_headers_t h = {.retry_after = 1};
   atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
   idemd_log_event("error", "store failure", "error", idem_err_name(err),
-                  "detail", idem_store_last_error(), "request_id",
-                  r->request_id, NULL);
+                  "detail", detail ? detail : "", "request_id", r->request_id, NULL);
   r->outcome = OUTCOME_ERROR;
   return idemd_reply_error(r, 503, "service temporarily unavailable, retry later", &h);
 }

@@ -41,6 +41,12 @@ enum MHD_Result idemd_reply_json(idemd_request_t *r, int status, json_t *value,
  * the store's own message (which never reaches the body). */
 enum MHD_Result idemd_reply_store_error(idemd_request_t *r, int err);
 
+/* The same, logging `detail` (may be NULL) instead: the store's message
+ * as the thread that saw the failure had it, for a write that failed on
+ * another thread than the one answering. */
+enum MHD_Result idemd_reply_store_failure(idemd_request_t *r, int err,
+                                          const char *detail);
+
 /* Returns a malloc'd copy of the JSON object text `body` with
  * "replayed": true added, or NULL when out of memory or not an object. */
 char *idemd_mark_replayed(const char *body);

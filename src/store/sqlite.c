@@ -705,6 +705,12 @@ static int write_job(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *
                      int rerunnable) {
   struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK, .rerunnable = rerunnable};
 
+  if (s->writer_running && pthread_equal(pthread_self(), s->writer)) {
+    /* A done callback that writes synchronously would wait on itself
+     * forever (store.h forbids it): fail loudly instead. */
+    idem__store_set_error("synchronous write from the writer thread");
+    return IDEM_EINVAL;
+  }
   sem_init(&j.done, 0, 0);
   enqueue(s, &j);
   while (sem_wait(&j.done) != 0) /* EINTR only */

@@ -557,6 +557,53 @@ static void test_async_reserve_and_complete(void **state) {
   idem_record_reset(&rec);
 }
 
+/* A done callback that writes synchronously: forbidden by store.h (it
+ * runs on the writer, which would wait on itself). */
+struct sync_from_callback {
+  struct async_result a;
+  idem_store_t *store;
+  idem_complete_t c;
+  int sync_rc;
+};
+
+static void write_from_callback(void *arg, int rc) {
+  struct sync_from_callback *sc = arg;
+  sc->sync_rc = idem_store_complete(sc->store, &sc->c);
+  async_done(&sc->a, rc);
+}
+
+/* The forbidden write fails at once with IDEM_EINVAL, instead of hanging
+ * the writer (and with it every write of the store); the store goes on. */
+static void test_sync_write_from_callback_fails(void **state) {
+  fixture_t *fx = *state;
+  struct sync_from_callback sc = {
+      .a = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0},
+      .store = fx->store};
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_record_t won = {0}, rec = {0};
+  idem_reserve_result_t result = 0;
+  idem_reserve_t req;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+
+  if (strcmp(idem_store_backend(fx->store), "sqlite") != 0)
+    skip();
+  make_fp(fp, 1);
+  req = request(fx, "create_order", "from-callback", fp);
+  assert_int_equal(idem_store_reserve(fx->store, &req, &won, &result), IDEM_OK);
+  sc.c = (idem_complete_t){.scope = req.scope, .owner_token = won.owner_token,
+                           .now_ms = fx->now + 1, .ttl_ms = TTL_MS, .outcome = out};
+  assert_int_equal(idem_store_complete_async(fx->store, &sc.c, write_from_callback, &sc),
+                   IDEM_OK);
+  assert_int_equal(async_wait(&sc.a), IDEM_OK);
+  assert_int_equal(sc.sync_rc, IDEM_EINVAL);
+  /* The writer still writes. */
+  req = request(fx, "create_order", "after-callback", fp);
+  assert_int_equal(idem_store_reserve(fx->store, &req, &rec, &result), IDEM_OK);
+  assert_int_equal(result, IDEM_RESERVE_WON);
+  idem_record_reset(&won);
+  idem_record_reset(&rec);
+}
+
 /* Counts the callbacks of many asynchronous writes. */
 struct async_many {
   pthread_mutex_t lock;
@@ -1446,6 +1493,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_resource_outbox_and_complete),
       STORE_TEST(test_complete_needs_the_owner),
       STORE_TEST(test_async_reserve_and_complete),
+      STORE_TEST(test_sync_write_from_callback_fails),
       STORE_TEST(test_single_step_reserve),
       STORE_TEST(test_pending_outcome),
       STORE_TEST(test_expired_record_is_taken_over),
