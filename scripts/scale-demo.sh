@@ -29,21 +29,37 @@ free_port() {
     (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || { echo "$p"; return; }
   done
 }
-wait_http() {
-  for _ in $(seq 100); do curl -sf "http://127.0.0.1:$1/healthz" >/dev/null && return 0; sleep 0.1; done
+wait_http() { # port [pid]: fails early when that process has exited
+  for _ in $(seq 300); do
+    curl -sf "http://127.0.0.1:$1/healthz" >/dev/null && return 0
+    [ -n "${2:-}" ] && ! kill -0 "$2" 2>/dev/null && return 1
+    sleep 0.1
+  done
   echo "scale-demo: nothing answers on port $1" >&2; return 1
 }
 
 db=$("$repo/scripts/pg-cluster.sh" start "$pg")
 key=$("$idemd" tenant create shop --db "$db")
-port_a=$(free_port); port_b=$(free_port); port_lb=$(free_port)
 # A small provider delay makes the copies overlap, so some of them really
-# wait for the original on the other instance.
-for port in "$port_a" "$port_b"; do
-  "$idemd" serve --db "$db" --listen "127.0.0.1:$port" --sandbox-delay 200ms 2>"$run/idemd-$port.log" &
-  pids+=($!)
-done
-wait_http "$port_a"; wait_http "$port_b"
+# wait for the original on the other instance. A port found free may be
+# taken before idemd binds it (tests run in parallel): then another.
+start_idemd() { # -> its port
+  local port pid
+  for _ in 1 2 3 4 5; do
+    port=$(free_port)
+    "$idemd" serve --db "$db" --listen "127.0.0.1:$port" --sandbox-delay 200ms \
+      >"$run/idemd-$port.out" 2>"$run/idemd-$port.log" &
+    pid=$!
+    if wait_http "$port" "$pid"; then echo "$port $pid"; return 0; fi
+    kill "$pid" 2>/dev/null || true
+    echo "scale-demo: idemd on port $port did not start:" >&2
+    tail -n 5 "$run/idemd-$port.log" >&2
+  done
+  return 1
+}
+read -r port_a pid_a < <(start_idemd); pids+=("$pid_a")
+read -r port_b pid_b < <(start_idemd); pids+=("$pid_b")
+port_lb=$(free_port)
 
 mkdir -p "$run"/{body,proxy,fastcgi,uwsgi,scgi}
 sed -e "s|@RUN@|$run|g" -e "s|@PORT_A@|$port_a|g" -e "s|@PORT_B@|$port_b|g" \
