@@ -43,7 +43,7 @@ key=$("$idemd" tenant create shop --db "$db")
 # A small provider delay makes the copies overlap, so some of them really
 # wait for the original on the other instance. A port found free may be
 # taken before idemd binds it (tests run in parallel): then another.
-start_idemd() { # -> its port
+start_idemd() { # prints "port pid" of an idemd that answers
   local port pid
   for _ in 1 2 3 4 5; do
     port=$(free_port)

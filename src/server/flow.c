@@ -161,6 +161,24 @@ static void async_end(struct idemd_async_flow *af) {
   idemd_pending_leave(srv);
 }
 
+/* The first answer of a won key whose last write is over: what a
+ * single step wrote with its reservation, or what the completion wrote. */
+struct first_answer {
+  int status;
+  const char *body, *location;
+  idem_state_t state;
+  int64_t expires_at;
+};
+
+static struct first_answer written_answer(const struct idemd_async_flow *af) {
+  if (af->stage == RESERVING)
+    return (struct first_answer){af->rec.response_status, af->rec.response_body,
+                                 af->rec.location, af->rec.state, af->rec.expires_at};
+  return (struct first_answer){af->done.outcome.status, af->done.outcome.body,
+                               af->done.outcome.location, af->done.outcome.state,
+                               af->done.now_ms + af->done.ttl_ms};
+}
+
 static void execute_then_complete(struct idemd_async_flow *af);
 static void async_execute(idemd_work_t *w);
 
@@ -253,16 +271,13 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
     async_end(af);
     return idemd_defer(r);
   }
-  if (af->rc != IDEM_OK)
+  if (af->rc != IDEM_OK) {
     ret = idemd_reply_store_failure(r, af->rc, af->detail);
-  else if (af->stage == RESERVING) /* single step: done and on disk */
-    ret = answer_new(r, &af->scope, e->fingerprint, af->rec.response_status,
-                     af->rec.response_body, af->rec.location, af->rec.state,
-                     af->rec.expires_at);
-  else
-    ret = answer_new(r, &af->scope, e->fingerprint, af->done.outcome.status,
-                     af->done.outcome.body, af->done.outcome.location,
-                     af->done.outcome.state, af->done.now_ms + af->done.ttl_ms);
+  } else { /* a single step done with its reservation, or a completion */
+    struct first_answer a = written_answer(af);
+    ret = answer_new(r, &af->scope, e->fingerprint, a.status, a.body, a.location,
+                     a.state, a.expires_at);
+  }
   async_end(af);
   return ret;
 }
@@ -278,15 +293,13 @@ void idemd_flow_orphan(idemd_request_t *r) {
 
   if (af == NULL)
     return;
-  if (af->rc == IDEM_OK && af->stage == COMPLETING)
-    remember_new(r, &af->scope, af->e->fingerprint, af->done.outcome.status,
-                 af->done.outcome.body, af->done.outcome.location,
-                 af->done.outcome.state, af->done.now_ms + af->done.ttl_ms);
-  else if (af->rc == IDEM_OK && af->stage == RESERVING &&
-           af->result == IDEM_RESERVE_WON && af->e->execute == NULL)
-    remember_new(r, &af->scope, af->e->fingerprint, af->rec.response_status,
-                 af->rec.response_body, af->rec.location, af->rec.state,
-                 af->rec.expires_at);
+  if (af->rc == IDEM_OK &&
+      (af->stage == COMPLETING ||
+       (af->stage == RESERVING && af->result == IDEM_RESERVE_WON && !af->e->execute))) {
+    struct first_answer a = written_answer(af);
+    remember_new(r, &af->scope, af->e->fingerprint, a.status, a.body, a.location,
+                 a.state, a.expires_at);
+  }
   async_end(af);
 }
 
