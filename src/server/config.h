@@ -11,7 +11,7 @@ typedef struct idemd_config {
   int listen_port;
   char db[1024];
   char provider[256];
-  int threads;                /* event threads; 0: one per core */
+  int threads;                /* event threads; 0: one fewer than the cores */
   int workers;                /* threads for requests that wait */
   int max_connections;        /* served at once; beyond: 503 */
   int max_header_bytes;       /* request line and headers, per connection */
