@@ -106,7 +106,38 @@ static void timestamp(char *out, size_t len) {
     strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
     last_sec = tv.tv_sec;
   }
-  snprintf(out, len, "%.20s.%03dZ", base, (int)(tv.tv_usec / 1000) % 1000);
+  int ms = (int)(tv.tv_usec / 1000) % 1000;
+  size_t n = strnlen(base, 20);
+  if (len < n + 6) { /* ".mmmZ" and the NUL */
+    if (len > 0)
+      out[0] = '\0';
+    return;
+  }
+  memcpy(out, base, n);
+  out[n++] = '.';
+  out[n++] = (char)('0' + ms / 100);
+  out[n++] = (char)('0' + ms / 10 % 10);
+  out[n++] = (char)('0' + ms % 10);
+  out[n++] = 'Z';
+  out[n] = '\0';
+}
+
+/* Writes `v` in decimal at `out` (room for 20 digits and a sign) and
+ * returns the length: the request line's numbers without printf, whose
+ * formatting was a fifth of the line's cost. */
+static size_t put_int(char *out, long long v) {
+  char digits[24];
+  size_t n = 0, len = 0;
+  unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+  do {
+    digits[n++] = (char)('0' + u % 10);
+    u /= 10;
+  } while (u > 0);
+  if (v < 0)
+    out[len++] = '-';
+  while (n > 0)
+    out[len++] = digits[--n];
+  return len;
 }
 
 static void emit(json_t *line) {
@@ -199,7 +230,8 @@ static void put_str(struct line *l, const char *name, const char *v) {
 void idemd_log_request(const idemd_request_t *r) {
   struct line l = {.len = 0};
   char ts[40], num[64];
-  int n;
+  size_t n;
+  int64_t us;
 
   if (min_level > 1)
     return;
@@ -211,9 +243,19 @@ void idemd_log_request(const idemd_request_t *r) {
   put_str(&l, "method", r->method ? r->method : "");
   put_str(&l, "operation", idemd_op_name(r->op));
   put_str(&l, "outcome", idemd_outcome_name(r->outcome));
-  n = snprintf(num, sizeof num, ",\"status\":%d,\"latency_ms\":%.3f", r->status,
-               (double)(idem_mono_us() - r->start_us) / 1000.0);
-  put(&l, num, n > 0 ? (size_t)n : 0);
+  PUT_LIT(&l, ",\"status\":");
+  put(&l, num, put_int(num, r->status));
+  /* latency_ms with three decimals, as %.3f would print it */
+  us = idem_mono_us() - r->start_us;
+  if (us < 0)
+    us = 0;
+  PUT_LIT(&l, ",\"latency_ms\":");
+  n = put_int(num, us / 1000);
+  num[n++] = '.';
+  num[n++] = (char)('0' + us / 100 % 10);
+  num[n++] = (char)('0' + us / 10 % 10);
+  num[n++] = (char)('0' + us % 10);
+  put(&l, num, n);
   put_str(&l, "path", r->path);
   if (r->authenticated)
     put_str(&l, "tenant", r->tenant.name);
