@@ -558,10 +558,10 @@ int idemd_http_start(idemd_server_t *srv) {
     fprintf(stderr, "idemd: cannot resolve listen address '%s'\n", srv->cfg.listen_host);
     return -1;
   }
-  /* A few event threads (one per core by default) do all the socket work
-   * and answer what needs no waiting (replays from memory, errors, local
-   * reads). A request whose next step waits is suspended and handed to the
-   * workers, so no connection holds up another. */
+  /* A few event threads (one fewer than the cores by default) do all the
+   * socket work and answer what needs no waiting (replays from memory,
+   * errors, local reads). A request whose next step waits is suspended
+   * and handed to the workers, so no connection holds up another. */
   unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL |
                        MHD_USE_ITC | MHD_ALLOW_SUSPEND_RESUME |
                        (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0);
