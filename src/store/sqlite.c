@@ -378,9 +378,11 @@ typedef struct sqlite_store {
   int tenants_exists;   /* the file exists, whether this process can use it */
   pthread_mutex_t tc_lock;
   struct tenant_entry *tc; /* TENANT_CACHE entries */
+  uint64_t serial;         /* tells stores apart in per-thread state */
 } sqlite_store_t;
 
 static const idem_store_methods_t sqlite_methods;
+static atomic_uint_fast64_t store_serials;
 
 /* Maps a SQLite result code to an idem error, keeping the message. */
 static int fail(sqlite3 *db, int rc, const char *what) {
@@ -1059,16 +1061,20 @@ static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
  * tenant create, rotate-key, disable, enable) appends one byte to a file
  * beside the database (`<db>-tenants`, opened O_APPEND by every process
  * that uses the database), and an entry counts only while that file's
- * size is what it was before the entry was read (one fstat() per lookup,
- * a tenth of the read it replaces). The byte is written after the change
- * commits, so by the time the command returns, no process answers with
- * the old key. An entry also lasts at most TENANT_TTL_MS, which bounds
+ * size is what it was before the entry was read. The byte is written
+ * after the change commits, so by the time the command returns, no process
+ * answers with the old key. Each thread reads the file's size at most once
+ * every TENANT_RECHECK_US (an fstat() per lookup was 4 % of a replay's
+ * CPU), and a change's command returns only after waiting that long past
+ * its byte: whatever a thread remembers of the size was read before, so
+ * by then every lookup reads it again. An entry also lasts at most TENANT_TTL_MS, which bounds
  * staleness after a change made another way (SQL on the file by hand, a
  * replaced file) or a command killed between its commit and its byte.
  * Without the file (say, a read-only directory), every key is read from
  * the database as before. */
 #define TENANT_CACHE 64 /* entries, direct-mapped by key lookup */
 #define TENANT_TTL_MS 1000
+#define TENANT_RECHECK_US 2000
 
 struct tenant_entry {
   idem_tenant_t t;
@@ -1083,6 +1089,24 @@ static int64_t tenants_changed(const sqlite_store_t *s) {
   return fstat(s->tenants_fd, &st) == 0 ? (int64_t)st.st_size : -1;
 }
 
+/* The change count as this thread last read it, read again when that was
+ * TENANT_RECHECK_US ago or more (or for another store). The time is taken
+ * before the read, so a size is never trusted longer than that after it
+ * was read. */
+static int64_t tenants_changed_lately(const sqlite_store_t *s) {
+  static __thread uint64_t store;  /* the serial of the store last read */
+  static __thread int64_t read_us; /* idem_mono_us() before that read */
+  static __thread int64_t count;
+  int64_t now = idem_mono_us();
+
+  if (store != s->serial || count < 0 || now - read_us >= TENANT_RECHECK_US) {
+    count = tenants_changed(s);
+    read_us = now;
+    store = s->serial;
+  }
+  return count;
+}
+
 /* After a change to a tenant (committed, or maybe: an extra count only
  * empties the caches). When this process cannot count it in the file the
  * servers read (not writable by this user, or not there), it waits until
@@ -1091,8 +1115,14 @@ static int64_t tenants_changed(const sqlite_store_t *s) {
 static void tenants_bump(sqlite_store_t *s) {
   struct timespec wait = {TENANT_TTL_MS / 1000, (TENANT_TTL_MS % 1000 + 100) * 1000000L};
 
-  if (s->tenants_fd >= 0 && s->tenants_writable && write(s->tenants_fd, "+", 1) == 1)
+  if (s->tenants_fd >= 0 && s->tenants_writable && write(s->tenants_fd, "+", 1) == 1) {
+    /* Until every thread that read the size before this byte reads it
+     * again (tenants_changed_lately). */
+    struct timespec recheck = {0, (TENANT_RECHECK_US + 1000) * 1000L};
+    while (nanosleep(&recheck, &recheck) != 0 && errno == EINTR)
+      ;
     return;
+  }
   if (!s->tenants_exists)
     return; /* no file, so no server remembers keys */
   fprintf(stderr, "idem: cannot count a tenant change in %s-tenants; waiting %d ms "
@@ -1220,7 +1250,7 @@ static int sq_tenant_find(idem_store_t *base, const char *lookup,
   int64_t changed, now;
   int rc;
 
-  if (s->tenants_fd < 0 || (changed = tenants_changed(s)) < 0)
+  if (s->tenants_fd < 0 || (changed = tenants_changed_lately(s)) < 0)
     return tenant_query(s, ST_TENANT_FIND, lookup, out);
   /* `changed` is read before the tenant: a change after it makes the
    * entry stale at once. */
@@ -1610,6 +1640,7 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
     return IDEM_ENOMEM;
   }
   s->base.methods = &sqlite_methods;
+  s->serial = atomic_fetch_add(&store_serials, 1) + 1;
   s->tenants_fd = -1; /* until tenants_open() */
   s->busy_timeout_ms = opts->busy_timeout_ms > 0 ? opts->busy_timeout_ms : 5000;
   pthread_mutex_init(&s->pool_lock, NULL);
