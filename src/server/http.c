@@ -2,7 +2,9 @@
  * section 3 in their order (404, 405, 401, 413, 415, 400 key, 400 body,
  * then the route's own 422), body reading under a cap, and the log line
  * and metrics once each answer is sent. */
+#define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <arpa/inet.h>
+#include <sched.h>
 #include <errno.h>
 #include <netdb.h>
 #include <stddef.h>
@@ -537,7 +539,11 @@ enum MHD_Result idemd_defer(idemd_request_t *r) {
  * local client took turns on both, and replays' p99 under wrk was 4.6-5.1
  * ms against 2.0-2.4 ms with one event thread (docs/performance.md). */
 static unsigned int default_event_threads(void) {
+  cpu_set_t cpus; /* the cores this process may run on, if fewer */
   long n = sysconf(_SC_NPROCESSORS_ONLN);
+  if (sched_getaffinity(0, sizeof cpus, &cpus) == 0 && CPU_COUNT(&cpus) > 0 &&
+      CPU_COUNT(&cpus) < n)
+    n = CPU_COUNT(&cpus);
   return n > 1 ? (unsigned int)(n - 1) : 1u;
 }
 
