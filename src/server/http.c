@@ -536,8 +536,8 @@ enum MHD_Result idemd_defer(idemd_request_t *r) {
  * one. The store's writer (SQLite's group-commit thread, or PostgreSQL's
  * server processes) keeps a core busy under a write load too: with one
  * event thread per core on two cores, the event threads, the writer and a
- * local client took turns on both, and replays' p99 under wrk was 4.6-5.1
- * ms against 2.0-2.4 ms with one event thread (docs/performance.md). */
+ * local client took turns on both, and replays' p99 under wrk was 4.6-5.6
+ * ms against 2.0-3.5 ms with one event thread (docs/performance.md). */
 static unsigned int default_event_threads(void) {
   cpu_set_t cpus; /* the cores this process may run on, if fewer */
   long n = sysconf(_SC_NPROCESSORS_ONLN);
@@ -571,7 +571,8 @@ int idemd_http_start(idemd_server_t *srv) {
   unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL |
                        MHD_USE_ITC | MHD_ALLOW_SUSPEND_RESUME |
                        (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0);
-  unsigned int pool = srv->cfg.threads > 0 ? (unsigned int)srv->cfg.threads : default_event_threads();
+  unsigned int pool =
+      srv->cfg.threads > 0 ? (unsigned int)srv->cfg.threads : default_event_threads();
   if ((srv->workers = idemd_workers_start(srv->cfg.workers)) == NULL ||
       (srv->wait_timer = idem__ticker_start(PARK_TICK_MS, expire_parked, srv)) == NULL) {
     fprintf(stderr, "idemd: cannot start worker threads\n");

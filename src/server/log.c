@@ -95,6 +95,15 @@ void idemd_log_set_level(const char *level) { min_level = level_of(level); }
 
 /* UTC with milliseconds; the date and time up to the second are made
  * once per second per thread. */
+/* Writes ".ddd", `thousandths` (0-999) as three digits, and returns 4. */
+static size_t put_fraction(char *out, int thousandths) {
+  out[0] = '.';
+  out[1] = (char)('0' + thousandths / 100);
+  out[2] = (char)('0' + thousandths / 10 % 10);
+  out[3] = (char)('0' + thousandths % 10);
+  return 4;
+}
+
 static void timestamp(char *out, size_t len) {
   static __thread time_t last_sec = -1;
   static __thread char base[24];
@@ -114,10 +123,7 @@ static void timestamp(char *out, size_t len) {
     return;
   }
   memcpy(out, base, n);
-  out[n++] = '.';
-  out[n++] = (char)('0' + ms / 100);
-  out[n++] = (char)('0' + ms / 10 % 10);
-  out[n++] = (char)('0' + ms % 10);
+  n += put_fraction(out + n, ms);
   out[n++] = 'Z';
   out[n] = '\0';
 }
@@ -251,10 +257,7 @@ void idemd_log_request(const idemd_request_t *r) {
     us = 0;
   PUT_LIT(&l, ",\"latency_ms\":");
   n = put_int(num, us / 1000);
-  num[n++] = '.';
-  num[n++] = (char)('0' + us / 100 % 10);
-  num[n++] = (char)('0' + us / 10 % 10);
-  num[n++] = (char)('0' + us % 10);
+  n += put_fraction(num + n, (int)(us % 1000));
   put(&l, num, n);
   put_str(&l, "path", r->path);
   if (r->authenticated)

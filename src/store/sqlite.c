@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "idem/clock.h"
 #include "idem/crypto.h"
@@ -1067,8 +1068,8 @@ static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
  * every TENANT_RECHECK_US (an fstat() per lookup was 4 % of a replay's
  * CPU), and a change's command returns only after waiting that long past
  * its byte: whatever a thread remembers of the size was read before, so
- * by then every lookup reads it again. An entry also lasts at most TENANT_TTL_MS, which bounds
- * staleness after a change made another way (SQL on the file by hand, a
+ * by then every lookup reads it again. An entry also lasts at most
+ * TENANT_TTL_MS, which bounds staleness after a change made another way (SQL on the file by hand, a
  * replaced file) or a command killed between its commit and its byte.
  * Without the file (say, a read-only directory), every key is read from
  * the database as before. */
@@ -1107,28 +1108,30 @@ static int64_t tenants_changed_lately(const sqlite_store_t *s) {
   return count;
 }
 
+/* Sleeps `us` microseconds, through signals. */
+static void sleep_us(long long us) {
+  struct timespec left = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000L};
+  while (nanosleep(&left, &left) != 0 && errno == EINTR)
+    ;
+}
+
 /* After a change to a tenant (committed, or maybe: an extra count only
  * empties the caches). When this process cannot count it in the file the
  * servers read (not writable by this user, or not there), it waits until
  * every entry remembered before the change has expired, so the change
  * still holds for everyone once the command returns. */
 static void tenants_bump(sqlite_store_t *s) {
-  struct timespec wait = {TENANT_TTL_MS / 1000, (TENANT_TTL_MS % 1000 + 100) * 1000000L};
-
   if (s->tenants_fd >= 0 && s->tenants_writable && write(s->tenants_fd, "+", 1) == 1) {
     /* Until every thread that read the size before this byte reads it
      * again (tenants_changed_lately). */
-    struct timespec recheck = {0, (TENANT_RECHECK_US + 1000) * 1000L};
-    while (nanosleep(&recheck, &recheck) != 0 && errno == EINTR)
-      ;
+    sleep_us(TENANT_RECHECK_US + 1000);
     return;
   }
   if (!s->tenants_exists)
     return; /* no file, so no server remembers keys */
   fprintf(stderr, "idem: cannot count a tenant change in %s-tenants; waiting %d ms "
                   "for servers to forget the old key\n", s->path, TENANT_TTL_MS + 100);
-  while (nanosleep(&wait, &wait) != 0 && errno == EINTR)
-    ;
+  sleep_us((TENANT_TTL_MS + 100) * 1000LL);
 }
 
 /* Opens the change file of the database `db` (named as SQLite resolved it,
