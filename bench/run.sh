@@ -57,18 +57,39 @@ wait_http() {
   echo "bench: nothing answers on port $1" >&2; exit 1
 }
 
+# thread_ticks PID -> "writer event other" CPU ticks (user + system) of
+# PID's threads: the store's writer, libmicrohttpd's event threads, the rest.
+thread_ticks() {
+  local t comm w=0 e=0 o=0 ticks
+  for t in /proc/"$1"/task/*; do
+    comm=$(cat "$t/comm" 2>/dev/null) || continue
+    # comm may hold spaces; the fields after it are counted from its ")".
+    ticks=$(sed -E 's/.*\) //' "$t/stat" 2>/dev/null | awk '{ print $12 + $13 }') || continue
+    case "$comm" in
+      idem-writer) w=$((w + ticks)) ;;
+      MHD-*) e=$((e + ticks)) ;;
+      *) o=$((o + ticks)) ;;
+    esac
+  done
+  echo "$w $e $o"
+}
+
 failures=0
 baseline=0
+cpu_pid="" # the idemd whose threads' CPU wrk_run reports, if any
 # wrk_run LABEL PORT MODE PATH BODY EXPECT [KEY] -> prints a line, sets $rps
 wrk_run() {
   local label=$1 port=$2 mode=$3 path=$4 body=$5 expect=$6 key=${7:-bench-key}
   local env=(IDEM_TOKEN="${token:-}" IDEM_MODE="$mode" IDEM_PATH="$path" IDEM_BODY="$body"
              IDEM_EXPECT="$expect" IDEM_KEY="$key")
   env "${env[@]}" wrk -t1 -c64 -d2s -s "$repo/bench/load.lua" "http://127.0.0.1:$port" >/dev/null 2>&1 || true
-  local out
-  local full
-  full=$(env "${env[@]}" wrk -t1 -c64 -d"${duration}s" --latency -s "$repo/bench/load.lua" \
-         "http://127.0.0.1:$port" 2>&1) || true
+  local out full before="" after="" wrk_cpu
+  [ -n "$cpu_pid" ] && before=$(thread_ticks "$cpu_pid")
+  # bash's time keyword: wrk's own CPU (user and system seconds).
+  wrk_cpu=$( { TIMEFORMAT='%U %S'; time env "${env[@]}" wrk -t1 -c64 -d"${duration}s" --latency \
+             -s "$repo/bench/load.lua" "http://127.0.0.1:$port" >"$run/wrk.out" 2>&1; } 2>&1) || true
+  [ -n "$cpu_pid" ] && after=$(thread_ticks "$cpu_pid")
+  full=$(cat "$run/wrk.out")
   out=$(grep '^result' <<<"$full") || true
   rps=$(sed -E 's/.*rps=([0-9]+).*/\1/' <<<"$out")
   local p50 p99 bad ratio
@@ -77,6 +98,18 @@ wrk_run() {
   bad=$(sed -E 's/.*bad=([0-9]+).*/\1/' <<<"$out")
   ratio=$(awk -v a="${rps:-0}" -v b="$baseline" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
   printf '%-44s %9s req/s  p50 %7s ms  p99 %7s ms  x%s of baseline\n' "$label" "${rps:-?}" "${p50:-?}" "${p99:-?}" "$ratio"
+  # CPU per request: steadier from run to run than req/s on a shared
+  # machine, so a change's effect shows in fewer runs.
+  local reqs
+  reqs=$(sed -E 's/.*requests=([0-9]+).*/\1/' <<<"$out")
+  if [ -n "$before" ] && [ -n "$after" ] && [ "${reqs:-0}" -gt 0 ] 2>/dev/null; then
+    awk -v b="$before" -v a="$after" -v w="$wrk_cpu" -v n="$reqs" -v hz="$(getconf CLK_TCK)" 'BEGIN {
+      split(b, x, " "); split(a, y, " "); split(w, z, " ")
+      us = 1e6 / hz / n
+      printf "  CPU per request: idemd %.1f us (writer %.1f, event threads %.1f, other %.1f), wrk %.1f us\n",
+        (y[1] + y[2] + y[3] - x[1] - x[2] - x[3]) * us, (y[1] - x[1]) * us, (y[2] - x[2]) * us,
+        (y[3] - x[3]) * us, (z[1] + z[2]) * 1e6 / n }'
+  fi
   if [ -z "$out" ] || [ "${bad:-1}" != 0 ]; then
     echo "bench: FAILED: $label: ${bad:-?} answers were not $expect" >&2
     grep '^unexpected' <<<"$full" >&2 || true
@@ -136,6 +169,7 @@ bench_idemd() { # NAME DB -> runs the four cases against a fresh idemd
   token=$("$idemd" tenant create bench --db "$db")
   "$idemd" serve --db "$db" --listen "127.0.0.1:$port" 2>"$run/idemd-$name.log" &
   pids+=($!)
+  cpu_pid=$!
   wait_http "$port"
   curl -s -o /dev/null -X POST "http://127.0.0.1:$port/payments" -H "Authorization: Bearer $token" \
     -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-key' -d "$pay"
