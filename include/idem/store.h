@@ -68,6 +68,10 @@ typedef struct idem_complete {
   int64_t now_ms;
   int64_t ttl_ms;
   idem_outcome_t outcome;
+  /* The record's `row`, as its reservation returned it (0: unknown). A
+   * hint: a store may find the record by it, but still completes it only
+   * if it has this scope and owner, and looks the key up when it does not. */
+  int64_t row;
 } idem_complete_t;
 
 typedef struct idem_tenant {

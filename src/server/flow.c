@@ -95,7 +95,7 @@ static void execute(const idemd_effect_t *e, idemd_server_t *srv,
   e->execute(e->ctx, rec, &out);
   *c = (idem_complete_t){.scope = *scope, .owner_token = rec->owner_token,
                          .now_ms = idem_now_ms(), .ttl_ms = srv->cfg.key_ttl_ms,
-                         .outcome = out};
+                         .outcome = out, .row = rec->row};
 }
 
 /* The reservation of `scope` for request `r`, now. */

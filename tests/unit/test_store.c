@@ -744,6 +744,56 @@ static void test_complete_needs_the_owner(void **state) {
   assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_ELOST);
 }
 
+/* idem_complete_t.row is a hint: a row that holds another record, even
+ * one in flight, or no record at all, still completes the record of the
+ * scope and owner, and only that one. On SQLite a new key's reservation
+ * returns its row; a store that has none returns 0. */
+static void test_complete_row_is_a_hint(void **state) {
+  static const char body[] = "{\"n\":1}";
+  static const char fp_c[] = "00000000000000000000000000000000000000000000000000000000000000bb";
+  fixture_t *fx = *state;
+  char token_a[IDEM_TOKEN_MAX + 1], token_b[IDEM_TOKEN_MAX + 1];
+  idem_record_t rec = {0};
+  struct payment pa, pb;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = body,
+                        .resource_status = "succeeded", .resource_body = body};
+  idem_reserve_t req_a = reserve_payment(fx, "key-a", LEASE_MS, &pa, token_a);
+  idem_reserve_t req_b = reserve_payment(fx, "key-b", LEASE_MS, &pb, token_b);
+  idem_reserve_t req_c = request(fx, OP_PAY, "key-c", fp_c);
+  idem_complete_t c = {.now_ms = fx->now, .ttl_ms = TTL_MS, .outcome = out};
+
+  assert_int_equal(reserve(fx, &req_c, &rec), IDEM_RESERVE_WON);
+  if (fx->path[0])
+    assert_true(rec.row > 0); /* SQLite: the rowid it inserted */
+  else
+    assert_int_equal(rec.row, 0);
+
+  /* key-a completed with key-c's row, key-b with a row that holds nothing. */
+  c.scope = req_a.scope;
+  c.owner_token = token_a;
+  c.row = rec.row;
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_OK);
+  c.scope = req_b.scope;
+  c.owner_token = token_b;
+  c.row = INT64_MAX;
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_OK);
+  idem_record_reset(&rec);
+
+  assert_int_equal(idem_store_lookup(fx->store, &req_a.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_same_json(rec.response_body, body);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_lookup(fx->store, &req_b.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  idem_record_reset(&rec);
+  /* key-c, whose row the first completion named, is still in flight. */
+  assert_int_equal(idem_store_lookup(fx->store, &req_c.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  assert_int_equal(rec.response_status, 0);
+  idem_record_reset(&rec);
+  assert_int_equal(count(fx, "processing"), 1);
+}
+
 /* Orders reserve, insert and complete in one call. */
 static void test_single_step_reserve(void **state) {
   static const char order[] = "{\"id\":\"ord_1\",\"total\":2000,\"status\":\"created\"}";
@@ -1492,6 +1542,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_key_bytes_round_trip),
       STORE_TEST(test_resource_outbox_and_complete),
       STORE_TEST(test_complete_needs_the_owner),
+      STORE_TEST(test_complete_row_is_a_hint),
       STORE_TEST(test_async_reserve_and_complete),
       STORE_TEST(test_sync_write_from_callback_fails),
       STORE_TEST(test_single_step_reserve),
