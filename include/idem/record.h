@@ -60,9 +60,10 @@ typedef struct idem_record {
   int64_t created_at;
   int64_t updated_at;
   int64_t expires_at; /* 0 while processing or pending: they never expire */
-  /* Where the store keeps the record, when the store that filled it in
-   * knows (SQLite: the rowid its reservation inserted), else 0. Only that
-   * store reads it back, through idem_complete_t.row. */
+  /* Set only by a won reservation that inserted the record, on a store
+   * that can find it faster by it (SQLite: its rowid); 0 from every other
+   * call and store. Only that store reads it back, through
+   * idem_complete_t.row. */
   int64_t row;
 } idem_record_t;
 

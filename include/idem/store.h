@@ -70,7 +70,8 @@ typedef struct idem_complete {
   idem_outcome_t outcome;
   /* The record's `row`, as its reservation returned it (0: unknown). A
    * hint: a store may find the record by it, but still completes it only
-   * if it has this scope and owner, and looks the key up when it does not. */
+   * if it has this scope and owner, and looks the key up when it does not;
+   * so any value is safe, a wrong one costs a statement. */
   int64_t row;
 } idem_complete_t;
 

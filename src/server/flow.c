@@ -145,6 +145,8 @@ struct idemd_async_flow {
     idem_complete_t done; /* from EXECUTING on */
   };
 };
+/* Exactly 1,024 bytes since idem_complete_t and idem_record_t gained their
+ * `row`: anything added here must be paid for elsewhere. */
 _Static_assert(sizeof(struct idemd_async_flow) <= 1024,
                "keep the flow within malloc's per-thread cache (see above)");
 

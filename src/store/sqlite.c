@@ -928,9 +928,10 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   }
   *result = IDEM_RESERVE_WON;
   /* A new row sets the last rowid; an old record taken over (the DO
-   * UPDATE) leaves it, and its row stays unknown. So would a new row that
-   * got the very rowid of the last insert (freed since): then the
-   * completion looks the key up, as it always did. */
+   * UPDATE) leaves it, and its row stays unknown. So does a new row whose
+   * rowid happens to equal the connection's previous insert (a record
+   * freed since, or the first record after a tenant of the same id):
+   * then the completion looks the key up, as it always did. */
   row = sqlite3_last_insert_rowid(c->db);
   if (row == last)
     row = 0;

@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "idem/clock.h"
@@ -746,13 +747,15 @@ static void test_complete_needs_the_owner(void **state) {
 
 /* idem_complete_t.row is a hint: a row that holds another record, even
  * one in flight, or no record at all, still completes the record of the
- * scope and owner, and only that one. On SQLite a new key's reservation
- * returns its row; a store that has none returns 0. */
+ * scope and owner, and only that one; the right row with the wrong owner
+ * or scope completes nothing. On SQLite a new key's reservation returns
+ * its rowid; a store that has none returns 0. */
 static void test_complete_row_is_a_hint(void **state) {
   static const char body[] = "{\"n\":1}";
   static const char fp_c[] = "00000000000000000000000000000000000000000000000000000000000000bb";
   fixture_t *fx = *state;
   char token_a[IDEM_TOKEN_MAX + 1], token_b[IDEM_TOKEN_MAX + 1];
+  char token_c[IDEM_TOKEN_MAX + 1];
   idem_record_t rec = {0};
   struct payment pa, pb;
   idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = body,
@@ -761,24 +764,39 @@ static void test_complete_row_is_a_hint(void **state) {
   idem_reserve_t req_b = reserve_payment(fx, "key-b", LEASE_MS, &pb, token_b);
   idem_reserve_t req_c = request(fx, OP_PAY, "key-c", fp_c);
   idem_complete_t c = {.now_ms = fx->now, .ttl_ms = TTL_MS, .outcome = out};
+  int64_t row_c;
 
   assert_int_equal(reserve(fx, &req_c, &rec), IDEM_RESERVE_WON);
-  if (fx->path[0])
-    assert_true(rec.row > 0); /* SQLite: the rowid it inserted */
+  row_c = rec.row;
+  idem_copy(token_c, sizeof token_c, rec.owner_token);
+  idem_record_reset(&rec);
+  if (strcmp(idem_store_backend(fx->store), "sqlite") == 0)
+    assert_true(row_c > 0);
   else
-    assert_int_equal(rec.row, 0);
+    assert_int_equal(row_c, 0);
+
+  /* key-c's own row, with another owner, or with key-a's scope: nothing. */
+  c.scope = req_c.scope;
+  c.owner_token = token_a;
+  c.row = row_c;
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_ELOST);
+  c.scope = req_a.scope;
+  c.owner_token = token_c;
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_ELOST);
+  assert_int_equal(idem_store_lookup(fx->store, &req_c.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_lookup(fx->store, &req_a.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  idem_record_reset(&rec);
 
   /* key-a completed with key-c's row, key-b with a row that holds nothing. */
-  c.scope = req_a.scope;
   c.owner_token = token_a;
-  c.row = rec.row;
   assert_int_equal(idem_store_complete(fx->store, &c), IDEM_OK);
   c.scope = req_b.scope;
   c.owner_token = token_b;
   c.row = INT64_MAX;
   assert_int_equal(idem_store_complete(fx->store, &c), IDEM_OK);
-  idem_record_reset(&rec);
-
   assert_int_equal(idem_store_lookup(fx->store, &req_a.scope, fx->now, &rec), IDEM_OK);
   assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
   assert_same_json(rec.response_body, body);
@@ -786,12 +804,19 @@ static void test_complete_row_is_a_hint(void **state) {
   assert_int_equal(idem_store_lookup(fx->store, &req_b.scope, fx->now, &rec), IDEM_OK);
   assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
   idem_record_reset(&rec);
-  /* key-c, whose row the first completion named, is still in flight. */
+  /* key-c, whose row the first of them named, is still in flight. */
   assert_int_equal(idem_store_lookup(fx->store, &req_c.scope, fx->now, &rec), IDEM_OK);
   assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
   assert_int_equal(rec.response_status, 0);
   idem_record_reset(&rec);
   assert_int_equal(count(fx, "processing"), 1);
+
+  /* And key-c, with its own row and owner. */
+  c.scope = req_c.scope;
+  c.owner_token = token_c;
+  c.row = row_c;
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_OK);
+  assert_int_equal(count(fx, "processing"), 0);
 }
 
 /* Orders reserve, insert and complete in one call. */
