@@ -961,9 +961,11 @@ static void *slow_main(void *p) {
 
 /* SIGTERM while ten slow payments are in flight: no new connection
  * is taken from then on, every accepted request gets its whole 201, idemd
- * exits 0, and nothing is half-written. */
+ * exits 0, and nothing is half-written. The provider takes 2 s: the
+ * refusal must be seen before the first answer, and on a loaded machine
+ * (a CI run beside a build) the steps before it once took 1.1 s. */
 static void test_sigterm_drains_load(void **state) {
-  static const char *const flags[] = {"--sandbox-delay", "1s", "--shutdown-timeout", "30s",
+  static const char *const flags[] = {"--sandbox-delay", "2s", "--shutdown-timeout", "30s",
                                       NULL};
   h_server_t *s = h_server_start(flags);
   const char *tok = h_tenant(s, "acme");
