@@ -777,8 +777,8 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
 
 /* Writes an outcome into the record of `sc` owned by `owner`: first at
  * `row` when it is known, then through the key if that found nothing (a
- * row the record no longer has). 1 when the record was changed, 0 when
- * no such record is owned by `owner`, or an IDEM_E* error (negative). */
+ * row the record no longer has). IDEM_OK when the record was changed,
+ * IDEM_ELOST when no such record is owned by `owner`, or the error. */
 static int complete_record(struct conn *c, const idem_scope_t *sc,
                            const char *owner, const idem_outcome_t *o,
                            int64_t now_ms, int64_t ttl_ms, int64_t row) {
@@ -806,9 +806,9 @@ static int complete_record(struct conn *c, const idem_scope_t *sc,
     if ((rc = run(c, st, "complete")) != IDEM_OK)
       return rc;
     if (sqlite3_changes(c->db) == 1)
-      return 1;
+      return IDEM_OK;
     if (row == 0)
-      return 0;
+      return IDEM_ELOST;
   }
 }
 
@@ -824,10 +824,8 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
   sqlite3_stmt *st;
   int rc = complete_record(c, sc, owner, o, now_ms, ttl_ms, row);
 
-  if (rc < 0)
+  if (rc != IDEM_OK)
     return rc;
-  if (rc == 0)
-    return IDEM_ELOST;
 
   if (o->resource_status || o->resource_body || o->provider_ref) {
     st = stmt(c, ST_UPDATE_RESOURCE);

@@ -8,12 +8,26 @@
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 #include <jansson.h>
 
 #define ARRAY_LEN(a) (sizeof(a) / sizeof *(a))
+
+/* Removes a SQLite store's database file and the files beside it (WAL,
+ * shared memory, rollback journal, the tenant cache's change file). */
+static inline void remove_sqlite_files(const char *path) {
+  static const char *const suffix[] = {"", "-wal", "-shm", "-journal", "-tenants"};
+  char name[1024];
+
+  for (size_t i = 0; i < ARRAY_LEN(suffix); i++) {
+    snprintf(name, sizeof name, "%s%s", path, suffix[i]);
+    unlink(name);
+  }
+}
 
 /* Loads `text` as JSON (any value); fails the test if it does not parse.
  * The caller owns the result. */

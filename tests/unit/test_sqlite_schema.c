@@ -31,13 +31,7 @@ static int setup(void **state) {
 
 static int teardown(void **state) {
   struct fixture *fx = *state;
-  static const char *const suffix[] = {"", "-wal", "-shm", "-tenants"};
-  char name[320];
-
-  for (size_t i = 0; i < ARRAY_LEN(suffix); i++) {
-    snprintf(name, sizeof name, "%s%s", fx->path, suffix[i]);
-    unlink(name);
-  }
+  remove_sqlite_files(fx->path);
   rmdir(fx->dir);
   free(fx);
   return 0;

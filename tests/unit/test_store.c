@@ -204,12 +204,7 @@ static int teardown(void **state) {
     return 0;
   idem_store_close(fx->store);
   if (fx->dir[0]) {
-    static const char *const suffixes[] = {"", "-wal", "-shm", "-journal", "-tenants"};
-    for (size_t i = 0; i < ARRAY_LEN(suffixes); i++) {
-      char file[sizeof fx->path + 16];
-      snprintf(file, sizeof file, "%s%s", fx->path, suffixes[i]);
-      unlink(file);
-    }
+    remove_sqlite_files(fx->path);
     rmdir(fx->dir);
   }
   free(fx);
