@@ -19,10 +19,11 @@ idemd="$repo/build-bench/idemd"
 run=$(mktemp -d /tmp/idem-cg.XXXXXX)
 trap 'rm -rf "$run"' EXIT
 
-# profile NAME MODE COUNT [PATH BODY] -> prints the total instruction count
-profile() {
-  local name=$1 mode=$2 count=$3 path=${4:-/payments} body=${5:-'{\"amount\": 15990}'}
-  local port=$((20000 + RANDOM % 20000)) token pid
+# start_server NAME -> sets port, token and pid: idemd under callgrind on a
+# fresh database, answering.
+start_server() {
+  local name=$1
+  port=$((20000 + RANDOM % 20000))
   rm -f "$run/$name.db"*
   token=$("$idemd" tenant create cg --db "$run/$name.db")
   # One worker: with many, each request may wake a fresh thread, whose
@@ -32,6 +33,13 @@ profile() {
     "$idemd" serve --db "$run/$name.db" --listen "127.0.0.1:$port" --workers 1 2>/dev/null &
   pid=$!
   for _ in $(seq 300); do curl -s -o /dev/null "http://127.0.0.1:$port/healthz" && break; sleep 0.1; done
+}
+
+# profile NAME MODE COUNT [PATH BODY] -> prints the total instruction count
+profile() {
+  local name=$1 mode=$2 count=$3 path=${4:-/payments} body=${5:-'{\"amount\": 15990}'}
+  local port token pid
+  start_server "$name"
   # One curl for all requests, so they share a kept-alive connection (as
   # under wrk) and connection set-up is not counted.
   {
@@ -54,13 +62,8 @@ profile() {
 # commits carry many writes each, as in bench/run.sh; `writer` is the
 # store's writer thread's share (writer_loop, inclusive).
 profile_load() {
-  local name=$1 secs=$2 port=$((20000 + RANDOM % 20000)) token pid res metrics
-  rm -f "$run/$name.db"*
-  token=$("$idemd" tenant create cg --db "$run/$name.db")
-  valgrind --tool=callgrind --callgrind-out-file="$run/$name.out" \
-    "$idemd" serve --db "$run/$name.db" --listen "127.0.0.1:$port" --workers 1 2>/dev/null &
-  pid=$!
-  for _ in $(seq 300); do curl -s -o /dev/null "http://127.0.0.1:$port/healthz" && break; sleep 0.1; done
+  local name=$1 secs=$2 port token pid res metrics
+  start_server "$name"
   res=$(IDEM_TOKEN="$token" IDEM_MODE=new IDEM_PATH=/payments IDEM_BODY='{"amount": 15990}' \
         IDEM_EXPECT=201 wrk -t1 -c64 -d"${secs}s" --timeout 10s -s "$repo/bench/load.lua" \
         "http://127.0.0.1:$port" 2>&1 | grep '^result') || true
