@@ -26,6 +26,7 @@
 
 #include "idem/clock.h"
 #include "idem/crypto.h"
+#include "sqlite_vfs.h"
 
 enum stmt_id {
   ST_BEGIN,
@@ -336,6 +337,9 @@ static const char *const migrations[] = {
 
 #define BUSY_RETRIES 50
 
+/* The VFS connections open with (configure_sqlite()); NULL: the default. */
+static const char *vfs_name;
+
 struct conn {
   sqlite3 *db;
   sqlite3_stmt *st[ST_COUNT_];
@@ -437,7 +441,7 @@ static int conn_new(sqlite_store_t *s, struct conn **out) {
   rc = sqlite3_open_v2(s->path, &c->db,
                        SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE |
                            SQLITE_OPEN_NOMUTEX,
-                       NULL);
+                       vfs_name);
   if (rc != SQLITE_OK) {
     rc = fail(c->db, rc, "open");
     conn_free(c);
@@ -1664,6 +1668,11 @@ static void sq_close(idem_store_t *base) {
 static void configure_sqlite(void) {
   (void)sqlite3_config(SQLITE_CONFIG_MEMSTATUS, 0);
   (void)sqlite3_config(SQLITE_CONFIG_STMTJRNL_SPILL, 120 * 1024);
+  /* Connections open through idem's VFS, which writes a commit's WAL
+   * frames in one call (sqlite_vfs.c); the default one if it could not be
+   * registered, which is as correct. */
+  if (idem_sqlite_vfs_register() == SQLITE_OK)
+    vfs_name = IDEM_SQLITE_VFS;
 }
 
 int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
