@@ -12,14 +12,22 @@
  * - A commit syncs the WAL (synchronous=FULL) before it makes its frames
  *   visible in the WAL index, and the sync writes the gathered bytes first;
  *   so other connections, which read the WAL through their own file
- *   handles, only ever look at frames that are in the file.
+ *   handles, only ever look at frames that are in the file. Under a
+ *   weaker synchronous setting SQLite would publish frames without a
+ *   sync: the gathered bytes are written at the shared-memory barrier
+ *   SQLite calls before it publishes, so that stays correct too.
  * - A connection reading its own WAL (frames spilled from its cache
  *   mid-transaction, a checkpoint), asking its size, truncating it, or
  *   closing it, gets the gathered bytes written first.
  * - Only contiguous writes are gathered: a write anywhere else writes what
  *   was gathered first, so the file sees writes in SQLite's order.
- * - A failed write is reported by the sync (or read) that tried it, and
- *   fails that commit, as a failed write would have.
+ * - Bytes still gathered when the connection gives up the WAL's write
+ *   lock were never committed (a commit syncs): a rolled-back
+ *   transaction's spilled frames. They are dropped there, not written
+ *   later over frames another writer may have committed meanwhile.
+ * - A failed write keeps the bytes gathered, so the sync or read that
+ *   tried it fails and any later one writes them again: no commit can
+ *   succeed without them.
  * The main database file, its -shm index and any other file go straight
  * through. */
 #include "sqlite_vfs.h"
@@ -35,14 +43,32 @@
  * configure_sqlite() in sqlite.c). */
 #define GATHER_BYTES (124 * 1024)
 
-typedef struct gather_file {
+typedef struct gather_file gather_file_t;
+
+struct gather_file {
   sqlite3_file base;
   sqlite3_file *real; /* the default VFS's file, allocated right after */
   int wal;            /* gather this file's writes */
   char *buf;          /* GATHER_BYTES, made on the first write */
   size_t len;         /* bytes gathered */
   sqlite3_int64 at;   /* their offset in the file */
-} gather_file_t;
+  /* A connection's main database file and its WAL, linked both ways: the
+   * database file's shared-memory calls act on the WAL's bytes. Both are
+   * used by that connection only, one thread at a time. */
+  gather_file_t *peer;
+  const char *name;    /* a main database: the name SQLite opened it by */
+  gather_file_t *next; /* in `open_dbs` */
+};
+
+/* Main database files open through this VFS, for their WALs to find.
+ * SQLite opens a WAL by a name from the same allocation as its
+ * database's (sqlite3_filename_database() finds the latter), so the
+ * pointer identifies the connection. */
+static pthread_mutex_t open_dbs_lock = PTHREAD_MUTEX_INITIALIZER;
+static gather_file_t *open_dbs;
+
+/* WAL_WRITE_LOCK in SQLite's wal.c: the first shared-memory lock. */
+#define WAL_WRITE_LOCK 0
 
 static sqlite3_vfs gather_vfs;
 static sqlite3_vfs *real_vfs;
@@ -53,20 +79,37 @@ static int register_rc = SQLITE_ERROR;
 #define REAL(f) (((gather_file_t *)(f))->real)
 #define RIO(f) (REAL(f)->pMethods)
 
-/* Writes what was gathered. */
+/* Writes what was gathered. On failure the bytes stay, for the next try. */
 static int flush(gather_file_t *g) {
   int rc;
   if (g->len == 0)
     return SQLITE_OK;
   rc = g->real->pMethods->xWrite(g->real, g->buf, (int)g->len, g->at);
-  g->len = 0;
+  if (rc == SQLITE_OK)
+    g->len = 0;
   return rc;
 }
 
 static int g_close(sqlite3_file *f) {
   gather_file_t *g = (gather_file_t *)f;
-  int rc = flush(g);
-  int rc2 = RIO(f)->xClose(g->real);
+  int rc = SQLITE_OK, rc2;
+
+  if (g->wal) {
+    rc = flush(g);
+    if (g->peer)
+      g->peer->peer = NULL;
+  } else if (g->name) {
+    pthread_mutex_lock(&open_dbs_lock);
+    for (gather_file_t **p = &open_dbs; *p; p = &(*p)->next)
+      if (*p == g) {
+        *p = g->next;
+        break;
+      }
+    pthread_mutex_unlock(&open_dbs_lock);
+    if (g->peer)
+      g->peer->peer = NULL;
+  }
+  rc2 = RIO(f)->xClose(g->real);
   free(g->buf);
   g->buf = NULL;
   return rc != SQLITE_OK ? rc : rc2;
@@ -138,11 +181,30 @@ static int g_shm_map(sqlite3_file *f, int region, int size, int extend, void vol
   return RIO(f)->xShmMap(REAL(f), region, size, extend, p);
 }
 
+/* On a main database file. Giving up the WAL's write lock ends the
+ * connection's write transaction: what its WAL still gathers was not
+ * committed, and is dropped. */
 static int g_shm_lock(sqlite3_file *f, int offset, int n, int flags) {
-  return RIO(f)->xShmLock(REAL(f), offset, n, flags);
+  gather_file_t *g = (gather_file_t *)f;
+  int rc = RIO(f)->xShmLock(REAL(f), offset, n, flags);
+
+  if (rc == SQLITE_OK && g->peer && offset <= WAL_WRITE_LOCK &&
+      WAL_WRITE_LOCK < offset + n && (flags & SQLITE_SHM_UNLOCK))
+    g->peer->len = 0;
+  return rc;
 }
 
-static void g_shm_barrier(sqlite3_file *f) { RIO(f)->xShmBarrier(REAL(f)); }
+/* SQLite calls the barrier between writing frames and publishing them in
+ * the WAL index: the frames must be in the file by then. (A commit under
+ * synchronous=FULL has written them already, at its sync.) xShmBarrier
+ * cannot fail: a failed write here leaves the bytes gathered, and the
+ * connection's next sync or read of the WAL reports it. */
+static void g_shm_barrier(sqlite3_file *f) {
+  gather_file_t *g = (gather_file_t *)f;
+  if (g->peer)
+    (void)flush(g->peer);
+  RIO(f)->xShmBarrier(REAL(f));
+}
 
 static int g_shm_unmap(sqlite3_file *f, int delete_flag) {
   return RIO(f)->xShmUnmap(REAL(f), delete_flag);
@@ -173,7 +235,7 @@ static int g_open(sqlite3_vfs *vfs, const char *name, sqlite3_file *f, int flags
     return rc != SQLITE_OK ? rc : SQLITE_CANTOPEN;
   }
   /* gather_io offers every method of version 3 (shared memory, mmap):
-   * a real file without them (not the unix VFS's) is not wrapped. */
+   * a real file without them (not the unix VFS's) cannot be opened. */
   if (g->real->pMethods->iVersion < gather_io.iVersion) {
     g->real->pMethods->xClose(g->real);
     g->base.pMethods = NULL;
@@ -181,6 +243,27 @@ static int g_open(sqlite3_vfs *vfs, const char *name, sqlite3_file *f, int flags
   }
   g->wal = (flags & SQLITE_OPEN_WAL) != 0;
   g->base.pMethods = &gather_io;
+  if (flags & SQLITE_OPEN_MAIN_DB) {
+    g->name = name;
+    pthread_mutex_lock(&open_dbs_lock);
+    g->next = open_dbs;
+    open_dbs = g;
+    pthread_mutex_unlock(&open_dbs_lock);
+  } else if (g->wal && name != NULL) {
+    const char *db = sqlite3_filename_database(name);
+    pthread_mutex_lock(&open_dbs_lock);
+    for (gather_file_t *d = open_dbs; d; d = d->next)
+      if (d->name == db) {
+        d->peer = g;
+        g->peer = d;
+        break;
+      }
+    pthread_mutex_unlock(&open_dbs_lock);
+    /* Not found (not expected): the writes go straight through, since
+     * nothing would drop a rolled-back transaction's bytes. */
+    if (g->peer == NULL)
+      g->wal = 0;
+  }
   return SQLITE_OK;
 }
 

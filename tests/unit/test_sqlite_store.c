@@ -7,6 +7,7 @@
  * backend. */
 #include "support.h"
 
+#include <errno.h>
 #include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,6 +66,13 @@ static long long number(sqlite3 *db, const char *query, const char *key) {
   v = sqlite3_column_int64(st, 0);
   sqlite3_finalize(st);
   return v;
+}
+
+/* The integrity check's verdict: 0 when the file is sound. */
+static long long broken(sqlite3 *db) {
+  return number(db, "SELECT count(*) FROM pragma_integrity_check "
+                    "WHERE integrity_check <> 'ok' AND ?1 IS NULL",
+                NULL);
 }
 
 /* Reserves `key`, which must be new; `rec` gets the record. */
@@ -172,44 +180,45 @@ static sqlite3 *open_with(const char *path, const char *vfs) {
  * the sync, its WAL index would point at frames not in the file yet. The
  * commits vary from one frame to over 124 KiB (written in pieces), and
  * together pass the checkpoint threshold a few times, so the WAL is
- * checkpointed and written again from its start. */
+ * checkpointed and written again from its start. The store commits with
+ * synchronous=FULL; NORMAL, which publishes commits without a sync, must
+ * be as safe. */
 static void test_vfs_commits_reach_the_file(void **state) {
+  static const char *const sync_modes[] = {"PRAGMA synchronous = FULL",
+                                           "PRAGMA synchronous = NORMAL"};
   struct fixture *fx = *state;
-  char path[320];
-  sqlite3 *w, *r;
-  long long rows = 0, bytes = 0;
 
   assert_non_null(sqlite3_vfs_find("idem-gather")); /* the store registered it */
-  snprintf(path, sizeof path, "%s/gather.db", fx->dir);
-  w = open_with(path, "idem-gather");
-  r = open_with(path, NULL);
-  exec_ok(w, "CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB NOT NULL)");
-  for (int i = 0; i < 300; i++) {
-    int n = i % 10 == 0 ? 80 : 1 + i % 7, size = 300 + (i * 37) % 3000;
-    char sql[160];
-    snprintf(sql, sizeof sql,
-             "INSERT INTO t (b) SELECT randomblob(%d) FROM generate_series(1, %d)", size, n);
-    if (sqlite3_exec(w, sql, NULL, NULL, NULL) != SQLITE_OK) {
-      /* generate_series is an extension: insert row by row instead. */
+  for (size_t m = 0; m < ARRAY_LEN(sync_modes); m++) {
+    char path[320];
+    sqlite3 *w, *r;
+    long long rows = 0, bytes = 0;
+
+    snprintf(path, sizeof path, "%s/gather-%zu.db", fx->dir, m);
+    w = open_with(path, "idem-gather");
+    r = open_with(path, NULL);
+    exec_ok(w, sync_modes[m]);
+    exec_ok(w, "CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB NOT NULL)");
+    for (int i = 0; i < 300; i++) {
+      int n = i % 10 == 0 ? 80 : 1 + i % 7, size = 300 + (i * 37) % 3000;
+      char sql[160];
+
       exec_ok(w, "BEGIN");
-      for (int k = 0; k < n; k++) {
-        snprintf(sql, sizeof sql, "INSERT INTO t (b) VALUES (randomblob(%d))", size);
+      snprintf(sql, sizeof sql, "INSERT INTO t (b) VALUES (randomblob(%d))", size);
+      for (int k = 0; k < n; k++)
         exec_ok(w, sql);
-      }
       exec_ok(w, "COMMIT");
+      rows += n;
+      bytes += (long long)n * size;
+      assert_int_equal(number(r, "SELECT count(*) FROM t WHERE ?1 IS NULL", NULL), rows);
+      assert_int_equal(number(r, "SELECT sum(length(b)) FROM t WHERE ?1 IS NULL", NULL),
+                       bytes);
     }
-    rows += n;
-    bytes += (long long)n * size;
-    assert_int_equal(number(r, "SELECT count(*) FROM t WHERE ?1 IS NULL", NULL), rows);
-    assert_int_equal(number(r, "SELECT sum(length(b)) FROM t WHERE ?1 IS NULL", NULL), bytes);
+    assert_int_equal(broken(r), 0);
+    sqlite3_close(r);
+    sqlite3_close(w);
+    remove_sqlite_files(path);
   }
-  assert_int_equal(number(r, "SELECT count(*) FROM pragma_integrity_check "
-                             "WHERE integrity_check <> 'ok' AND ?1 IS NULL",
-                          NULL),
-                   0);
-  sqlite3_close(r);
-  sqlite3_close(w);
-  remove_sqlite_files(path);
 }
 
 /* A transaction larger than its connection's page cache spills pages to
@@ -239,12 +248,115 @@ static void test_vfs_reads_its_own_writes(void **state) {
   remove_sqlite_files(path);
 }
 
+/* A rolled-back transaction's frames may still be held by idem's VFS when
+ * its connection gives up the write lock. Another connection (another
+ * process, in production) then commits frames at the same offsets: the
+ * held ones must be dropped, not written over those later. */
+static void test_vfs_drops_rolled_back_writes(void **state) {
+  struct fixture *fx = *state;
+  char path[320];
+  sqlite3 *a, *b, *c;
+
+  snprintf(path, sizeof path, "%s/rollback.db", fx->dir);
+  a = open_with(path, "idem-gather");
+  b = open_with(path, NULL);
+  exec_ok(a, "CREATE TABLE t (id INTEGER PRIMARY KEY, tag TEXT NOT NULL, b BLOB NOT NULL);"
+             "PRAGMA cache_size = 10; PRAGMA wal_checkpoint(TRUNCATE); BEGIN");
+  for (int i = 0; i < 200; i++) /* spills pages into the WAL, held */
+    exec_ok(a, "INSERT INTO t (tag, b) VALUES ('rolled back', randomblob(1500))");
+  exec_ok(a, "ROLLBACK");
+  exec_ok(b, "BEGIN");
+  for (int i = 0; i < 300; i++)
+    exec_ok(b, "INSERT INTO t (tag, b) VALUES ('committed', randomblob(1500))");
+  exec_ok(b, "COMMIT");
+  /* `a` reads: anything it still held would reach the file now. */
+  assert_int_equal(number(a, "SELECT count(*) FROM t WHERE tag = ?1", "committed"), 300);
+  sqlite3_close(a);
+  c = open_with(path, NULL);
+  assert_int_equal(number(c, "SELECT count(*) FROM t WHERE tag = ?1", "committed"), 300);
+  assert_int_equal(number(c, "SELECT count(*) FROM t WHERE tag = ?1", "rolled back"), 0);
+  assert_int_equal(broken(c), 0);
+  sqlite3_close(c);
+  sqlite3_close(b);
+  remove_sqlite_files(path);
+}
+
+/* The unix VFS's writes, failing while `fail_writes` is set. */
+static int fail_writes;
+static sqlite3_syscall_ptr real_pwrite, real_pwrite64;
+
+static ssize_t failing_pwrite(int fd, const void *p, size_t n, off_t at) {
+  if (fail_writes) {
+    errno = ENOSPC;
+    return -1;
+  }
+  return ((ssize_t(*)(int, const void *, size_t, off_t))real_pwrite)(fd, p, n, at);
+}
+
+static ssize_t failing_pwrite64(int fd, const void *p, size_t n, off_t at) {
+  if (fail_writes) {
+    errno = ENOSPC;
+    return -1;
+  }
+  return ((ssize_t(*)(int, const void *, size_t, off_t))real_pwrite64)(fd, p, n, at);
+}
+
+/* Held WAL bytes whose write fails (a full disk, for a moment) fail the
+ * read that tried to write them; SQLite undoes that statement only, and
+ * the transaction goes on. Its commit must then write those bytes, or
+ * fail: committing without them would corrupt the file. */
+static void test_vfs_failed_write_is_not_lost(void **state) {
+  struct fixture *fx = *state;
+  sqlite3_vfs *unix_vfs = sqlite3_vfs_find("unix");
+  char path[320];
+  sqlite3 *w, *r;
+  int rc;
+
+  assert_non_null(unix_vfs);
+  snprintf(path, sizeof path, "%s/full.db", fx->dir);
+  w = open_with(path, "idem-gather");
+  exec_ok(w, "CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB NOT NULL);"
+             "CREATE TABLE u (id INTEGER PRIMARY KEY, v TEXT UNIQUE);"
+             "PRAGMA cache_size = 10; BEGIN");
+  for (int i = 0; i < 300; i++) /* spills pages into the WAL, held */
+    exec_ok(w, "INSERT INTO t (b) VALUES (randomblob(1500))");
+  real_pwrite = unix_vfs->xGetSystemCall(unix_vfs, "pwrite");
+  real_pwrite64 = unix_vfs->xGetSystemCall(unix_vfs, "pwrite64");
+  assert_int_equal(unix_vfs->xSetSystemCall(unix_vfs, "pwrite", (sqlite3_syscall_ptr)failing_pwrite),
+                   SQLITE_OK);
+  assert_int_equal(unix_vfs->xSetSystemCall(unix_vfs, "pwrite64",
+                                            (sqlite3_syscall_ptr)failing_pwrite64),
+                   SQLITE_OK);
+  fail_writes = 1;
+  /* Reads the spilled pages back: the held bytes must be written first. */
+  rc = sqlite3_exec(w, "INSERT INTO u (v) SELECT hex(b) FROM t", NULL, NULL, NULL);
+  fail_writes = 0;
+  unix_vfs->xSetSystemCall(unix_vfs, "pwrite", NULL);
+  unix_vfs->xSetSystemCall(unix_vfs, "pwrite64", NULL);
+  assert_int_not_equal(rc, SQLITE_OK);
+  if (!sqlite3_get_autocommit(w)) { /* the transaction lives on */
+    exec_ok(w, "INSERT INTO t (b) VALUES (randomblob(100))");
+    if (sqlite3_exec(w, "COMMIT", NULL, NULL, NULL) != SQLITE_OK)
+      exec_ok(w, "ROLLBACK");
+  }
+  r = open_with(path, NULL);
+  assert_int_equal(broken(r), 0);
+  rc = (int)number(r, "SELECT count(*) FROM t WHERE ?1 IS NULL", NULL);
+  if (rc != 0 && rc != 301)
+    fail_msg("%d rows: the commit kept part of its transaction", rc);
+  sqlite3_close(r);
+  sqlite3_close(w);
+  remove_sqlite_files(path);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_reservation_returns_its_rowid, setup, teardown),
       cmocka_unit_test_setup_teardown(test_failed_completion_is_reported, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_commits_reach_the_file, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_reads_its_own_writes, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_vfs_drops_rolled_back_writes, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_vfs_failed_write_is_not_lost, setup, teardown),
   };
   return cmocka_run_group_tests_name("sqlite store", tests, NULL, NULL);
 }
