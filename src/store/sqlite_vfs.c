@@ -7,24 +7,27 @@
  * fdatasync; one pwrite of the same bytes costs the writer thread about a
  * third of the time (docs/performance.md).
  *
- * Why it is safe: nothing SQLite or another connection relies on is
- * delayed past a point where it could be observed.
- * - A commit syncs the WAL (synchronous=FULL) before it makes its frames
- *   visible in the WAL index, and the sync writes the gathered bytes first;
- *   so other connections, which read the WAL through their own file
- *   handles, only ever look at frames that are in the file. Under a
- *   weaker synchronous setting SQLite would publish frames without a
- *   sync: the gathered bytes are written at the shared-memory barrier
- *   SQLite calls before it publishes, so that stays correct too.
+ * Why it is safe: the WAL never holds less than the default VFS would
+ * have written at any point where that could be observed.
+ * - Writes are gathered only for a connection whose commits sync the WAL
+ *   (PRAGMA synchronous=FULL or EXTRA, as idem's store sets it), and a
+ *   sync writes the gathered bytes first. A commit syncs before it
+ *   publishes its frames in the WAL index, so other connections, which
+ *   read the WAL through their own file handles, only ever look at
+ *   frames that are in the file; and a failed write fails the commit.
+ *   Under a weaker setting SQLite would publish frames with no call on
+ *   the WAL that could report a failed write: nothing is gathered then.
  * - A connection reading its own WAL (frames spilled from its cache
  *   mid-transaction, a checkpoint), asking its size, truncating it, or
  *   closing it, gets the gathered bytes written first.
  * - Only contiguous writes are gathered: a write anywhere else writes what
  *   was gathered first, so the file sees writes in SQLite's order.
- * - Bytes still gathered when the connection gives up the WAL's write
- *   lock were never committed (a commit syncs): a rolled-back
- *   transaction's spilled frames. They are dropped there, not written
- *   later over frames another writer may have committed meanwhile.
+ * - Gathered bytes never outlive a lock of the connection: they are
+ *   written before it gives up the WAL's write lock or its lock on the
+ *   database file, as the default VFS would have written them while it
+ *   held the lock. Held there, they are a rolled-back transaction's
+ *   spilled frames (a commit syncs): if that write fails they are
+ *   dropped, never written later over frames another writer committed.
  * - A failed write keeps the bytes gathered, so the sync or read that
  *   tried it fails and any later one writes them again: no commit can
  *   succeed without them.
@@ -58,6 +61,7 @@ struct gather_file {
   gather_file_t *peer;
   const char *name;    /* a main database: the name SQLite opened it by */
   gather_file_t *next; /* in `open_dbs` */
+  int syncs_commits;   /* a main database: synchronous is FULL or EXTRA */
 };
 
 /* Main database files open through this VFS, for their WALs to find.
@@ -122,16 +126,15 @@ static int g_read(sqlite3_file *f, void *p, int n, sqlite3_int64 off) {
 
 static int g_write(sqlite3_file *f, const void *p, int n, sqlite3_int64 off) {
   gather_file_t *g = (gather_file_t *)f;
+  int gather = g->wal && g->peer && g->peer->syncs_commits && n > 0;
   int rc;
 
-  if (!g->wal || n <= 0)
-    return RIO(f)->xWrite(g->real, p, n, off);
-  if (g->len > 0 && (off != g->at + (sqlite3_int64)g->len ||
+  if (g->len > 0 && (!gather || off != g->at + (sqlite3_int64)g->len ||
                      g->len + (size_t)n > GATHER_BYTES)) {
     if ((rc = flush(g)) != SQLITE_OK)
       return rc;
   }
-  if ((size_t)n > GATHER_BYTES)
+  if (!gather || (size_t)n > GATHER_BYTES)
     return RIO(f)->xWrite(g->real, p, n, off);
   if (g->buf == NULL && (g->buf = malloc(GATHER_BYTES)) == NULL)
     return RIO(f)->xWrite(g->real, p, n, off);
@@ -159,16 +162,49 @@ static int g_file_size(sqlite3_file *f, sqlite3_int64 *size) {
 
 static int g_lock(sqlite3_file *f, int lock) { return RIO(f)->xLock(REAL(f), lock); }
 
-static int g_unlock(sqlite3_file *f, int lock) { return RIO(f)->xUnlock(REAL(f), lock); }
+/* Before a connection gives up a lock (see the header comment). */
+static void settle_before_unlock(gather_file_t *db) {
+  if (db->peer && flush(db->peer) != SQLITE_OK)
+    db->peer->len = 0;
+}
+
+/* On a main database file: in exclusive locking mode, where the WAL's
+ * write lock is never taken in shared memory, this is where a
+ * connection's write transaction ends. */
+static int g_unlock(sqlite3_file *f, int lock) {
+  settle_before_unlock((gather_file_t *)f);
+  return RIO(f)->xUnlock(REAL(f), lock);
+}
 
 static int g_check_reserved(sqlite3_file *f, int *out) {
   return RIO(f)->xCheckReservedLock(REAL(f), out);
 }
 
-/* Any file control on the WAL sees the file as SQLite wrote it. */
+/* Whether PRAGMA synchronous = `value` makes every commit sync the WAL. */
+static int syncs_commits(const char *value) {
+  return sqlite3_stricmp(value, "full") == 0 || sqlite3_stricmp(value, "extra") == 0 ||
+         (value[0] >= '2' && value[0] <= '3' && value[1] == '\0');
+}
+
+/* Any file control on the WAL sees the file as SQLite wrote it. On a main
+ * database file, a PRAGMA synchronous that sets a value is noted (SQLite
+ * passes every PRAGMA here first, then runs it when this returns
+ * SQLITE_NOTFOUND, as the unix VFS's does). */
 static int g_file_control(sqlite3_file *f, int op, void *arg) {
-  int rc = flush((gather_file_t *)f);
-  return rc != SQLITE_OK ? rc : RIO(f)->xFileControl(REAL(f), op, arg);
+  gather_file_t *g = (gather_file_t *)f;
+  int rc = flush(g);
+
+  if (rc != SQLITE_OK)
+    return rc;
+  if (op == SQLITE_FCNTL_PRAGMA && g->name != NULL) {
+    char **a = arg; /* a[1]: the pragma's name, a[2]: its value or NULL */
+    if (a[1] != NULL && a[2] != NULL && sqlite3_stricmp(a[1], "synchronous") == 0) {
+      g->syncs_commits = syncs_commits(a[2]);
+      if (g->peer && !g->syncs_commits && (rc = flush(g->peer)) != SQLITE_OK)
+        return rc;
+    }
+  }
+  return RIO(f)->xFileControl(REAL(f), op, arg);
 }
 
 static int g_sector_size(sqlite3_file *f) { return RIO(f)->xSectorSize(REAL(f)); }
@@ -182,29 +218,14 @@ static int g_shm_map(sqlite3_file *f, int region, int size, int extend, void vol
 }
 
 /* On a main database file. Giving up the WAL's write lock ends the
- * connection's write transaction: what its WAL still gathers was not
- * committed, and is dropped. */
+ * connection's write transaction. */
 static int g_shm_lock(sqlite3_file *f, int offset, int n, int flags) {
-  gather_file_t *g = (gather_file_t *)f;
-  int rc = RIO(f)->xShmLock(REAL(f), offset, n, flags);
-
-  if (rc == SQLITE_OK && g->peer && offset <= WAL_WRITE_LOCK &&
-      WAL_WRITE_LOCK < offset + n && (flags & SQLITE_SHM_UNLOCK))
-    g->peer->len = 0;
-  return rc;
+  if ((flags & SQLITE_SHM_UNLOCK) && offset <= WAL_WRITE_LOCK && WAL_WRITE_LOCK < offset + n)
+    settle_before_unlock((gather_file_t *)f);
+  return RIO(f)->xShmLock(REAL(f), offset, n, flags);
 }
 
-/* SQLite calls the barrier between writing frames and publishing them in
- * the WAL index: the frames must be in the file by then. (A commit under
- * synchronous=FULL has written them already, at its sync.) xShmBarrier
- * cannot fail: a failed write here leaves the bytes gathered, and the
- * connection's next sync or read of the WAL reports it. */
-static void g_shm_barrier(sqlite3_file *f) {
-  gather_file_t *g = (gather_file_t *)f;
-  if (g->peer)
-    (void)flush(g->peer);
-  RIO(f)->xShmBarrier(REAL(f));
-}
+static void g_shm_barrier(sqlite3_file *f) { RIO(f)->xShmBarrier(REAL(f)); }
 
 static int g_shm_unmap(sqlite3_file *f, int delete_flag) {
   return RIO(f)->xShmUnmap(REAL(f), delete_flag);
@@ -243,7 +264,7 @@ static int g_open(sqlite3_vfs *vfs, const char *name, sqlite3_file *f, int flags
   }
   g->wal = (flags & SQLITE_OPEN_WAL) != 0;
   g->base.pMethods = &gather_io;
-  if (flags & SQLITE_OPEN_MAIN_DB) {
+  if ((flags & SQLITE_OPEN_MAIN_DB) && name != NULL) {
     g->name = name;
     pthread_mutex_lock(&open_dbs_lock);
     g->next = open_dbs;
