@@ -98,11 +98,8 @@ static int g_close(sqlite3_file *f) {
   gather_file_t *g = (gather_file_t *)f;
   int rc = SQLITE_OK, rc2;
 
-  if (g->wal) {
-    rc = flush(g);
-    if (g->peer)
-      g->peer->peer = NULL;
-  } else if (g->name) {
+  rc = flush(g); /* nothing held unless a WAL */
+  if (g->name) {
     pthread_mutex_lock(&open_dbs_lock);
     for (gather_file_t **p = &open_dbs; *p; p = &(*p)->next)
       if (*p == g) {
@@ -110,9 +107,9 @@ static int g_close(sqlite3_file *f) {
         break;
       }
     pthread_mutex_unlock(&open_dbs_lock);
-    if (g->peer)
-      g->peer->peer = NULL;
   }
+  if (g->peer)
+    g->peer->peer = NULL;
   rc2 = RIO(f)->xClose(g->real);
   free(g->buf);
   g->buf = NULL;
@@ -280,10 +277,9 @@ static int g_open(sqlite3_vfs *vfs, const char *name, sqlite3_file *f, int flags
         break;
       }
     pthread_mutex_unlock(&open_dbs_lock);
-    /* Not found (not expected): the writes go straight through, since
-     * nothing would drop a rolled-back transaction's bytes. */
-    if (g->peer == NULL)
-      g->wal = 0;
+    /* Not found (not expected): without a peer nothing is gathered (see
+     * g_write), since nothing would settle a rolled-back transaction's
+     * bytes. */
   }
   return SQLITE_OK;
 }

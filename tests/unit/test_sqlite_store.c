@@ -292,24 +292,52 @@ static void test_vfs_drops_rolled_back_writes(void **state) {
   }
 }
 
-/* The unix VFS's writes, failing while `fail_writes` is set. */
-static int fail_writes;
+/* The unix VFS's writes, watched from intercept_writes() until
+ * release_writes(): failed (a full disk) while `writes_fail`, and
+ * counted in `writes_seen`. */
+static int writes_fail, writes_seen;
 static sqlite3_syscall_ptr real_pwrite, real_pwrite64;
 
-static ssize_t failing_pwrite(int fd, const void *p, size_t n, off_t at) {
-  if (fail_writes) {
+typedef ssize_t (*pwrite_fn)(int, const void *, size_t, off_t);
+
+static ssize_t watched(pwrite_fn real, int fd, const void *p, size_t n, off_t at) {
+  writes_seen++;
+  if (writes_fail) {
     errno = ENOSPC;
     return -1;
   }
-  return ((ssize_t(*)(int, const void *, size_t, off_t))real_pwrite)(fd, p, n, at);
+  return real(fd, p, n, at);
 }
 
-static ssize_t failing_pwrite64(int fd, const void *p, size_t n, off_t at) {
-  if (fail_writes) {
-    errno = ENOSPC;
-    return -1;
-  }
-  return ((ssize_t(*)(int, const void *, size_t, off_t))real_pwrite64)(fd, p, n, at);
+static ssize_t watched_pwrite(int fd, const void *p, size_t n, off_t at) {
+  return watched((pwrite_fn)real_pwrite, fd, p, n, at);
+}
+
+static ssize_t watched_pwrite64(int fd, const void *p, size_t n, off_t at) {
+  return watched((pwrite_fn)real_pwrite64, fd, p, n, at);
+}
+
+static void intercept_writes(int fail) {
+  sqlite3_vfs *unix_vfs = sqlite3_vfs_find("unix");
+
+  assert_non_null(unix_vfs);
+  real_pwrite = unix_vfs->xGetSystemCall(unix_vfs, "pwrite");
+  real_pwrite64 = unix_vfs->xGetSystemCall(unix_vfs, "pwrite64");
+  assert_int_equal(unix_vfs->xSetSystemCall(unix_vfs, "pwrite", (sqlite3_syscall_ptr)watched_pwrite),
+                   SQLITE_OK);
+  assert_int_equal(unix_vfs->xSetSystemCall(unix_vfs, "pwrite64",
+                                            (sqlite3_syscall_ptr)watched_pwrite64),
+                   SQLITE_OK);
+  writes_fail = fail;
+  writes_seen = 0;
+}
+
+static void release_writes(void) {
+  sqlite3_vfs *unix_vfs = sqlite3_vfs_find("unix");
+
+  writes_fail = 0;
+  unix_vfs->xSetSystemCall(unix_vfs, "pwrite", NULL);
+  unix_vfs->xSetSystemCall(unix_vfs, "pwrite64", NULL);
 }
 
 /* Held WAL bytes whose write fails (a full disk, for a moment) fail the
@@ -318,12 +346,10 @@ static ssize_t failing_pwrite64(int fd, const void *p, size_t n, off_t at) {
  * fail: committing without them would corrupt the file. */
 static void test_vfs_failed_write_is_not_lost(void **state) {
   struct fixture *fx = *state;
-  sqlite3_vfs *unix_vfs = sqlite3_vfs_find("unix");
   char path[320];
   sqlite3 *w, *r;
   int rc;
 
-  assert_non_null(unix_vfs);
   snprintf(path, sizeof path, "%s/full.db", fx->dir);
   w = open_with(path, "idem-gather");
   exec_ok(w, "CREATE TABLE t (id INTEGER PRIMARY KEY, b BLOB NOT NULL);"
@@ -331,19 +357,10 @@ static void test_vfs_failed_write_is_not_lost(void **state) {
              "PRAGMA cache_size = 10; BEGIN");
   for (int i = 0; i < 300; i++) /* spills pages into the WAL, held */
     exec_ok(w, "INSERT INTO t (b) VALUES (randomblob(1500))");
-  real_pwrite = unix_vfs->xGetSystemCall(unix_vfs, "pwrite");
-  real_pwrite64 = unix_vfs->xGetSystemCall(unix_vfs, "pwrite64");
-  assert_int_equal(unix_vfs->xSetSystemCall(unix_vfs, "pwrite", (sqlite3_syscall_ptr)failing_pwrite),
-                   SQLITE_OK);
-  assert_int_equal(unix_vfs->xSetSystemCall(unix_vfs, "pwrite64",
-                                            (sqlite3_syscall_ptr)failing_pwrite64),
-                   SQLITE_OK);
-  fail_writes = 1;
+  intercept_writes(1);
   /* Reads the spilled pages back: the held bytes must be written first. */
   rc = sqlite3_exec(w, "INSERT INTO u (v) SELECT hex(b) FROM t", NULL, NULL, NULL);
-  fail_writes = 0;
-  unix_vfs->xSetSystemCall(unix_vfs, "pwrite", NULL);
-  unix_vfs->xSetSystemCall(unix_vfs, "pwrite64", NULL);
+  release_writes();
   assert_int_not_equal(rc, SQLITE_OK);
   if (!sqlite3_get_autocommit(w)) { /* the transaction lives on */
     exec_ok(w, "INSERT INTO t (b) VALUES (randomblob(100))");
@@ -360,39 +377,18 @@ static void test_vfs_failed_write_is_not_lost(void **state) {
   remove_sqlite_files(path);
 }
 
-/* The unix VFS's writes, counted while `count_writes` is set. */
-static int count_writes, writes_counted;
-static sqlite3_syscall_ptr plain_pwrite, plain_pwrite64;
-
-static ssize_t counting_pwrite(int fd, const void *p, size_t n, off_t at) {
-  writes_counted += count_writes;
-  return ((ssize_t(*)(int, const void *, size_t, off_t))plain_pwrite)(fd, p, n, at);
-}
-
-static ssize_t counting_pwrite64(int fd, const void *p, size_t n, off_t at) {
-  writes_counted += count_writes;
-  return ((ssize_t(*)(int, const void *, size_t, off_t))plain_pwrite64)(fd, p, n, at);
-}
-
 /* The write calls of a commit of about 30 pages. */
 static int commit_writes(sqlite3 *db) {
-  sqlite3_vfs *unix_vfs = sqlite3_vfs_find("unix");
+  int n;
 
-  assert_non_null(unix_vfs);
   exec_ok(db, "BEGIN");
   for (int i = 0; i < 30; i++)
     exec_ok(db, "INSERT INTO t (b) VALUES (randomblob(3000))");
-  plain_pwrite = unix_vfs->xGetSystemCall(unix_vfs, "pwrite");
-  plain_pwrite64 = unix_vfs->xGetSystemCall(unix_vfs, "pwrite64");
-  unix_vfs->xSetSystemCall(unix_vfs, "pwrite", (sqlite3_syscall_ptr)counting_pwrite);
-  unix_vfs->xSetSystemCall(unix_vfs, "pwrite64", (sqlite3_syscall_ptr)counting_pwrite64);
-  writes_counted = 0;
-  count_writes = 1;
+  intercept_writes(0);
   exec_ok(db, "COMMIT");
-  count_writes = 0;
-  unix_vfs->xSetSystemCall(unix_vfs, "pwrite", NULL);
-  unix_vfs->xSetSystemCall(unix_vfs, "pwrite64", NULL);
-  return writes_counted;
+  n = writes_seen;
+  release_writes();
+  return n;
 }
 
 /* What the VFS is for: with synchronous=FULL, as the store opens its
