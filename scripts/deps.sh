@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Installs the Debian packages idem builds and tests with, only when missing.
+# Installs the Debian packages idem builds and tests with, only when missing,
+# then makes SQLite's source for the build (scripts/sqlite-source.sh).
 # Runs apt-get update once, and only if something has to be installed.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 pkgs=(build-essential cmake pkg-config
       libmicrohttpd-dev libjansson-dev libcmocka-dev libcurl4-openssl-dev
       libsqlite3-dev libpq-dev libssl-dev libjemalloc-dev sqlite3 nginx-light
       postgresql postgresql-client  # throwaway clusters of the PostgreSQL tests
       python3 python3-yaml python3-jsonschema  # tests/api/check_openapi.py
+      curl tcl  # scripts/sqlite-source.sh
 )
 pkgs+=("$@")
 
@@ -16,11 +19,14 @@ for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' \
     || missing+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deps: installing ${missing[*]}" >&2
+  sudo=""
+  [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
 
-echo "deps: installing ${missing[*]}" >&2
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+scripts/sqlite-source.sh ||
+  echo "deps: building with the system's SQLite instead (slower: docs/performance.md)" >&2

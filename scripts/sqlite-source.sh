@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Makes SQLite's single-file source (the amalgamation: sqlite3.c and
+# sqlite3.h) from Debian 12's own source package of the library it ships,
+# with Debian's patches, in .deps/sqlite (CMake builds idem against it when
+# it is there; docs/performance.md, "SQLite built with idem" says why).
+# The package's files are checked against the SHA-256 sums below before
+# anything is unpacked. Does nothing when .deps/sqlite is already made.
+# Exits non-zero, changing nothing, when the files cannot be fetched or do
+# not match: the build then uses the system's libsqlite3 instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+version=3.40.1-2+deb12u2
+base=http://deb.debian.org/debian/pool/main/s/sqlite3
+files=(
+  "sqlite3_3.40.1.orig.tar.xz aaa776260ab4dc976db34aa7891819484c8676b5b2783123ebc6301e2ca5d655"
+  "sqlite3_$version.debian.tar.xz 0843bc12e4364076477935ce313a6d0796fd899a989ff18ebb6545540e10e4ca"
+)
+
+out=.deps/sqlite
+[ -f "$out/sqlite3.c" ] && [ "$(cat "$out/VERSION" 2>/dev/null)" = "$version" ] && exit 0
+
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+for f in "${files[@]}"; do
+  name=${f% *} sum=${f#* }
+  if ! curl -fsS --retry 2 -o "$work/$name" "$base/$name"; then
+    echo "sqlite-source: cannot fetch $base/$name" >&2
+    exit 1
+  fi
+  if [ "$(sha256sum "$work/$name" | cut -d' ' -f1)" != "$sum" ]; then
+    echo "sqlite-source: $name does not have the expected SHA-256" >&2
+    exit 1
+  fi
+done
+
+echo "sqlite-source: making SQLite $version's amalgamation in $out" >&2
+# What dpkg-source would do: SQLite's release, then Debian's patches
+# (security fixes among them) in the order of their series.
+tar -xf "$work/sqlite3_3.40.1.orig.tar.xz" -C "$work"
+tar -xf "$work/sqlite3_$version.debian.tar.xz" -C "$work/sqlite3-3.40.1"
+(cd "$work/sqlite3-3.40.1" &&
+  while read -r p; do patch -p1 -s <"debian/patches/$p"; done <debian/patches/series)
+mkdir "$work/build"
+(cd "$work/build" && ../sqlite3-3.40.1/configure >/dev/null && make sqlite3.c >/dev/null)
+
+rm -rf "$out"
+mkdir -p "$out"
+cp "$work/build/sqlite3.c" "$work/build/sqlite3.h" "$out/"
+echo "$version" >"$out/VERSION"
