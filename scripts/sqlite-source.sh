@@ -18,13 +18,21 @@ files=(
 )
 
 out=.deps/sqlite
+mkdir -p .deps
+exec 9>.deps/.lock # one run at a time
+flock 9
 [ -f "$out/sqlite3.c" ] && [ "$(cat "$out/VERSION" 2>/dev/null)" = "$version" ] && exit 0
+# Another version, or a run cut short: gone before anything can fail, so
+# that a failure leaves the build on the system's library, as it says.
+rm -rf "$out"
 
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+stage=$(mktemp -d .deps/sqlite.XXXXXX)
+trap 'rm -rf "$work" "$stage"' EXIT
 for f in "${files[@]}"; do
   name=${f% *} sum=${f#* }
-  if ! curl -fsS --retry 2 -o "$work/$name" "$base/$name"; then
+  if ! curl -fsS --connect-timeout 20 --max-time 300 --retry 2 \
+      -o "$work/$name" "$base/$name"; then
     echo "sqlite-source: cannot fetch $base/$name" >&2
     exit 1
   fi
@@ -36,15 +44,20 @@ done
 
 echo "sqlite-source: making SQLite $version's amalgamation in $out" >&2
 # What dpkg-source would do: SQLite's release, then Debian's patches
-# (security fixes among them) in the order of their series.
+# (security fixes among them) in the order of their series, each applied
+# exactly (no fuzz, as dpkg-source applies them).
 tar -xf "$work/sqlite3_3.40.1.orig.tar.xz" -C "$work"
 tar -xf "$work/sqlite3_$version.debian.tar.xz" -C "$work/sqlite3-3.40.1"
 (cd "$work/sqlite3-3.40.1" &&
-  while read -r p; do patch -p1 -s <"debian/patches/$p"; done <debian/patches/series)
+  while read -r p _ || [ -n "$p" ]; do
+    case $p in '' | '#'*) continue ;; esac
+    patch -p1 -s -F0 -N --batch <"debian/patches/$p"
+  done <debian/patches/series)
 mkdir "$work/build"
 (cd "$work/build" && ../sqlite3-3.40.1/configure >/dev/null && make sqlite3.c >/dev/null)
 
-rm -rf "$out"
-mkdir -p "$out"
-cp "$work/build/sqlite3.c" "$work/build/sqlite3.h" "$out/"
-echo "$version" >"$out/VERSION"
+# Made whole beside it, then renamed into place: CMake never sees half.
+cp "$work/build/sqlite3.c" "$work/build/sqlite3.h" "$stage/"
+echo "$version" >"$stage/VERSION"
+chmod 755 "$stage"
+mv -T "$stage" "$out"
