@@ -361,6 +361,10 @@ struct job {
    * its block, and the writer frees the block before calling. */
   idem_store_done_fn cb;
   void *cb_arg;
+  /* Its caller answers a request once told (a completion, a single-step
+   * reservation, a synchronous caller): told before the batch's other
+   * writes, whose callbacks go on to slower work (a provider call). */
+  int answers;
   struct job *next;
 };
 
@@ -660,6 +664,42 @@ static int writer_conn(sqlite_store_t *s, struct conn **out) {
   return rc;
 }
 
+/* Tells one write's caller its result. The job may be gone once told. */
+static void tell(struct job *j) {
+  if (j->cb) {
+    idem_store_done_fn cb = j->cb;
+    void *cb_arg = j->cb_arg;
+    int rc = j->rc;
+    free(j);
+    cb(cb_arg, rc); /* may queue more writes: q_lock is not held */
+  } else {
+    sem_post(&j->done);
+  }
+}
+
+/* Tells a committed batch's callers, those that answer a request first:
+ * their answers go out while the writer makes the rest's provider calls
+ * (three alternating pairs: 2.7-3.1 % more payments/s, a completion 40 us
+ * sooner on average; docs/performance.md). */
+static void tell_callers(struct job *batch) {
+  struct job *rest = NULL, **tail = &rest;
+
+  for (struct job *j = batch, *next; j; j = next) {
+    next = j->next;
+    if (j->answers || j->cb == NULL) {
+      tell(j);
+    } else {
+      *tail = j;
+      tail = &j->next;
+    }
+  }
+  *tail = NULL;
+  for (struct job *j = rest, *next; j; j = next) {
+    next = j->next;
+    tell(j);
+  }
+}
+
 static void *writer_loop(void *arg) {
   sqlite_store_t *s = arg;
   struct conn *c = NULL;
@@ -696,19 +736,7 @@ static void *writer_loop(void *arg) {
       atomic_fetch_add(&s->writes, (uint_fast64_t)n);
     }
 
-    /* `batch` may be freed by its owners as soon as each is posted. */
-    for (struct job *j = batch, *next; j; j = next) {
-      next = j->next;
-      if (j->cb) {
-        idem_store_done_fn cb = j->cb;
-        void *cb_arg = j->cb_arg;
-        int job_rc = j->rc;
-        free(j);
-        cb(cb_arg, job_rc); /* may queue more writes: q_lock is not held */
-      } else {
-        sem_post(&j->done);
-      }
-    }
+    tell_callers(batch);
     pthread_mutex_lock(&s->q_lock);
   }
   pthread_mutex_unlock(&s->q_lock);
@@ -1042,7 +1070,7 @@ static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
   }
   ar->a = (struct reserve_args){req, ar->owner, out, result};
   ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .rerunnable = 1, .cb = done,
-                         .cb_arg = arg};
+                         .cb_arg = arg, .answers = req->outcome != NULL};
   enqueue((sqlite_store_t *)base, &ar->job);
   return IDEM_OK;
 }
@@ -1064,7 +1092,7 @@ static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
   if (j == NULL)
     return IDEM_ENOMEM;
   *j = (struct job){.fn = complete_fn, .arg = (void *)cp, .rerunnable = 1, .cb = done,
-                    .cb_arg = arg};
+                    .cb_arg = arg, .answers = 1};
   enqueue((sqlite_store_t *)base, j);
   return IDEM_OK;
 }
