@@ -10,7 +10,7 @@
 --                         replays of the key just before
 --   IDEM_KEY     the key of replay and mismatch
 --   IDEM_EXPECT  the status every answer must have
--- Prints one line: "result rps=... p50_ms=... p99_ms=... bad=N requests=N".
+-- Prints one line: "result rps=... p50_ms=... p99_ms=... max_ms=... bad=N requests=N".
 local mode = os.getenv("IDEM_MODE") or "new"
 local expect = tonumber(os.getenv("IDEM_EXPECT") or "201")
 local body = os.getenv("IDEM_BODY") or '{"amount": 15990, "currency": "BRL"}'
@@ -69,9 +69,9 @@ done = function(summary, latency, requests)
     end
   end
   local e = summary.errors
-  io.write(string.format("result rps=%.0f p50_ms=%.3f p99_ms=%.3f bad=%d requests=%d\n",
+  io.write(string.format("result rps=%.0f p50_ms=%.3f p99_ms=%.3f max_ms=%.3f bad=%d requests=%d\n",
     summary.requests / secs, latency:percentile(50) / 1000, latency:percentile(99) / 1000,
-    wrong + e.connect + e.read + e.write + e.timeout, summary.requests))
+    latency.max / 1000, wrong + e.connect + e.read + e.write + e.timeout, summary.requests))
   if wrong + e.connect + e.read + e.write + e.timeout > 0 then
     io.write(string.format("unexpected: %d answers (first: %s); transport errors: connect %d, read %d, write %d, timeout %d\n",
       wrong, first, e.connect, e.read, e.write, e.timeout))

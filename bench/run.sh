@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # idem's benchmark: prints figures, never passes or fails on time. It fails
-# loudly only when an answer under load had an unexpected status.
+# loudly only when an answer under load had an unexpected status, or a
+# request got none within 10 s.
 #
 # In one run, on this machine:
 #   1. nginx answering POST /payments with a fixed 201: the HTTP ceiling;
 #   2. idemd on a fresh SQLite database, default (durable) settings:
 #      new-key payments, new-key orders, replays, key reuse with another
-#      body; req/s, p50, p99 and the ratio to nginx;
+#      body; req/s, p50, p99, the slowest answer and the ratio to nginx;
 #   3. the same on PostgreSQL (a throwaway cluster), with pgbench running
 #      the same statements as its baseline;
 #   4. a long run of mixed requests, reporting idemd's RSS before and after.
@@ -82,22 +83,28 @@ wrk_run() {
   local label=$1 port=$2 mode=$3 path=$4 body=$5 expect=$6 key=${7:-bench-key}
   local env=(IDEM_TOKEN="${token:-}" IDEM_MODE="$mode" IDEM_PATH="$path" IDEM_BODY="$body"
              IDEM_EXPECT="$expect" IDEM_KEY="$key")
-  env "${env[@]}" wrk -t1 -c64 -d2s -s "$repo/bench/load.lua" "http://127.0.0.1:$port" >/dev/null 2>&1 || true
+  # A request unanswered after 10 s counts as lost (wrk's default is 2 s:
+  # a slower answer still came, and shows in the max column instead).
+  env "${env[@]}" wrk -t1 -c64 -d2s --timeout 10s -s "$repo/bench/load.lua" \
+    "http://127.0.0.1:$port" >/dev/null 2>&1 || true
   local out full before="" after="" wrk_cpu
   [ -n "$cpu_pid" ] && before=$(thread_ticks "$cpu_pid")
   # bash's time keyword: wrk's own CPU (user and system seconds).
   wrk_cpu=$( { TIMEFORMAT='%U %S'; time env "${env[@]}" wrk -t1 -c64 -d"${duration}s" --latency \
-             -s "$repo/bench/load.lua" "http://127.0.0.1:$port" >"$run/wrk.out" 2>&1; } 2>&1) || true
+             --timeout 10s -s "$repo/bench/load.lua" "http://127.0.0.1:$port" \
+             >"$run/wrk.out" 2>&1; } 2>&1) || true
   [ -n "$cpu_pid" ] && after=$(thread_ticks "$cpu_pid")
   full=$(cat "$run/wrk.out")
   out=$(grep '^result' <<<"$full") || true
   rps=$(sed -E 's/.*rps=([0-9]+).*/\1/' <<<"$out")
-  local p50 p99 bad ratio
+  local p50 p99 max bad ratio
   p50=$(sed -E 's/.*p50_ms=([0-9.]+).*/\1/' <<<"$out")
   p99=$(sed -E 's/.*p99_ms=([0-9.]+).*/\1/' <<<"$out")
+  max=$(sed -E 's/.*max_ms=([0-9.]+).*/\1/' <<<"$out")
   bad=$(sed -E 's/.*bad=([0-9]+).*/\1/' <<<"$out")
   ratio=$(awk -v a="${rps:-0}" -v b="$baseline" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "-" }')
-  printf '%-44s %9s req/s  p50 %7s ms  p99 %7s ms  x%s of baseline\n' "$label" "${rps:-?}" "${p50:-?}" "${p99:-?}" "$ratio"
+  printf '%-44s %9s req/s  p50 %7s ms  p99 %7s ms  max %8s ms  x%s of baseline\n' \
+    "$label" "${rps:-?}" "${p50:-?}" "${p99:-?}" "${max:-?}" "$ratio"
   # CPU per request: steadier from run to run than req/s on a shared
   # machine, so a change's effect shows in fewer runs.
   local reqs
@@ -111,7 +118,8 @@ wrk_run() {
         (y[3] - x[3]) * us, (z[1] + z[2]) * 1e6 / n }'
   fi
   if [ -z "$out" ] || [ "${bad:-1}" != 0 ]; then
-    echo "bench: FAILED: $label: ${bad:-?} answers were not $expect" >&2
+    echo "bench: FAILED: $label: ${bad:-?} requests did not get $expect (a wrong status," \
+         "or no answer within 10 s)" >&2
     grep '^unexpected' <<<"$full" >&2 || true
     failures=$((failures + 1))
   fi
@@ -189,14 +197,16 @@ if [ "$long" -gt 0 ]; then
   # The probe is also the warm-up: the start figure is taken after it, once
   # the threads that serve the mix have run.
   probe=$(env IDEM_TOKEN="$token" IDEM_MODE=mixed IDEM_PATH=/payments IDEM_BODY="$pay" IDEM_EXPECT=201 \
-          wrk -t1 -c64 -d3s -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 | grep '^result') || true
+          wrk -t1 -c64 -d3s --timeout 10s -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 |
+          grep '^result') || true
   per_s=$(sed -E 's/.*rps=([0-9]+).*/\1/' <<<"$probe")
   per_s=${per_s:-5000}
   # A quarter more time than the probe's rate needs: a long run is slower.
   secs=$(( long * 5 / 4 / (per_s > 0 ? per_s : 5000) + 1 ))
   rss_start=$(rss "$idemd_pid")
   out=$(env IDEM_TOKEN="$token" IDEM_MODE=mixed IDEM_PATH=/payments IDEM_BODY="$pay" IDEM_EXPECT=201 \
-        wrk -t1 -c64 -d"${secs}s" -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 | grep '^result') || true
+        wrk -t1 -c64 -d"${secs}s" --timeout 10s -s "$repo/bench/load.lua" "http://127.0.0.1:$idemd_port" 2>&1 |
+        grep '^result') || true
   rss_end=$(rss "$idemd_pid")
   reqs=$(sed -E 's/.*requests=([0-9]+).*/\1/' <<<"$out")
   bad=$(sed -E 's/.*bad=([0-9]+).*/\1/' <<<"$out")
