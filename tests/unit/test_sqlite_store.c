@@ -2,15 +2,19 @@
  * a reservation returns (idem_record_t.row) is the record's rowid; a
  * completion whose statement fails says so, whether it found the record
  * by that row or by its key; and idem's VFS, which holds WAL writes until
- * the sync, never lets a reader see less than what was committed. The
+ * the sync, never lets a reader see less than what was committed; and a
+ * committed batch tells the callers that answer a request first. The
  * store suite (test_store.c) covers the public behaviour on every
  * backend. */
 #include "support.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "idem/clock.h"
@@ -415,6 +419,92 @@ static void test_vfs_gathers_a_commit(void **state) {
   remove_sqlite_files(path);
 }
 
+/* The order in which a batch's callers are told. */
+struct told {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int n;
+  const char *names[3];
+  int rcs[3];
+};
+
+struct teller {
+  struct told *told;
+  const char *name;
+};
+
+static void note_told(void *arg, int rc) {
+  struct teller *t = arg;
+  pthread_mutex_lock(&t->told->lock);
+  t->told->rcs[t->told->n] = rc;
+  t->told->names[t->told->n++] = t->name;
+  pthread_cond_signal(&t->told->cond);
+  pthread_mutex_unlock(&t->told->lock);
+}
+
+static int told_at(const struct told *t, const char *name) {
+  for (int i = 0; i < t->n; i++)
+    if (strcmp(t->names[i], name) == 0)
+      return i;
+  return -1;
+}
+
+/* A committed batch tells first the callers that answer a request (here
+ * a completion), then those whose callbacks go on to a provider call (a
+ * payment's reservation), whatever their order in the batch. Another
+ * connection holds the write lock while the writer is on a first write,
+ * so the reservation and then the completion queue up behind it and go
+ * into one batch. */
+static void test_answers_are_told_first(void **state) {
+  struct fixture *fx = *state;
+  struct told told = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}, {0}};
+  struct teller first = {&told, "first"}, reservation = {&told, "reservation"},
+                completion = {&told, "completion"};
+  idem_record_t rec = {0}, first_rec = {0}, res_rec = {0};
+  idem_reserve_result_t first_result = 0, res_result = 0;
+  char token[IDEM_TOKEN_MAX + 1];
+  idem_reserve_t first_req = {.scope = {fx->tenant.id, "create_payment", "first"},
+                              .fingerprint = "fp", .correlation_id = "req_test",
+                              .now_ms = idem_now_ms(), .lease_ms = 30000,
+                              .ttl_ms = 86400000};
+  idem_reserve_t res_req = first_req;
+  idem_complete_t c = {.now_ms = idem_now_ms(), .ttl_ms = 86400000,
+                       .outcome = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"}};
+  struct timespec pause = {0, 50 * 1000 * 1000};
+
+  reserve_new(fx, "to-complete", &rec);
+  idem_copy(token, sizeof token, rec.owner_token);
+  c.scope = (idem_scope_t){fx->tenant.id, "create_payment", "to-complete"};
+  c.owner_token = token;
+  res_req.scope.key = "reservation";
+
+  exec_ok(fx->db, "BEGIN IMMEDIATE");
+  assert_int_equal(idem_store_reserve_async(fx->store, &first_req, &first_rec, &first_result,
+                                            note_told, &first),
+                   IDEM_OK);
+  /* Most often the writer has taken the first write by now and waits on
+   * the lock; if not, all three share a batch, which tests the same. */
+  nanosleep(&pause, NULL);
+  assert_int_equal(idem_store_reserve_async(fx->store, &res_req, &res_rec, &res_result,
+                                            note_told, &reservation),
+                   IDEM_OK);
+  assert_int_equal(idem_store_complete_async(fx->store, &c, note_told, &completion), IDEM_OK);
+  exec_ok(fx->db, "COMMIT");
+
+  pthread_mutex_lock(&told.lock);
+  while (told.n < 3)
+    pthread_cond_wait(&told.cond, &told.lock);
+  pthread_mutex_unlock(&told.lock);
+  for (int i = 0; i < 3; i++)
+    assert_int_equal(told.rcs[i], IDEM_OK);
+  assert_int_equal(res_result, IDEM_RESERVE_WON);
+  if (told_at(&told, "completion") > told_at(&told, "reservation"))
+    fail_msg("the reservation queued before the completion was told first");
+  idem_record_reset(&rec);
+  idem_record_reset(&first_rec);
+  idem_record_reset(&res_rec);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_reservation_returns_its_rowid, setup, teardown),
@@ -424,6 +514,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_vfs_drops_rolled_back_writes, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_failed_write_is_not_lost, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_gathers_a_commit, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_answers_are_told_first, setup, teardown),
   };
   return cmocka_run_group_tests_name("sqlite store", tests, NULL, NULL);
 }
