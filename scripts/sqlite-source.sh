@@ -4,9 +4,13 @@
 # with Debian's patches, in .deps/sqlite (CMake builds idem against it when
 # it is there; docs/performance.md, "SQLite built with idem" says why).
 # The package's files are checked against the SHA-256 sums below before
-# anything is unpacked. Does nothing when .deps/sqlite is already made.
-# Exits non-zero, changing nothing, when the files cannot be fetched or do
-# not match: the build then uses the system's libsqlite3 instead.
+# anything is unpacked. Does nothing when .deps/sqlite is already made for
+# this version. Exits non-zero, leaving no .deps/sqlite, when the files
+# cannot be fetched or do not match: the build then uses the system's
+# libsqlite3 instead. `version` and the sums follow Debian's updates of
+# the package; once Debian replaces this version, its files leave the
+# archive, and the build falls back to the system's library until they
+# are brought up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
