@@ -686,7 +686,7 @@ static void tell_callers(struct job *batch) {
 
   for (struct job *j = batch, *next; j; j = next) {
     next = j->next;
-    if (j->answers || j->cb == NULL) {
+    if (j->answers) {
       tell(j);
     } else {
       *tail = j;
@@ -767,7 +767,8 @@ static void enqueue(sqlite_store_t *s, struct job *j) {
 
 static int write_job(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg,
                      int rerunnable) {
-  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK, .rerunnable = rerunnable};
+  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK, .rerunnable = rerunnable,
+                  .answers = 1};
 
   if (s->writer_running && pthread_equal(pthread_self(), s->writer)) {
     /* A done callback that writes synchronously would wait on itself
