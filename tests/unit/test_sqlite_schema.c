@@ -40,8 +40,8 @@ static int teardown(void **state) {
 static void sql(sqlite3 *db, const char *text) {
   char *err = NULL;
   if (sqlite3_exec(db, text, NULL, NULL, &err) != SQLITE_OK) {
-    char msg[512];
-    snprintf(msg, sizeof msg, "%s: %s", err ? err : "?", text);
+    char msg[512]; /* the SQL is cut to fit: a message, not a record */
+    snprintf(msg, sizeof msg, "%.100s: %.400s", err ? err : "?", text);
     sqlite3_free(err);
     fail_msg("%s", msg);
   }
