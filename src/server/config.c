@@ -44,6 +44,9 @@ static const struct option options[] = {
      "HTTP event threads; 0: one fewer than the cores (at least one)"},
     {"--workers", "IDEMD_WORKERS", K_INT, OFF(workers), 1, 4096, "128",
      "threads for requests that wait (commits, provider calls, duplicates)"},
+    {"--active-workers", "IDEMD_ACTIVE_WORKERS", K_INT, OFF(active_workers), 0, 4096, "0",
+     "workers at work at once, those waiting on a provider or a duplicate "
+     "not counted; 0: four per core"},
     {"--max-connections", "IDEMD_MAX_CONNECTIONS", K_INT, OFF(max_connections), 1,
      100000, "1000", "connections served at once; beyond it, 503"},
     {"--max-header-bytes", "IDEMD_MAX_HEADER_BYTES", K_INT, OFF(max_header_bytes),

@@ -13,6 +13,7 @@ typedef struct idemd_config {
   char provider[256];
   int threads;                /* event threads; 0: one fewer than the cores */
   int workers;                /* threads for requests that wait */
+  int active_workers;         /* of them, at work at once; 0: 4 per core */
   int max_connections;        /* served at once; beyond: 503 */
   int max_header_bytes;       /* request line and headers, per connection */
   int64_t request_timeout_ms; /* to receive a whole request */

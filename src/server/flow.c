@@ -92,7 +92,11 @@ static void execute(const idemd_effect_t *e, idemd_server_t *srv,
                     const idem_scope_t *scope, const idem_record_t *rec,
                     idem_complete_t *c) {
   idem_outcome_t out = {0};
+  if (!e->execute_never_waits) /* a provider call: a worker waits on it */
+    idemd_workers_wait_begin();
   e->execute(e->ctx, rec, &out);
+  if (!e->execute_never_waits)
+    idemd_workers_wait_end();
   *c = (idem_complete_t){.scope = *scope, .owner_token = rec->owner_token,
                          .now_ms = idem_now_ms(), .ttl_ms = srv->cfg.key_ttl_ms,
                          .outcome = out, .row = rec->row};
@@ -451,7 +455,9 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
       }
       if (!r->may_block) /* no thread waits: parked until it changes */
         return idemd_park(r, &scope, ticket);
+      idemd_workers_wait_begin();
       (void)idem_store_wait(srv->store, &scope, ticket, left);
+      idemd_workers_wait_end();
       continue;
     }
     default:

@@ -532,6 +532,16 @@ enum MHD_Result idemd_defer(idemd_request_t *r) {
   return MHD_YES;
 }
 
+/* The cores this process may run on. */
+static unsigned int cores(void) {
+  cpu_set_t cpus; /* the cores this process may run on, if fewer */
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  if (sched_getaffinity(0, sizeof cpus, &cpus) == 0 && CPU_COUNT(&cpus) > 0 &&
+      CPU_COUNT(&cpus) < n)
+    n = CPU_COUNT(&cpus);
+  return n > 1 ? (unsigned int)n : 1u;
+}
+
 /* The default number of event threads: one fewer than the cores, at least
  * one. The store's writer (SQLite's group-commit thread, or PostgreSQL's
  * server processes) keeps a core busy under a write load too: with one
@@ -539,12 +549,17 @@ enum MHD_Result idemd_defer(idemd_request_t *r) {
  * local client took turns on both, and replays' p99 under wrk was 4.6-5.6
  * ms against 2.0-3.5 ms with one event thread (docs/performance.md). */
 static unsigned int default_event_threads(void) {
-  cpu_set_t cpus; /* the cores this process may run on, if fewer */
-  long n = sysconf(_SC_NPROCESSORS_ONLN);
-  if (sched_getaffinity(0, sizeof cpus, &cpus) == 0 && CPU_COUNT(&cpus) > 0 &&
-      CPU_COUNT(&cpus) < n)
-    n = CPU_COUNT(&cpus);
-  return n > 1 ? (unsigned int)(n - 1) : 1u;
+  unsigned int n = cores();
+  return n > 1 ? n - 1 : 1u;
+}
+
+/* Workers at work at once (see idemd_workers_start()): enough to keep the
+ * store busy. More only queue up in the kernel's scheduler: on 2 cores,
+ * 64 workers each with a PostgreSQL server process stalled some requests
+ * for seconds (docs/performance.md, "PostgreSQL's tail"). */
+static int default_active_workers(void) {
+  unsigned int n = cores();
+  return n > 1024 ? 4096 : (int)(4 * n);
 }
 
 int idemd_http_start(idemd_server_t *srv) {
@@ -573,7 +588,9 @@ int idemd_http_start(idemd_server_t *srv) {
                        (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0);
   unsigned int pool =
       srv->cfg.threads > 0 ? (unsigned int)srv->cfg.threads : default_event_threads();
-  if ((srv->workers = idemd_workers_start(srv->cfg.workers)) == NULL ||
+  int active = srv->cfg.active_workers > 0 ? srv->cfg.active_workers
+                                             : default_active_workers();
+  if ((srv->workers = idemd_workers_start(srv->cfg.workers, active)) == NULL ||
       (srv->wait_timer = idem__ticker_start(PARK_TICK_MS, expire_parked, srv)) == NULL) {
     fprintf(stderr, "idemd: cannot start worker threads\n");
     freeaddrinfo(ai);

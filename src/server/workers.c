@@ -1,33 +1,76 @@
-/* A fixed pool of threads over one FIFO queue. */
+/* A fixed pool of threads over one FIFO queue, with a bound on how many
+ * of them work at once. Idle workers are woken last-in first-out, so that
+ * a steady load keeps the same few threads busy. */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "server/workers.h"
 
 #include <pthread.h>
 #include <stdlib.h>
 
+/* A worker waiting for work, on the pool's stack of idle workers. */
+struct idle {
+  pthread_cond_t wake;
+  int woken; /* taken off the stack by whoever woke it */
+  struct idle *next;
+};
+
 struct idemd_workers {
   pthread_mutex_t lock;
-  pthread_cond_t ready; /* work queued, or stopping */
+  struct idle *idle;   /* idle workers, the latest first */
   idemd_work_t *head, *tail;
-  int idle; /* workers waiting on `ready` */
+  int running;     /* workers in a job, less those in a wait */
+  int max_running; /* what `running` may reach before a job is taken */
   int stopping;
   int joined;
   int n;
   pthread_t *threads;
 };
 
+/* The pool of the worker running this thread; NULL on other threads. */
+static _Thread_local idemd_workers_t *this_pool;
+
+/* Whether a worker should take the next job now. Called locked. */
+static int can_take(const idemd_workers_t *p) {
+  return p->head != NULL && p->running < p->max_running;
+}
+
+/* Wakes the latest idle worker if a job can start. Called locked. */
+static void wake_one(idemd_workers_t *p) {
+  struct idle *w = p->idle;
+  if (w == NULL || !can_take(p))
+    return;
+  p->idle = w->next;
+  w->woken = 1;
+  pthread_cond_signal(&w->wake);
+}
+
+/* Wakes every idle worker (stopping). Called locked. */
+static void wake_all(idemd_workers_t *p) {
+  while (p->idle) {
+    struct idle *w = p->idle;
+    p->idle = w->next;
+    w->woken = 1;
+    pthread_cond_signal(&w->wake);
+  }
+}
+
 static void *worker_main(void *arg) {
   idemd_workers_t *p = arg;
+  struct idle me = {.woken = 0};
 
   pthread_setname_np(pthread_self(), "idemd-worker"); /* for top -H, perf */
+  this_pool = p;
+  pthread_cond_init(&me.wake, NULL);
 
   pthread_mutex_lock(&p->lock);
   for (;;) {
     idemd_work_t *w;
-    while (p->head == NULL && !p->stopping) {
-      p->idle++;
-      pthread_cond_wait(&p->ready, &p->lock);
-      p->idle--;
+    while (!can_take(p) && !(p->stopping && p->head == NULL)) {
+      me.woken = 0;
+      me.next = p->idle;
+      p->idle = &me;
+      while (!me.woken)
+        pthread_cond_wait(&me.wake, &p->lock);
     }
     if (p->head == NULL)
       break; /* stopping, and the queue is empty */
@@ -35,25 +78,33 @@ static void *worker_main(void *arg) {
     p->head = w->next;
     if (p->head == NULL)
       p->tail = NULL;
+    p->running++;
     pthread_mutex_unlock(&p->lock);
     w->run(w); /* may free `w`: not touched after this */
     pthread_mutex_lock(&p->lock);
+    p->running--;
+    /* This worker takes the next job itself, if there is one: a place
+     * freed here needs no other thread woken. Once stopping, the last
+     * job taken lets the idle workers end. */
+    if (p->stopping && p->head == NULL)
+      wake_all(p);
   }
   pthread_mutex_unlock(&p->lock);
+  pthread_cond_destroy(&me.wake);
   return NULL;
 }
 
-idemd_workers_t *idemd_workers_start(int threads) {
+idemd_workers_t *idemd_workers_start(int threads, int running) {
   idemd_workers_t *p = calloc(1, sizeof *p);
   pthread_attr_t attr;
 
-  if (p == NULL || threads < 1 ||
+  if (p == NULL || threads < 1 || running < 1 ||
       (p->threads = calloc((size_t)threads, sizeof *p->threads)) == NULL) {
     free(p);
     return NULL;
   }
+  p->max_running = running;
   pthread_mutex_init(&p->lock, NULL);
-  pthread_cond_init(&p->ready, NULL);
   pthread_attr_init(&attr);
   /* Request handling needs little stack; many workers should cost little. */
   pthread_attr_setstacksize(&attr, 512 * 1024);
@@ -70,8 +121,6 @@ idemd_workers_t *idemd_workers_start(int threads) {
 }
 
 int idemd_workers_submit(idemd_workers_t *p, idemd_work_t *w) {
-  int wake;
-
   w->next = NULL;
   pthread_mutex_lock(&p->lock);
   if (p->stopping) {
@@ -83,11 +132,30 @@ int idemd_workers_submit(idemd_workers_t *p, idemd_work_t *w) {
   else
     p->head = w;
   p->tail = w;
-  wake = p->idle > 0;
+  wake_one(p);
   pthread_mutex_unlock(&p->lock);
-  if (wake)
-    pthread_cond_signal(&p->ready);
   return 0;
+}
+
+void idemd_workers_wait_begin(void) {
+  idemd_workers_t *p = this_pool;
+
+  if (p == NULL)
+    return;
+  pthread_mutex_lock(&p->lock);
+  p->running--;
+  wake_one(p);
+  pthread_mutex_unlock(&p->lock);
+}
+
+void idemd_workers_wait_end(void) {
+  idemd_workers_t *p = this_pool;
+
+  if (p == NULL)
+    return;
+  pthread_mutex_lock(&p->lock);
+  p->running++; /* past the bound for a moment, rather than wait again */
+  pthread_mutex_unlock(&p->lock);
 }
 
 void idemd_workers_stop(idemd_workers_t *p) {
@@ -95,7 +163,8 @@ void idemd_workers_stop(idemd_workers_t *p) {
     return;
   pthread_mutex_lock(&p->lock);
   p->stopping = 1;
-  pthread_cond_broadcast(&p->ready);
+  if (p->head == NULL)
+    wake_all(p); /* else the workers at work end it (worker_main) */
   pthread_mutex_unlock(&p->lock);
   for (int i = 0; i < p->n; i++)
     pthread_join(p->threads[i], NULL);
@@ -106,7 +175,6 @@ void idemd_workers_free(idemd_workers_t *p) {
   if (p == NULL)
     return;
   idemd_workers_stop(p);
-  pthread_cond_destroy(&p->ready);
   pthread_mutex_destroy(&p->lock);
   free(p->threads);
   free(p);

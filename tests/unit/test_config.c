@@ -119,6 +119,8 @@ static void test_defaults(void **state) {
   assert_string_equal(cfg.db, "./idem.db");
   assert_string_equal(cfg.provider, "sandbox");
   assert_int_equal(cfg.threads, 0); /* one thread per connection */
+  assert_int_equal(cfg.workers, 128);
+  assert_int_equal(cfg.active_workers, 0); /* four per core */
   assert_int_equal(cfg.inflight_wait_ms, 5000);
   assert_int_equal(cfg.key_ttl_ms, 86400000);
   assert_int_equal(cfg.lease_ms, 30000);
