@@ -128,7 +128,14 @@ wrk_run() {
 pay='{"amount": 15990, "currency": "BRL"}'
 order='{"customer_id": "c1", "items": [{"sku": "A1", "quantity": 2, "unit_price": 1000}], "currency": "BRL"}'
 
-echo "== machine: $(nproc) cores; wrk -t1 -c64, ${duration}s per run after a 2 s warm-up"
+# The kernel's automatic scheduling groups (one per session): with them
+# on, PostgreSQL runs on this 2-core machine stalled for up to seconds now
+# and then (fewer and shorter since the bound on workers at work), and not
+# once with them off (docs/performance.md, "Workers at work at once"). The
+# figures say which way the machine was set.
+autogroup=$(cat /proc/sys/kernel/sched_autogroup_enabled 2>/dev/null || echo "?")
+echo "== machine: $(nproc) cores; kernel.sched_autogroup_enabled=$autogroup;" \
+     "wrk -t1 -c64, ${duration}s per run after a 2 s warm-up"
 
 # 1. nginx: the HTTP ceiling.
 port_ng=$(free_port)
