@@ -28,6 +28,9 @@ struct idemd_workers {
 
 /* The pool of the worker running this thread; NULL on other threads. */
 static _Thread_local idemd_workers_t *this_pool;
+/* This worker is between idemd_workers_wait_begin() and _end(): a second
+ * begin, or an end without one, changes nothing. */
+static _Thread_local int in_wait;
 
 /* Whether a worker should take the next job now. Called locked. */
 static int can_take(const idemd_workers_t *p) {
@@ -140,8 +143,9 @@ int idemd_workers_submit(idemd_workers_t *p, idemd_work_t *w) {
 void idemd_workers_wait_begin(void) {
   idemd_workers_t *p = this_pool;
 
-  if (p == NULL)
+  if (p == NULL || in_wait)
     return;
+  in_wait = 1;
   pthread_mutex_lock(&p->lock);
   p->running--;
   wake_one(p);
@@ -151,8 +155,9 @@ void idemd_workers_wait_begin(void) {
 void idemd_workers_wait_end(void) {
   idemd_workers_t *p = this_pool;
 
-  if (p == NULL)
+  if (p == NULL || !in_wait)
     return;
+  in_wait = 0;
   pthread_mutex_lock(&p->lock);
   p->running++; /* past the bound for a moment, rather than wait again */
   pthread_mutex_unlock(&p->lock);

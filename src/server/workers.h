@@ -28,11 +28,14 @@ int idemd_workers_submit(idemd_workers_t *p, idemd_work_t *w);
 /* Called by a job before it waits on something slower than the store (a
  * provider call, a duplicate in flight): until idemd_workers_wait_end(),
  * its worker does not count against the pool's `running` bound, so
- * another job may start. A no-op on a thread that is not a worker. */
+ * another job may start. A no-op on a thread that is not a worker, and
+ * in a wait already begun. */
 void idemd_workers_wait_begin(void);
 
 /* Ends that wait: the worker counts again at once, even if that puts the
- * pool past its bound for a moment (it never waits for a place). */
+ * pool past its bound for a moment (it never waits for a place; when a
+ * key completes, every duplicate that waited on it comes back at once).
+ * A no-op without a wait begun. */
 void idemd_workers_wait_end(void);
 
 /* Refuses new work, runs what is queued, and joins the workers. The pool

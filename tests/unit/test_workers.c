@@ -58,10 +58,11 @@ static void test_running_bound(void **state) {
 }
 
 /* With room for one job at a time, a job waiting for a later one must
- * let it run, once it says it waits. */
+ * let it run, once it says it waits: the later one is queued while the
+ * first is at work, so only the wait's start can hand it a place. */
 struct pair {
   idemd_work_t waiter, poster;
-  sem_t posted;
+  sem_t started, queued, posted;
   int got; /* the waiter saw the post within 5 s */
 };
 
@@ -70,6 +71,8 @@ static void waiter_run(idemd_work_t *w) {
   struct timespec until;
   int rc;
 
+  sem_post(&pr->started);
+  sem_wait(&pr->queued);
   clock_gettime(CLOCK_REALTIME, &until);
   until.tv_sec += 5;
   idemd_workers_wait_begin();
@@ -90,12 +93,17 @@ static void test_wait_lets_another_run(void **state) {
   (void)state;
 
   assert_non_null(p);
+  sem_init(&pr.started, 0, 0);
+  sem_init(&pr.queued, 0, 0);
   sem_init(&pr.posted, 0, 0);
   assert_int_equal(idemd_workers_submit(p, &pr.waiter), 0);
-  sleep_ms(20); /* the waiter is in its wait before the poster is queued */
-  assert_int_equal(idemd_workers_submit(p, &pr.poster), 0);
+  sem_wait(&pr.started);
+  assert_int_equal(idemd_workers_submit(p, &pr.poster), 0); /* no place yet */
+  sem_post(&pr.queued);
   idemd_workers_stop(p);
   assert_true(pr.got);
+  sem_destroy(&pr.started);
+  sem_destroy(&pr.queued);
   sem_destroy(&pr.posted);
   idemd_workers_free(p);
 }
