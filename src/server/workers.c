@@ -19,6 +19,7 @@ struct idemd_workers {
   struct idle *idle;   /* idle workers, the latest first */
   idemd_work_t *head, *tail;
   int running;     /* workers in a job, less those in a wait */
+  int waking;      /* workers woken for a job, not yet back at the queue */
   int max_running; /* what `running` may reach before a job is taken */
   int stopping;
   int joined;
@@ -37,13 +38,16 @@ static int can_take(const idemd_workers_t *p) {
   return p->head != NULL && p->running < p->max_running;
 }
 
-/* Wakes the latest idle worker if a job can start. Called locked. */
+/* Wakes the latest idle worker if a job can start, counting those woken
+ * already: a burst of submissions wakes no more workers than may work.
+ * Called locked. */
 static void wake_one(idemd_workers_t *p) {
   struct idle *w = p->idle;
-  if (w == NULL || !can_take(p))
+  if (w == NULL || p->head == NULL || p->running + p->waking >= p->max_running)
     return;
   p->idle = w->next;
   w->woken = 1;
+  p->waking++;
   pthread_cond_signal(&w->wake);
 }
 
@@ -53,6 +57,7 @@ static void wake_all(idemd_workers_t *p) {
     struct idle *w = p->idle;
     p->idle = w->next;
     w->woken = 1;
+    p->waking++;
     pthread_cond_signal(&w->wake);
   }
 }
@@ -74,6 +79,7 @@ static void *worker_main(void *arg) {
       p->idle = &me;
       while (!me.woken)
         pthread_cond_wait(&me.wake, &p->lock);
+      p->waking--; /* back at the queue */
     }
     if (p->head == NULL)
       break; /* stopping, and the queue is empty */

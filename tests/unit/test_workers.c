@@ -1,5 +1,6 @@
-/* The worker pool: every job runs, at most `running` at once, and a job
- * in a wait (a provider call, a duplicate in flight) lets another start. */
+/* The worker pool: every job runs, at most `running` at once, a job in a
+ * wait (a provider call, a duplicate in flight) lets another start, and
+ * the latest idle worker takes the next job. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -161,6 +162,51 @@ static void test_wait_end_counts_again(void **state) {
   idemd_workers_free(p);
 }
 
+/* One job at a time, each submitted once the one before has ended: the
+ * worker that ran the last is the latest idle, and runs the next too.
+ * (Woken oldest first, the eight would take turns: each ran 1 or 2.) A
+ * worker descheduled before it is idle again may miss one: 8 of 10. */
+struct whom {
+  idemd_work_t work;
+  pthread_t ran_on;
+  sem_t *done;
+};
+
+static void whom_run(idemd_work_t *w) {
+  struct whom *j = (struct whom *)w;
+  j->ran_on = pthread_self();
+  sem_post(j->done);
+}
+
+static void test_latest_idle_worker_first(void **state) {
+  enum { JOBS = 10 };
+  struct whom jobs[JOBS];
+  sem_t done;
+  idemd_workers_t *p = idemd_workers_start(8, 8);
+  (void)state;
+
+  assert_non_null(p);
+  sem_init(&done, 0, 0);
+  sleep_ms(20); /* every worker idle */
+  for (int i = 0; i < JOBS; i++) {
+    jobs[i] = (struct whom){.work = {.run = whom_run}, .done = &done};
+    assert_int_equal(idemd_workers_submit(p, &jobs[i].work), 0);
+    sem_wait(&done);
+    sleep_ms(10); /* its worker is idle again */
+  }
+  idemd_workers_stop(p);
+  int most = 0; /* jobs run by the worker that ran the most */
+  for (int i = 0; i < JOBS; i++) {
+    int same = 0;
+    for (int k = 0; k < JOBS; k++)
+      same += pthread_equal(jobs[k].ran_on, jobs[i].ran_on) != 0;
+    most = same > most ? same : most;
+  }
+  assert_true(most >= 8);
+  sem_destroy(&done);
+  idemd_workers_free(p);
+}
+
 static void test_wait_outside_a_worker(void **state) {
   (void)state;
   /* Not a worker: nothing to count, nothing happens. */
@@ -175,6 +221,7 @@ int main(void) {
       cmocka_unit_test(test_running_bound),
       cmocka_unit_test(test_wait_lets_another_run),
       cmocka_unit_test(test_wait_end_counts_again),
+      cmocka_unit_test(test_latest_idle_worker_first),
       cmocka_unit_test(test_wait_outside_a_worker),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
