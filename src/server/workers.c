@@ -38,28 +38,28 @@ static int can_take(const idemd_workers_t *p) {
   return p->head != NULL && p->running < p->max_running;
 }
 
-/* Wakes the latest idle worker if a job can start, counting those woken
- * already: a burst of submissions wakes no more workers than may work.
- * Called locked. */
-static void wake_one(idemd_workers_t *p) {
+/* Takes the latest idle worker off the stack and wakes it. Called locked,
+ * with p->idle not NULL. */
+static void wake_latest(idemd_workers_t *p) {
   struct idle *w = p->idle;
-  if (w == NULL || p->head == NULL || p->running + p->waking >= p->max_running)
-    return;
   p->idle = w->next;
   w->woken = 1;
   p->waking++;
   pthread_cond_signal(&w->wake);
 }
 
+/* Wakes the latest idle worker if a job can start, counting those woken
+ * already: a burst of submissions wakes no more workers than may work.
+ * Called locked. */
+static void wake_one(idemd_workers_t *p) {
+  if (p->idle != NULL && p->head != NULL && p->running + p->waking < p->max_running)
+    wake_latest(p);
+}
+
 /* Wakes every idle worker (stopping). Called locked. */
 static void wake_all(idemd_workers_t *p) {
-  while (p->idle) {
-    struct idle *w = p->idle;
-    p->idle = w->next;
-    w->woken = 1;
-    p->waking++;
-    pthread_cond_signal(&w->wake);
-  }
+  while (p->idle != NULL)
+    wake_latest(p);
 }
 
 static void *worker_main(void *arg) {
