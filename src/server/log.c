@@ -1,13 +1,16 @@
 /* JSON log lines for requests and events. */
 #include "server/log.h"
 
+#include <limits.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "../lib/ticker.h"
 #include "idem/clock.h"
@@ -15,22 +18,32 @@
 
 static int min_level = 1;
 
-/* Request lines gathered into one write() of up to 4 KiB (stderr is
- * unbuffered: one line was one system call, and appending it to a file a
- * few microseconds of the kernel's time). 4 KiB is PIPE_BUF: a batch
- * written to a pipe is never interleaved with another writer's. Lines
- * wait at most one flush interval. Event lines empty the batch first,
- * then go out at once, so the order holds. LINE_MAX_BYTES bounds a
- * request line. */
+/* Request lines gathered into one write() (stderr is unbuffered: one line
+ * was one system call, and appending it to a file a few microseconds of
+ * the kernel's time). Into a pipe, a batch is at most PIPE_BUF (4 KiB), so
+ * it is never interleaved with another writer's; into anything else (a
+ * file, a socket, a terminal) up to 64 KiB, some 250 lines: new-key
+ * payments 1.2 % faster than with 4 KiB batches to a file, four
+ * alternating pairs, docs/performance.md. Lines wait at most one flush
+ * interval. Event lines empty the batch first, then go out at once, so the
+ * order holds. LINE_MAX_BYTES bounds a request line. */
 #define LINE_MAX_BYTES 1024
-#define BATCH_BYTES 4096
+#define BATCH_MAX_BYTES 65536
 static struct {
   pthread_mutex_t lock;
   int on;
-  size_t len;
-  char buf[BATCH_BYTES];
+  size_t len, cap; /* cap: the batch's size for this stderr */
+  char buf[BATCH_MAX_BYTES];
   idem__ticker_t *ticker;
 } batch = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* How many bytes a batch written to stderr may hold. */
+static size_t batch_cap(void) {
+  struct stat st;
+  if (fstat(STDERR_FILENO, &st) == 0 && !S_ISFIFO(st.st_mode))
+    return sizeof batch.buf;
+  return PIPE_BUF < sizeof batch.buf ? PIPE_BUF : sizeof batch.buf;
+}
 
 static void flush_locked(void) {
   if (batch.len > 0)
@@ -50,6 +63,7 @@ int idemd_log_batch_start(int64_t every_ms) {
   if (t == NULL)
     return -1;
   pthread_mutex_lock(&batch.lock);
+  batch.cap = batch_cap();
   batch.ticker = t;
   batch.on = 1;
   pthread_mutex_unlock(&batch.lock);
@@ -72,7 +86,7 @@ void idemd_log_batch_stop(void) {
 static void write_lines(const char *text, size_t n, int batched) {
   pthread_mutex_lock(&batch.lock);
   if (batch.on && batched && n <= LINE_MAX_BYTES) {
-    if (batch.len + n > sizeof batch.buf)
+    if (batch.len + n > batch.cap)
       flush_locked();
     memcpy(batch.buf + batch.len, text, n);
     batch.len += n;
