@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../lib/json_text.h"
+
 int idem_payment_parse(const char *body, idem_payment_t *p) {
   json_t *v = json_loads(body ? body : "", 0, NULL);
   json_t *amount = json_object_get(v, "amount");
@@ -29,31 +31,6 @@ int idem_payment_parse(const char *body, idem_payment_t *p) {
   return rc;
 }
 
-/* Appends `s` to `out` as a JSON string, quotes included. Payment fields
- * are visible ASCII (validated), but any byte below 0x20 is escaped too. */
-static size_t put_string(char *out, const char *s) {
-  static const char hex[] = "0123456789abcdef";
-  size_t n = 0;
-
-  out[n++] = '"';
-  for (; *s; s++) {
-    unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') {
-      out[n++] = '\\';
-      out[n++] = (char)c;
-    } else if (c < 0x20) {
-      memcpy(out + n, "\\u00", 4);
-      out[n + 4] = hex[c >> 4];
-      out[n + 5] = hex[c & 15];
-      n += 6;
-    } else {
-      out[n++] = (char)c;
-    }
-  }
-  out[n++] = '"';
-  return n;
-}
-
 /* Written directly rather than built with jansson: a payment is written
  * two or three times per request, always in this one shape, and building
  * it as a json_t and dumping it was a seventh of a new payment's
@@ -72,25 +49,25 @@ char *idem_payment_json(const idem_payment_t *p, const char *status,
   if (out == NULL)
     return NULL;
   n = (size_t)snprintf(out, cap, "{\"id\":");
-  n += put_string(out + n, p->id);
+  n += idem__json_string(out + n, p->id);
   n += (size_t)snprintf(out + n, cap - n, ",\"amount\":%lld,\"currency\":",
                         (long long)p->amount);
-  n += put_string(out + n, p->currency);
+  n += idem__json_string(out + n, p->currency);
   memcpy(out + n, ",\"order_id\":", 12);
   n += 12;
   if (p->order_id[0]) {
-    n += put_string(out + n, p->order_id);
+    n += idem__json_string(out + n, p->order_id);
   } else {
     memcpy(out + n, "null", 4);
     n += 4;
   }
   memcpy(out + n, ",\"status\":", 10);
-  n += put_string(out + n + 10, status) + 10;
+  n += idem__json_string(out + n + 10, status) + 10;
   memcpy(out + n, ",\"created_at\":", 14);
-  n += put_string(out + n + 14, p->created_at) + 14;
+  n += idem__json_string(out + n + 14, p->created_at) + 14;
   if (error) {
     memcpy(out + n, ",\"error\":", 9);
-    n += put_string(out + n + 9, error) + 9;
+    n += idem__json_string(out + n + 9, error) + 9;
   }
   out[n++] = '}';
   out[n] = '\0';

@@ -37,7 +37,6 @@ static void order_call_free(void *call) {
 static int prepare(void *ctx) {
   order_call_t *oc = ctx;
   char token[25], created_at[32];
-  json_t *order;
   int64_t now = idem_now_ms();
 
   if (idem_sortable_token(token, 24, now) != IDEM_OK)
@@ -45,13 +44,7 @@ static int prepare(void *ctx) {
   snprintf(oc->id, sizeof oc->id, "ord_%s", token);
   snprintf(oc->location, sizeof oc->location, "/orders/%s", oc->id);
   idem_format_time(now, created_at, sizeof created_at);
-  order = json_pack("{s:s, s:O, s:O, s:O, s:I, s:s, s:s}", "id", oc->id,
-                    "customer_id", json_object_get(oc->cmd, "customer_id"), "items",
-                    json_object_get(oc->cmd, "items"), "currency",
-                    json_object_get(oc->cmd, "currency"), "total",
-                    (json_int_t)oc->total, "status", "created", "created_at", created_at);
-  oc->text = order ? json_dumps(order, JSON_COMPACT) : NULL;
-  json_decref(order);
+  oc->text = idemd_order_json(oc->cmd, oc->id, oc->total, created_at);
   if (oc->text == NULL)
     return IDEM_ENOMEM;
   oc->resource = (idem_resource_t){.kind = "order", .id = oc->id,

@@ -9,6 +9,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../lib/json_text.h"
+
 /* Whether no object or array in `v` sits deeper than IDEMD_MAX_DEPTH (the
  * body itself is depth 1; plain values add no level). */
 static int depth_ok(const json_t *v, int depth) {
@@ -440,4 +442,60 @@ int idemd_validate_order(const json_t *body, json_t **cmd_out,
   json_decref(items);
   *total_out = cmd ? total : 0;
   return finish(cmd, errors, cmd_out, errors_out);
+}
+
+/* Appends the decimal digits of `v` (at most 20 bytes). */
+static size_t put_int(char *out, long long v) {
+  return (size_t)snprintf(out, 24, "%lld", v);
+}
+
+#define PUT_LIT(out, n, lit) (memcpy((out) + (n), (lit), sizeof(lit) - 1), sizeof(lit) - 1)
+
+char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
+                       const char *created_at) {
+  const char *customer = json_string_value(json_object_get(cmd, "customer_id"));
+  const char *currency = json_string_value(json_object_get(cmd, "currency"));
+  const json_t *items = json_object_get(cmd, "items"), *it;
+  size_t cap, n = 0, i;
+  char *out;
+
+  if (customer == NULL || currency == NULL || !json_is_array(items))
+    return NULL;
+  /* The fixed text and numbers take under 128 bytes for the order, and
+   * under 96 per item; each string at most IDEM_JSON_STRING_MAX. */
+  cap = 128 + IDEM_JSON_STRING_MAX(strlen(id)) + IDEM_JSON_STRING_MAX(strlen(customer)) +
+        IDEM_JSON_STRING_MAX(strlen(currency)) + IDEM_JSON_STRING_MAX(strlen(created_at));
+  json_array_foreach(items, i, it) {
+    const char *sku = json_string_value(json_object_get(it, "sku"));
+    if (sku == NULL)
+      return NULL;
+    cap += 96 + IDEM_JSON_STRING_MAX(strlen(sku));
+  }
+  if ((out = malloc(cap)) == NULL)
+    return NULL;
+  n += PUT_LIT(out, n, "{\"id\":");
+  n += idem__json_string(out + n, id);
+  n += PUT_LIT(out, n, ",\"customer_id\":");
+  n += idem__json_string(out + n, customer);
+  n += PUT_LIT(out, n, ",\"items\":[");
+  json_array_foreach(items, i, it) {
+    if (i > 0)
+      out[n++] = ',';
+    n += PUT_LIT(out, n, "{\"sku\":");
+    n += idem__json_string(out + n, json_string_value(json_object_get(it, "sku")));
+    n += PUT_LIT(out, n, ",\"quantity\":");
+    n += put_int(out + n, (long long)json_integer_value(json_object_get(it, "quantity")));
+    n += PUT_LIT(out, n, ",\"unit_price\":");
+    n += put_int(out + n, (long long)json_integer_value(json_object_get(it, "unit_price")));
+    out[n++] = '}';
+  }
+  n += PUT_LIT(out, n, "],\"currency\":");
+  n += idem__json_string(out + n, currency);
+  n += PUT_LIT(out, n, ",\"total\":");
+  n += put_int(out + n, (long long)total);
+  n += PUT_LIT(out, n, ",\"status\":\"created\",\"created_at\":");
+  n += idem__json_string(out + n, created_at);
+  out[n++] = '}';
+  out[n] = '\0';
+  return out;
 }

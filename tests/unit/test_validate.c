@@ -466,6 +466,83 @@ static void test_order_item_count(void **state) {
   free(body);
 }
 
+/* What prepare() in orders.c built before the order was written by hand:
+ * json_pack() of the same fields, dumped with JSON_COMPACT. */
+static char *order_with_jansson(const json_t *cmd, const char *id, int64_t total,
+                                const char *created_at) {
+  json_t *order = json_pack("{s:s, s:O, s:O, s:O, s:I, s:s, s:s}", "id", id,
+                            "customer_id", json_object_get(cmd, "customer_id"), "items",
+                            json_object_get(cmd, "items"), "currency",
+                            json_object_get(cmd, "currency"), "total", (json_int_t)total,
+                            "status", "created", "created_at", created_at);
+  char *text = json_dumps(order, JSON_COMPACT);
+  json_decref(order);
+  return text;
+}
+
+/* idemd_order_json() against jansson, for orders of every shape the
+ * validator lets through: one item and the most, the largest numbers, the
+ * longest identifiers, and every visible ASCII character (quotes and
+ * backslashes among them) in the strings. */
+static void test_order_json_matches_jansson(void **state) {
+  char visible[96], customer[256], *bodies[4];
+  size_t n = 0;
+  (void)state;
+
+  for (int c = 0x21; c < 0x7f; c++) /* visible ASCII, no space */
+    visible[n++] = (char)c;
+  visible[n] = '\0';
+  memset(customer, 'c', 255);
+  customer[255] = '\0';
+  json_t *v = json_pack("{s:s, s:[{s:s, s:I, s:I}, {s:s, s:I, s:I}], s:s}", "customer_id",
+                        visible, "items", "sku", "\"\\", "quantity", (json_int_t)1,
+                        "unit_price", (json_int_t)1, "sku", "a\\\"b/c", "quantity",
+                        (json_int_t)2, "unit_price", (json_int_t)3, "currency", "USD");
+  bodies[0] = json_dumps(v, 0);
+  json_decref(v);
+  v = json_pack("{s:s, s:[{s:s, s:I, s:I}]}", "customer_id", customer, "items", "sku",
+                "A1", "quantity", (json_int_t)1, "unit_price",
+                (json_int_t)IDEMD_MAX_SAFE_INT);
+  bodies[1] = json_dumps(v, 0);
+  json_decref(v);
+  bodies[2] = strdup("{\"customer_id\":\"c1\",\"items\":[{\"sku\":\"A1\",\"quantity\":2,"
+                     "\"unit_price\":1000}],\"currency\":\"BRL\"}");
+  bodies[3] = order_with_items(IDEMD_MAX_ITEMS);
+
+  for (size_t i = 0; i < ARRAY_LEN(bodies); i++) {
+    json_t *cmd = NULL, *errors = NULL;
+    int64_t total = 0;
+    char *got, *want;
+
+    assert_non_null(bodies[i]);
+    if (validate_body("order", bodies[i], &cmd, &errors, &total) != 0)
+      fail_msg("%s rejected: %s", bodies[i], error_list(errors));
+    got = idemd_order_json(cmd, "ord_01k8pdkllp0buf3vimcdvb0a", total,
+                           "2026-12-01T18:24:59Z");
+    want = order_with_jansson(cmd, "ord_01k8pdkllp0buf3vimcdvb0a", total,
+                              "2026-12-01T18:24:59Z");
+    assert_non_null(got);
+    assert_non_null(want);
+    assert_string_equal(got, want);
+    free(got);
+    free(want);
+    json_decref(cmd);
+    free(bodies[i]);
+  }
+}
+
+/* Anything but an order command is refused, not written half. */
+static void test_order_json_refuses_other_commands(void **state) {
+  json_t *payment = json_pack("{s:I, s:s}", "amount", (json_int_t)1, "currency", "BRL");
+  json_t *no_sku = json_pack("{s:s, s:[{s:I}], s:s}", "customer_id", "c1", "items",
+                             "quantity", (json_int_t)1, "currency", "BRL");
+  (void)state;
+  assert_null(idemd_order_json(payment, "ord_1", 1, "2026-12-01T00:00:00Z"));
+  assert_null(idemd_order_json(no_sku, "ord_1", 1, "2026-12-01T00:00:00Z"));
+  json_decref(payment);
+  json_decref(no_sku);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_parse_table),
@@ -476,6 +553,8 @@ int main(void) {
       cmocka_unit_test(test_payment_order_id_length),
       cmocka_unit_test(test_order_table),
       cmocka_unit_test(test_order_item_count),
+      cmocka_unit_test(test_order_json_matches_jansson),
+      cmocka_unit_test(test_order_json_refuses_other_commands),
   };
   return cmocka_run_group_tests_name("validate", tests, NULL, NULL);
 }

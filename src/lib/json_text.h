@@ -1,0 +1,20 @@
+/* Internal: JSON text written directly, for the bodies a request writes on
+ * its hot path (a payment, an order). Building a json_t and dumping it
+ * cost several times more (docs/performance.md); unit tests compare what
+ * is written here with json_dumps(JSON_COMPACT) for the same values. */
+#ifndef IDEM_LIB_JSON_TEXT_H
+#define IDEM_LIB_JSON_TEXT_H
+
+#include <stddef.h>
+
+/* The most bytes idem__json_string() writes for a string of `len` bytes. */
+#define IDEM_JSON_STRING_MAX(len) (6 * (len) + 2)
+
+/* Writes `s` to `out` as a JSON string, quotes included, and returns the
+ * bytes written (no NUL). `"` and `\` are escaped with a backslash, bytes
+ * below 0x20 as \u00XX, all others copied: for visible ASCII (what idemd's
+ * validators let through) the same bytes as json_dumps(). `out` must have
+ * room for IDEM_JSON_STRING_MAX(strlen(s)) bytes. */
+size_t idem__json_string(char *out, const char *s);
+
+#endif
