@@ -16,8 +16,8 @@ void idemd_log_set_level(const char *level);
 void idemd_log_request(const idemd_request_t *r);
 
 /* Starts batching request lines, flushed every `every_ms` and whenever
- * the next line would not fit: in 4 KiB (PIPE_BUF) when stderr is a pipe,
- * in 64 KiB otherwise (looked at here, once). Event lines are never held:
+ * the next line would not fit: in 64 KiB when stderr is a regular file,
+ * in 4 KiB (PIPE_BUF) otherwise (looked at here, once). Event lines are never held:
  * each first writes the lines before it. Returns -1 (and nothing changes) when no thread
  * can be started. */
 int idemd_log_batch_start(int64_t every_ms);

@@ -444,7 +444,8 @@ int idemd_validate_order(const json_t *body, json_t **cmd_out,
   return finish(cmd, errors, cmd_out, errors_out);
 }
 
-/* Appends the decimal digits of `v` (at most 20 bytes). */
+/* Appends the decimal digits of `v`: at most 20 bytes, and a NUL after
+ * them that the next write covers (the callers count 24 bytes for it). */
 static size_t put_int(char *out, long long v) {
   return (size_t)snprintf(out, 24, "%lld", v);
 }
@@ -467,7 +468,8 @@ char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
         IDEM_JSON_STRING_MAX(strlen(currency)) + IDEM_JSON_STRING_MAX(strlen(created_at));
   json_array_foreach(items, i, it) {
     const char *sku = json_string_value(json_object_get(it, "sku"));
-    if (sku == NULL)
+    if (sku == NULL || !json_is_integer(json_object_get(it, "quantity")) ||
+        !json_is_integer(json_object_get(it, "unit_price")))
       return NULL;
     cap += 96 + IDEM_JSON_STRING_MAX(strlen(sku));
   }

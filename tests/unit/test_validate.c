@@ -480,12 +480,35 @@ static char *order_with_jansson(const json_t *cmd, const char *id, int64_t total
   return text;
 }
 
+/* The longest order text: a customer_id of 255 quotes, and the most items,
+ * each with a sku of 64 characters that each need escaping and the
+ * largest numbers whose total stays under 2^53. */
+static char *worst_order(void) {
+  char quotes[256], sku[65];
+  json_t *items = json_array(), *v;
+  char *text;
+
+  memset(quotes, '"', 255);
+  quotes[255] = '\0';
+  for (int i = 0; i < 64; i++)
+    sku[i] = i % 2 ? '\\' : '"';
+  sku[64] = '\0';
+  for (int i = 0; i < IDEMD_MAX_ITEMS; i++)
+    json_array_append_new(items, json_pack("{s:s, s:I, s:I}", "sku", sku, "quantity",
+                                           (json_int_t)9, "unit_price",
+                                           (json_int_t)9999999999999LL));
+  v = json_pack("{s:s, s:o}", "customer_id", quotes, "items", items);
+  text = json_dumps(v, 0);
+  json_decref(v);
+  return text;
+}
+
 /* idemd_order_json() against jansson, for orders of every shape the
  * validator lets through: one item and the most, the largest numbers, the
  * longest identifiers, and every visible ASCII character (quotes and
  * backslashes among them) in the strings. */
 static void test_order_json_matches_jansson(void **state) {
-  char visible[96], customer[256], *bodies[4];
+  char visible[96], customer[256], *bodies[5];
   size_t n = 0;
   (void)state;
 
@@ -508,6 +531,7 @@ static void test_order_json_matches_jansson(void **state) {
   bodies[2] = strdup("{\"customer_id\":\"c1\",\"items\":[{\"sku\":\"A1\",\"quantity\":2,"
                      "\"unit_price\":1000}],\"currency\":\"BRL\"}");
   bodies[3] = order_with_items(IDEMD_MAX_ITEMS);
+  bodies[4] = worst_order();
 
   for (size_t i = 0; i < ARRAY_LEN(bodies); i++) {
     json_t *cmd = NULL, *errors = NULL;
@@ -536,11 +560,16 @@ static void test_order_json_refuses_other_commands(void **state) {
   json_t *payment = json_pack("{s:I, s:s}", "amount", (json_int_t)1, "currency", "BRL");
   json_t *no_sku = json_pack("{s:s, s:[{s:I}], s:s}", "customer_id", "c1", "items",
                              "quantity", (json_int_t)1, "currency", "BRL");
+  json_t *text_price = json_pack("{s:s, s:[{s:s, s:I, s:s}], s:s}", "customer_id", "c1",
+                                 "items", "sku", "A1", "quantity", (json_int_t)1,
+                                 "unit_price", "1", "currency", "BRL");
   (void)state;
   assert_null(idemd_order_json(payment, "ord_1", 1, "2026-12-01T00:00:00Z"));
   assert_null(idemd_order_json(no_sku, "ord_1", 1, "2026-12-01T00:00:00Z"));
+  assert_null(idemd_order_json(text_price, "ord_1", 1, "2026-12-01T00:00:00Z"));
   json_decref(payment);
   json_decref(no_sku);
+  json_decref(text_price);
 }
 
 int main(void) {
