@@ -17,9 +17,9 @@ void idemd_log_request(const idemd_request_t *r);
 
 /* Starts batching request lines, flushed every `every_ms` and whenever
  * the next line would not fit: in 64 KiB when stderr is a regular file,
- * in 4 KiB (PIPE_BUF) otherwise (looked at here, once). Event lines are never held:
- * each first writes the lines before it. Returns -1 (and nothing changes) when no thread
- * can be started. */
+ * in 4 KiB (PIPE_BUF) otherwise (looked at here, once). Event lines are
+ * never held: each first writes the lines before it. Returns -1 (and
+ * nothing changes) when no thread can be started. */
 int idemd_log_batch_start(int64_t every_ms);
 
 /* Writes what is waiting and stops batching: later lines go out at once
