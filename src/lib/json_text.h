@@ -7,9 +7,14 @@
 #define IDEM_LIB_JSON_TEXT_H
 
 #include <stddef.h>
+#include <string.h>
 
 /* The most bytes idem__json_string() writes for a string of `len` bytes. */
 #define IDEM_JSON_STRING_MAX(len) (6 * (len) + 2)
+
+/* Copies the string literal `lit` (JSON text: a key, punctuation) to
+ * `out`, without its NUL, and gives its length. */
+#define IDEM_JSON_LIT(out, lit) (memcpy((out), (lit), sizeof(lit) - 1), sizeof(lit) - 1)
 
 /* Writes `s` to `out` as a JSON string, quotes included, and returns the
  * bytes written (no NUL). `"` and `\` are escaped with a backslash, bytes

@@ -48,26 +48,23 @@ char *idem_payment_json(const idem_payment_t *p, const char *status,
 
   if (out == NULL)
     return NULL;
-  n = (size_t)snprintf(out, cap, "{\"id\":");
+  n = IDEM_JSON_LIT(out, "{\"id\":");
   n += idem__json_string(out + n, p->id);
   n += (size_t)snprintf(out + n, cap - n, ",\"amount\":%lld,\"currency\":",
                         (long long)p->amount);
   n += idem__json_string(out + n, p->currency);
-  memcpy(out + n, ",\"order_id\":", 12);
-  n += 12;
-  if (p->order_id[0]) {
+  n += IDEM_JSON_LIT(out + n, ",\"order_id\":");
+  if (p->order_id[0])
     n += idem__json_string(out + n, p->order_id);
-  } else {
-    memcpy(out + n, "null", 4);
-    n += 4;
-  }
-  memcpy(out + n, ",\"status\":", 10);
-  n += idem__json_string(out + n + 10, status) + 10;
-  memcpy(out + n, ",\"created_at\":", 14);
-  n += idem__json_string(out + n + 14, p->created_at) + 14;
+  else
+    n += IDEM_JSON_LIT(out + n, "null");
+  n += IDEM_JSON_LIT(out + n, ",\"status\":");
+  n += idem__json_string(out + n, status);
+  n += IDEM_JSON_LIT(out + n, ",\"created_at\":");
+  n += idem__json_string(out + n, p->created_at);
   if (error) {
-    memcpy(out + n, ",\"error\":", 9);
-    n += idem__json_string(out + n + 9, error) + 9;
+    n += IDEM_JSON_LIT(out + n, ",\"error\":");
+    n += idem__json_string(out + n, error);
   }
   out[n++] = '}';
   out[n] = '\0';

@@ -43,8 +43,9 @@ static size_t batch_cap(void) {
   struct stat st;
   if (fstat(STDERR_FILENO, &st) == 0 && S_ISREG(st.st_mode))
     return sizeof batch.buf;
-  return PIPE_BUF < sizeof batch.buf ? PIPE_BUF : sizeof batch.buf;
+  return PIPE_BUF;
 }
+_Static_assert(PIPE_BUF <= BATCH_MAX_BYTES, "a pipe's batch fits in the buffer");
 
 static void flush_locked(void) {
   if (batch.len > 0)

@@ -450,8 +450,6 @@ static size_t put_int(char *out, long long v) {
   return (size_t)snprintf(out, 24, "%lld", v);
 }
 
-#define PUT_LIT(out, n, lit) (memcpy((out) + (n), (lit), sizeof(lit) - 1), sizeof(lit) - 1)
-
 char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
                        const char *created_at) {
   const char *customer = json_string_value(json_object_get(cmd, "customer_id"));
@@ -475,27 +473,27 @@ char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
   }
   if ((out = malloc(cap)) == NULL)
     return NULL;
-  n += PUT_LIT(out, n, "{\"id\":");
+  n += IDEM_JSON_LIT(out + n, "{\"id\":");
   n += idem__json_string(out + n, id);
-  n += PUT_LIT(out, n, ",\"customer_id\":");
+  n += IDEM_JSON_LIT(out + n, ",\"customer_id\":");
   n += idem__json_string(out + n, customer);
-  n += PUT_LIT(out, n, ",\"items\":[");
+  n += IDEM_JSON_LIT(out + n, ",\"items\":[");
   json_array_foreach(items, i, it) {
     if (i > 0)
       out[n++] = ',';
-    n += PUT_LIT(out, n, "{\"sku\":");
+    n += IDEM_JSON_LIT(out + n, "{\"sku\":");
     n += idem__json_string(out + n, json_string_value(json_object_get(it, "sku")));
-    n += PUT_LIT(out, n, ",\"quantity\":");
+    n += IDEM_JSON_LIT(out + n, ",\"quantity\":");
     n += put_int(out + n, (long long)json_integer_value(json_object_get(it, "quantity")));
-    n += PUT_LIT(out, n, ",\"unit_price\":");
+    n += IDEM_JSON_LIT(out + n, ",\"unit_price\":");
     n += put_int(out + n, (long long)json_integer_value(json_object_get(it, "unit_price")));
     out[n++] = '}';
   }
-  n += PUT_LIT(out, n, "],\"currency\":");
+  n += IDEM_JSON_LIT(out + n, "],\"currency\":");
   n += idem__json_string(out + n, currency);
-  n += PUT_LIT(out, n, ",\"total\":");
+  n += IDEM_JSON_LIT(out + n, ",\"total\":");
   n += put_int(out + n, (long long)total);
-  n += PUT_LIT(out, n, ",\"status\":\"created\",\"created_at\":");
+  n += IDEM_JSON_LIT(out + n, ",\"status\":\"created\",\"created_at\":");
   n += idem__json_string(out + n, created_at);
   out[n++] = '}';
   out[n] = '\0';

@@ -588,7 +588,8 @@ static void show_field(const char *out, const char *label, char *val, size_t cap
  * (copied into `line`), or 0 if none does. Not inlined: GCC 12 at -O2
  * then took `out` for a pointer into cli_ok()'s local variable and warned
  * of a dangling pointer (-Wdangling-pointer, a false positive). */
-__attribute__((noinline)) static int line_with(const char *out, const char *needle, char *line, size_t cap) {
+__attribute__((noinline)) static int line_with(const char *out, const char *needle,
+                                                char *line, size_t cap) {
   const char *hit = strstr(out, needle);
   const char *start;
   size_t len;

@@ -118,7 +118,7 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.listen_port, 8080);
   assert_string_equal(cfg.db, "./idem.db");
   assert_string_equal(cfg.provider, "sandbox");
-  assert_int_equal(cfg.threads, 0); /* one thread per connection */
+  assert_int_equal(cfg.threads, 0); /* one fewer than the cores */
   assert_int_equal(cfg.workers, 128);
   assert_int_equal(cfg.active_workers, 0); /* four per core */
   assert_int_equal(cfg.inflight_wait_ms, 5000);
