@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages idem builds and tests with, only when missing,
-# then makes SQLite's source for the build (scripts/sqlite-source.sh).
+# then makes SQLite's source (scripts/sqlite-source.sh) and libmicrohttpd
+# (scripts/mhd-source.sh) for the build.
 # Runs apt-get update once, and only if something has to be installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,7 @@ pkgs=(build-essential cmake pkg-config
       libsqlite3-dev libpq-dev libssl-dev libjemalloc-dev sqlite3 nginx-light
       postgresql postgresql-client  # throwaway clusters of the PostgreSQL tests
       python3 python3-yaml python3-jsonschema  # tests/api/check_openapi.py
-      curl tcl  # scripts/sqlite-source.sh
+      curl tcl xz-utils patch  # scripts/sqlite-source.sh, scripts/mhd-source.sh
 )
 pkgs+=("$@")
 
@@ -30,3 +31,5 @@ fi
 
 scripts/sqlite-source.sh ||
   echo "deps: building with the system's SQLite instead (slower: docs/performance.md)" >&2
+scripts/mhd-source.sh ||
+  echo "deps: building with the system's libmicrohttpd instead (slower: docs/performance.md)" >&2

@@ -13,6 +13,7 @@
 # are brought up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/debian-source.sh
 
 version=3.40.1-2+deb12u2
 base=http://deb.debian.org/debian/pool/main/s/sqlite3
@@ -33,18 +34,7 @@ rm -rf "$out"
 work=$(mktemp -d)
 stage=$(mktemp -d .deps/sqlite.XXXXXX)
 trap 'rm -rf "$work" "$stage"' EXIT
-for f in "${files[@]}"; do
-  name=${f% *} sum=${f#* }
-  if ! curl -fsS --connect-timeout 20 --max-time 300 --retry 2 \
-      -o "$work/$name" "$base/$name"; then
-    echo "sqlite-source: cannot fetch $base/$name" >&2
-    exit 1
-  fi
-  if [ "$(sha256sum "$work/$name" | cut -d' ' -f1)" != "$sum" ]; then
-    echo "sqlite-source: $name does not have the expected SHA-256" >&2
-    exit 1
-  fi
-done
+debian_fetch "$base" "$work" "${files[@]}"
 
 echo "sqlite-source: making SQLite $version's amalgamation in $out" >&2
 # What dpkg-source would do: SQLite's release, then Debian's patches
@@ -52,11 +42,7 @@ echo "sqlite-source: making SQLite $version's amalgamation in $out" >&2
 # exactly (no fuzz, as dpkg-source applies them).
 tar -xf "$work/sqlite3_3.40.1.orig.tar.xz" -C "$work"
 tar -xf "$work/sqlite3_$version.debian.tar.xz" -C "$work/sqlite3-3.40.1"
-(cd "$work/sqlite3-3.40.1" &&
-  while read -r p _ || [ -n "$p" ]; do
-    case $p in '' | '#'*) continue ;; esac
-    patch -p1 -s -F0 -N --batch <"debian/patches/$p"
-  done <debian/patches/series)
+debian_patch "$work/sqlite3-3.40.1"
 mkdir "$work/build"
 (cd "$work/build" && ../sqlite3-3.40.1/configure >/dev/null && make sqlite3.c >/dev/null)
 

@@ -1008,6 +1008,16 @@ static void parse_raw(h_resp_t *out, const char *buf, size_t len) {
   (void)append(out, end, len);
 }
 
+int h_dial(h_server_t *s) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)s->port)};
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  assert_true(fd >= 0);
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0)
+    fail_msg("connect to 127.0.0.1:%d: %s", s->port, strerror(errno));
+  return fd;
+}
+
 void h_raw(h_server_t *s, const char *bytes, size_t len, h_resp_t *out) {
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)s->port)};
   struct timeval tv = {30, 0};

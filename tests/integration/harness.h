@@ -140,6 +140,9 @@ void h_get(h_server_t *s, const char *path, const char *token, h_resp_t *out);
  * the test, so threads may call it. */
 CURLcode h_post_timeout(h_server_t *s, const char *path, const char *token,
                         const char *key, const char *body, long timeout_ms);
+/* A socket connected to `s` over loopback, for bytes sent and read by
+ * hand; the caller closes it. Fails. */
+int h_dial(h_server_t *s);
 /* Sends `len` raw bytes (a whole request, normally with Connection: close)
  * and parses the answer. Never fails the test. */
 void h_raw(h_server_t *s, const char *bytes, size_t len, h_resp_t *out);

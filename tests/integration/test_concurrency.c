@@ -1,13 +1,19 @@
 /* Concurrency: requests released together with one key create exactly one
  * resource and all get its answer; sequential retries add no rows; two
  * payloads racing on one key give one winner; many connections with unique
- * keys give no 5xx and one payment per 201. */
+ * keys give no 5xx and one payment per 201; a request that arrives while
+ * the one before it on its connection waits is answered after it. */
+#define _GNU_SOURCE /* memmem, strcasestr */
+#include <errno.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -627,6 +633,99 @@ static void test_parked_clients_hanging_up(void **state) {
   h_server_stop(s); /* fails when idemd does not exit promptly */
 }
 
+/* Reads HTTP answers from `fd` until `n` have come whole, the connection
+ * ends, or nothing comes for 10 s; their statuses go to `status`. Returns
+ * how many came. Answers carry a Content-Length (idemd's all do). */
+static int read_answers(int fd, int n, long *status) {
+  struct timeval tv = {10, 0};
+  char buf[16384];
+  size_t len = 0;
+  int got = 0;
+
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  while (got < n) {
+    char *end = memmem(buf, len, "\r\n\r\n", 4), *cl;
+    size_t whole;
+    ssize_t r;
+
+    if (end != NULL) {
+      *end = '\0';
+      cl = strcasestr(buf, "\r\nContent-Length:");
+      whole = (size_t)(end + 4 - buf) + (cl ? strtoul(cl + 17, NULL, 10) : 0);
+      *end = '\r';
+      if (len >= whole) {
+        status[got++] = strtol(buf + 9, NULL, 10); /* "HTTP/1.1 201 ..." */
+        memmove(buf, buf + whole, len - whole);
+        len -= whole;
+        continue;
+      }
+    }
+    if (len == sizeof buf)
+      break;
+    r = recv(fd, buf + len, sizeof buf - len, 0);
+    if (r < 0 && errno == EINTR)
+      continue;
+    if (r <= 0)
+      break;
+    len += (size_t)r;
+  }
+  return got;
+}
+
+/* Sends all of `text` on `fd`. Fails. */
+static void send_all(int fd, const char *text) {
+  size_t len = strlen(text), sent = 0;
+  while (sent < len) {
+    ssize_t w = send(fd, text + sent, len - sent, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0)
+      fail_msg("send: %s", strerror(errno));
+    sent += (size_t)w;
+  }
+}
+
+/* A request that arrives on a connection while the request before it is
+ * suspended (its payment's provider call under way) is answered after it.
+ * The event loop keeps a suspended connection in its epoll set and only
+ * notes the readiness its edges report (scripts/mhd-epoll-suspend.patch):
+ * an edge lost while suspended would leave the second request unread, and
+ * its answer would never come. */
+static void test_request_arriving_while_suspended(void **state) {
+  static const char *const flags[] = {"--sandbox-delay", "500ms", NULL};
+  h_server_t *s = h_server_start(flags);
+  const char *tok = h_tenant(s, "acme");
+  char req[1024];
+  long status[2] = {0, 0};
+  int fd;
+  (void)state;
+
+  fd = h_dial(s);
+  for (int i = 1; i <= 2; i++) {
+    snprintf(req, sizeof req,
+             "POST /payments HTTP/1.1\r\nHost: 127.0.0.1:%d\r\n%s"
+             "Content-Type: application/json\r\nContent-Length: %zu\r\n"
+             "Authorization: Bearer %s\r\nIdempotency-Key: while-suspended-%d\r\n\r\n%s",
+             s->port, i == 2 ? "Connection: close\r\n" : "", strlen(PAYMENT), tok, i,
+             PAYMENT);
+    send_all(fd, req);
+    /* The first is reserved: its connection stays suspended until the
+     * provider's answer (500 ms) is written. */
+    if (i == 1 && !h_db_wait(s, 5000, "SELECT count(*) FROM idempotency_records WHERE "
+                                      "key = 'while-suspended-1' AND state = 'processing'"))
+      fail_msg("the first payment was never reserved");
+  }
+  h_context("answers on one connection, the second request sent while the first waited");
+  assert_int_equal(read_answers(fd, 2, status), 2);
+  assert_int_equal(status[0], 201);
+  assert_int_equal(status[1], 201);
+  h_context_clear();
+  close(fd);
+  h_assert_db(s, 2, "SELECT count(*) FROM idempotency_records WHERE key LIKE "
+                    "'while-suspended-%' AND state = 'completed'");
+  h_server_stop(s);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_together_same_key, h_teardown),
@@ -640,6 +739,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_duplicates_wait_without_a_thread, h_teardown),
       cmocka_unit_test_teardown(test_inflight_wait_bound_without_a_worker, h_teardown),
       cmocka_unit_test_teardown(test_parked_clients_hanging_up, h_teardown),
+      cmocka_unit_test_teardown(test_request_arriving_while_suspended, h_teardown),
   };
   int rc;
   h_init(argc, argv);

@@ -5,9 +5,7 @@
  * 64 KiB get 413, with Content-Length and chunked, and a stream of them (or
  * one 50 MiB body) does not grow idemd's memory. */
 #define _GNU_SOURCE
-#include <arpa/inet.h>
 #include <errno.h>
-#include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,17 +23,6 @@ static void nap_ms(int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
     ;
-}
-
-/* A connected loopback socket to s (fails the test if it cannot). */
-static int dial(h_server_t *s) {
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)s->port)};
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  assert_true(fd >= 0);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0)
-    fail_msg("connect to 127.0.0.1:%d: %s", s->port, strerror(errno));
-  return fd;
 }
 
 /* Whether the server closed fd: waits up to `ms` for it to become
@@ -97,7 +84,7 @@ static void test_slow_client_is_cut(void **state) {
   const char *token = h_tenant(s, "shop");
   double cut0 = metric(s, "idem_connections_cut_total");
   double start, closed_at = 0, normal_done = 0;
-  int fd = dial(s);
+  int fd = h_dial(s);
   (void)state;
 
   start = h_now();
@@ -148,13 +135,13 @@ static void test_connection_cap(void **state) {
   (void)state;
 
   for (int i = 0; i < 3; i++)
-    idle[i] = dial(s);
+    idle[i] = h_dial(s);
   nap_ms(300); /* let the server accept them */
   h_raw(s, get, sizeof get - 1, &r);
   h_assert_status(&r, 200); /* the 4th connection: within the cap */
   h_resp_free(&r);
 
-  idle[3] = dial(s);
+  idle[3] = h_dial(s);
   nap_ms(300);
   h_raw(s, get, sizeof get - 1, &r);
   h_assert_error(&r, 503, NULL);
@@ -266,7 +253,7 @@ static size_t stream_chunked(h_server_t *s, const char *token, size_t total, lon
   static char chunk[65536 + 16];
   char head[512], answer[1024];
   size_t sent = 0, got = 0;
-  int fd = dial(s), n, ok = 1;
+  int fd = h_dial(s), n, ok = 1;
   struct timeval tv = {10, 0};
 
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Builds libmicrohttpd as a static library from Debian 12's own source
+# package of the version it ships, with Debian's patches and then idem's
+# (scripts/mhd-epoll-suspend.patch), in .deps/libmicrohttpd (CMake links
+# idemd against it when it is there; docs/performance.md, "libmicrohttpd
+# built with idem" says why). The package's files are checked against the
+# SHA-256 sums below before anything is unpacked. Does nothing when
+# .deps/libmicrohttpd is already built for this version and patch. Exits
+# non-zero, leaving no .deps/libmicrohttpd, when the files cannot be
+# fetched or do not match, or the build fails: idemd is then built with
+# the system's libmicrohttpd instead. As for SQLite (sqlite-source.sh),
+# `version` and the sums follow Debian's updates of the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/debian-source.sh
+
+version=0.9.75-6
+base=http://deb.debian.org/debian/pool/main/libm/libmicrohttpd
+files=(
+  "libmicrohttpd_0.9.75.orig.tar.xz 796e7e217a4802679fcac667a4e98501c53185dcf50ca0583870e84192620131"
+  "libmicrohttpd_$version.debian.tar.xz 566c247bfbf67e20858705ae695f58db747d50ed8512f2bc46a28bef9086e5af"
+)
+patch_file=scripts/mhd-epoll-suspend.patch
+# What is built: the package's version and idem's patch.
+stamp="$version $(sha256sum "$patch_file" | cut -d' ' -f1)"
+
+out=.deps/libmicrohttpd
+mkdir -p .deps
+exec 9>.deps/.lock-mhd # one run at a time
+flock 9
+[ -f "$out/lib/libmicrohttpd.a" ] && [ "$(cat "$out/VERSION" 2>/dev/null)" = "$stamp" ] && exit 0
+# Another version, or a run cut short: gone before anything can fail, so
+# that a failure leaves the build on the system's library, as it says.
+rm -rf "$out"
+
+work=$(mktemp -d)
+stage=$(mktemp -d .deps/libmicrohttpd.XXXXXX)
+trap 'rm -rf "$work" "$stage"' EXIT
+debian_fetch "$base" "$work" "${files[@]}"
+
+echo "mhd-source: building libmicrohttpd $version with $patch_file in $out" >&2
+src="$work/libmicrohttpd-0.9.75"
+tar -xf "$work/libmicrohttpd_0.9.75.orig.tar.xz" -C "$work"
+tar -xf "$work/libmicrohttpd_$version.debian.tar.xz" -C "$src"
+# What dpkg-source would do, then idem's patch, exactly too.
+debian_patch "$src"
+patch -d "$src" -p1 -s -F0 -N --batch <"$patch_file"
+
+# Debian's configuration, less what idemd never uses (TLS, which would
+# need GnuTLS; the documentation, examples and libcurl-based tests), as a
+# static library, hardened as Debian builds it.
+(cd "$src" &&
+  ./configure -q --disable-shared --enable-static --with-pic \
+    --disable-https --disable-doc --disable-examples --disable-curl \
+    CFLAGS="-O2 -fstack-protector-strong -fstack-clash-protection -fcf-protection" \
+    CPPFLAGS="-D_FORTIFY_SOURCE=2" >"$work/configure.log" 2>&1 &&
+  make -s -j"$(nproc)" -C src/microhttpd >"$work/make.log" 2>&1) || {
+  echo "mhd-source: the build failed; the last lines of its log:" >&2
+  tail -n 20 "$work/configure.log" "$work/make.log" 2>/dev/null >&2 || true
+  exit 1
+}
+
+# Made whole beside it, then renamed into place: CMake never sees half.
+mkdir -p "$stage/lib" "$stage/include"
+cp "$src/src/microhttpd/.libs/libmicrohttpd.a" "$stage/lib/"
+cp "$src/src/include/microhttpd.h" "$stage/include/"
+echo "$stamp" >"$stage/VERSION"
+chmod 755 "$stage"
+mv -T "$stage" "$out"
