@@ -12,6 +12,7 @@
 # `version` and the sums follow Debian's updates of the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/debian-source.sh
 . scripts/debian-source.sh
 
 version=0.9.75-6
@@ -21,8 +22,8 @@ files=(
   "libmicrohttpd_$version.debian.tar.xz 566c247bfbf67e20858705ae695f58db747d50ed8512f2bc46a28bef9086e5af"
 )
 patch_file=scripts/mhd-epoll-suspend.patch
-# What is built: the package's version and idem's patch.
-stamp="$version $(sha256sum "$patch_file" | cut -d' ' -f1)"
+# What is built: the package's version, idem's patch and this script.
+stamp="$version $(cat "$patch_file" scripts/mhd-source.sh | sha256sum | cut -d' ' -f1)"
 
 out=.deps/libmicrohttpd
 mkdir -p .deps
@@ -48,12 +49,17 @@ patch -d "$src" -p1 -s -F0 -N --batch <"$patch_file"
 
 # Debian's configuration, less what idemd never uses (TLS, which would
 # need GnuTLS; the documentation, examples and libcurl-based tests), as a
-# static library, hardened as Debian builds it.
+# static library, with the flags Debian builds the package with (its
+# rules ask for every hardening option).
+cflags="-O2 -fstack-protector-strong" cppflags="-D_FORTIFY_SOURCE=2"
+if command -v dpkg-buildflags >/dev/null; then
+  cflags=$(DEB_BUILD_MAINT_OPTIONS=hardening=+all dpkg-buildflags --get CFLAGS)
+  cppflags=$(DEB_BUILD_MAINT_OPTIONS=hardening=+all dpkg-buildflags --get CPPFLAGS)
+fi
 (cd "$src" &&
   ./configure -q --disable-shared --enable-static --with-pic \
     --disable-https --disable-doc --disable-examples --disable-curl \
-    CFLAGS="-O2 -fstack-protector-strong -fstack-clash-protection -fcf-protection" \
-    CPPFLAGS="-D_FORTIFY_SOURCE=2" >"$work/configure.log" 2>&1 &&
+    CFLAGS="$cflags" CPPFLAGS="$cppflags" >"$work/configure.log" 2>&1 &&
   make -s -j"$(nproc)" -C src/microhttpd >"$work/make.log" 2>&1) || {
   echo "mhd-source: the build failed; the last lines of its log:" >&2
   tail -n 20 "$work/configure.log" "$work/make.log" 2>/dev/null >&2 || true

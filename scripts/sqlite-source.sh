@@ -13,6 +13,7 @@
 # are brought up to date.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/debian-source.sh
 . scripts/debian-source.sh
 
 version=3.40.1-2+deb12u2

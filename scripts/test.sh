@@ -9,6 +9,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/deps.sh
+# The tests run what ships: SQLite and libmicrohttpd as deps.sh builds them
+# (docs/performance.md). Where deb.debian.org cannot be reached,
+# IDEM_TEST_SYSTEM_LIBS=1 tests with the system's libraries instead.
+if [ "${IDEM_TEST_SYSTEM_LIBS:-0}" != 1 ]; then
+  for f in .deps/sqlite/sqlite3.c .deps/libmicrohttpd/lib/libmicrohttpd.a; do
+    if [ ! -f "$f" ]; then
+      echo "test: $f was not built (see deps above); IDEM_TEST_SYSTEM_LIBS=1 tests the system's libraries" >&2
+      exit 1
+    fi
+  done
+fi
 
 jobs=$(nproc 2>/dev/null || echo 2)
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
