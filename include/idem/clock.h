@@ -20,7 +20,9 @@ int64_t idem_mono_ms(void);
 int64_t idem_mono_us(void);
 
 /* Formats `ms` since the epoch as RFC 3339 UTC with seconds precision
- * ("2026-11-30T08:13:19Z") into `out` (at least 21 bytes). */
+ * ("2026-11-30T08:13:19Z") into `out` (at least 21 bytes; an empty string
+ * when the text does not fit, nothing written when `outlen` is 0). Each
+ * thread remembers the last second it formatted. */
 void idem_format_time(int64_t ms, char *out, size_t outlen);
 
 #ifdef __cplusplus

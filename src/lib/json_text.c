@@ -25,3 +25,20 @@ size_t idem__json_string(char *out, const char *s) {
   out[n++] = '"';
   return n;
 }
+
+size_t idem__json_int(char *out, long long v) {
+  char digits[IDEM_JSON_INT_MAX];
+  size_t n = 0, len = 0;
+  /* The magnitude in unsigned arithmetic, where -LLONG_MIN fits. */
+  unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+
+  do {
+    digits[n++] = (char)('0' + u % 10);
+    u /= 10;
+  } while (u > 0);
+  if (v < 0)
+    out[len++] = '-';
+  while (n > 0)
+    out[len++] = digits[--n];
+  return len;
+}

@@ -23,4 +23,12 @@
  * room for IDEM_JSON_STRING_MAX(strlen(s)) bytes. */
 size_t idem__json_string(char *out, const char *s);
 
+/* The most bytes idem__json_int() writes: 19 digits and a sign. */
+#define IDEM_JSON_INT_MAX 20
+
+/* Writes `v` to `out` in decimal, as printf's "%lld" would, and returns
+ * the bytes written (no NUL). `out` must have room for IDEM_JSON_INT_MAX
+ * bytes. */
+size_t idem__json_int(char *out, long long v);
+
 #endif

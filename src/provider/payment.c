@@ -50,8 +50,9 @@ char *idem_payment_json(const idem_payment_t *p, const char *status,
     return NULL;
   n = IDEM_JSON_LIT(out, "{\"id\":");
   n += idem__json_string(out + n, p->id);
-  n += (size_t)snprintf(out + n, cap - n, ",\"amount\":%lld,\"currency\":",
-                        (long long)p->amount);
+  n += IDEM_JSON_LIT(out + n, ",\"amount\":");
+  n += idem__json_int(out + n, (long long)p->amount);
+  n += IDEM_JSON_LIT(out + n, ",\"currency\":");
   n += idem__json_string(out + n, p->currency);
   n += IDEM_JSON_LIT(out + n, ",\"order_id\":");
   if (p->order_id[0])
@@ -78,7 +79,9 @@ int idem_payment_settle(const idem_payment_t *p, const idem_charge_result_t *r,
   const char *error = NULL;
 
   memset(s, 0, sizeof *s);
-  snprintf(s->location, sizeof s->location, "/payments/%s", p->id);
+  /* "/payments/" and an id of at most 31 bytes fit `location`. */
+  memcpy(s->location, "/payments/", 10);
+  idem_copy(s->location + 10, sizeof s->location - 10, p->id);
   switch (r->outcome) {
   case IDEM_CHARGE_SUCCEEDED:
     status = "succeeded";

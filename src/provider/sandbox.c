@@ -32,7 +32,8 @@ static void decide(const sandbox_t *sb, const idem_charge_t *c,
     return;
   }
   idem_hex(digest, 12, hex);
-  snprintf(out->reference, sizeof out->reference, "ch_sandbox_%s", hex);
+  memcpy(out->reference, "ch_sandbox_", 11);
+  idem_copy(out->reference + 11, sizeof out->reference - 11, hex);
   if (c->amount == sb->opts.uncertain_amount)
     out->outcome = IDEM_CHARGE_UNKNOWN;
   else if (c->amount == sb->opts.decline_amount)

@@ -12,6 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "../lib/json_text.h"
 #include "../lib/ticker.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
@@ -144,24 +145,6 @@ static void timestamp(char *out, size_t len) {
   out[n] = '\0';
 }
 
-/* Writes `v` in decimal at `out` (room for 20 digits and a sign) and
- * returns the length: the request line's numbers without printf, whose
- * formatting was a fifth of the line's cost. */
-static size_t put_int(char *out, long long v) {
-  char digits[24];
-  size_t n = 0, len = 0;
-  unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
-  do {
-    digits[n++] = (char)('0' + u % 10);
-    u /= 10;
-  } while (u > 0);
-  if (v < 0)
-    out[len++] = '-';
-  while (n > 0)
-    out[len++] = digits[--n];
-  return len;
-}
-
 static void emit(json_t *line) {
   char *text = json_dumps(line, JSON_COMPACT | JSON_REAL_PRECISION(6));
   if (text) {
@@ -266,13 +249,13 @@ void idemd_log_request(const idemd_request_t *r) {
   put_str(&l, "operation", idemd_op_name(r->op));
   put_str(&l, "outcome", idemd_outcome_name(r->outcome));
   PUT_LIT(&l, ",\"status\":");
-  put(&l, num, put_int(num, r->status));
+  put(&l, num, idem__json_int(num, r->status));
   /* latency_ms with three decimals, as %.3f would print it */
   us = idem_mono_us() - r->start_us;
   if (us < 0)
     us = 0;
   PUT_LIT(&l, ",\"latency_ms\":");
-  n = put_int(num, us / 1000);
+  n = idem__json_int(num, us / 1000);
   n += put_fraction(num + n, (int)(us % 1000));
   put(&l, num, n);
   put_str(&l, "path", r->path);

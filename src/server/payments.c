@@ -47,7 +47,9 @@ static int prepare(void *ctx) {
 
   if (idem_sortable_token(token, 24, now) != IDEM_OK)
     return IDEM_ECRYPTO;
-  snprintf(p->id, sizeof p->id, "pay_%s", token);
+  _Static_assert(sizeof p->id >= 4 + sizeof token, "a payment id holds pay_ and a token");
+  memcpy(p->id, "pay_", 4);
+  memcpy(p->id + 4, token, sizeof token); /* 24 characters and the NUL */
   idem_format_time(now, p->created_at, sizeof p->created_at);
   if ((pc->pending_body = idem_payment_json(p, "pending", NULL)) == NULL)
     return IDEM_ENOMEM;

@@ -444,12 +444,6 @@ int idemd_validate_order(const json_t *body, json_t **cmd_out,
   return finish(cmd, errors, cmd_out, errors_out);
 }
 
-/* Appends the decimal digits of `v`: at most 20 bytes, and a NUL after
- * them that the next write covers (the callers count 24 bytes for it). */
-static size_t put_int(char *out, long long v) {
-  return (size_t)snprintf(out, 24, "%lld", v);
-}
-
 char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
                        const char *created_at) {
   const char *customer = json_string_value(json_object_get(cmd, "customer_id"));
@@ -484,15 +478,15 @@ char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
     n += IDEM_JSON_LIT(out + n, "{\"sku\":");
     n += idem__json_string(out + n, json_string_value(json_object_get(it, "sku")));
     n += IDEM_JSON_LIT(out + n, ",\"quantity\":");
-    n += put_int(out + n, (long long)json_integer_value(json_object_get(it, "quantity")));
+    n += idem__json_int(out + n, (long long)json_integer_value(json_object_get(it, "quantity")));
     n += IDEM_JSON_LIT(out + n, ",\"unit_price\":");
-    n += put_int(out + n, (long long)json_integer_value(json_object_get(it, "unit_price")));
+    n += idem__json_int(out + n, (long long)json_integer_value(json_object_get(it, "unit_price")));
     out[n++] = '}';
   }
   n += IDEM_JSON_LIT(out + n, "],\"currency\":");
   n += idem__json_string(out + n, currency);
   n += IDEM_JSON_LIT(out + n, ",\"total\":");
-  n += put_int(out + n, (long long)total);
+  n += idem__json_int(out + n, (long long)total);
   n += IDEM_JSON_LIT(out + n, ",\"status\":\"created\",\"created_at\":");
   n += idem__json_string(out + n, created_at);
   out[n++] = '}';
