@@ -12,7 +12,8 @@
 
 struct entry {
   uint64_t hash;
-  struct entry *chain;      /* next in the bucket */
+  struct entry *chain;       /* next in the bucket */
+  struct entry **pchain;     /* what points at it in the bucket */
   struct entry *prev, *next; /* LRU, most recent first */
   int64_t tenant_id;
   int64_t expires_at;
@@ -60,12 +61,13 @@ static int same_scope(const struct entry *e, uint64_t h, const idem_scope_t *sc)
          strcmp(e->operation, sc->operation) == 0 && strcmp(e->key, sc->key) == 0;
 }
 
-/* Unlinks `e` from its bucket and the LRU list, and frees it. */
+/* Unlinks `e` from its bucket and the LRU list, and frees it: without
+ * walking its bucket, since the entry dropped to make room is the least
+ * recently used, whose bucket is as cold as it is. */
 static void drop(struct shard *s, struct entry *e) {
-  struct entry **pp = &s->buckets[(e->hash / SHARDS) % BUCKETS];
-  while (*pp != e)
-    pp = &(*pp)->chain;
-  *pp = e->chain;
+  *e->pchain = e->chain;
+  if (e->chain)
+    e->chain->pchain = e->pchain;
   if (e->prev)
     e->prev->next = e->next;
   else
@@ -135,7 +137,7 @@ void idemd_replay_cache_put(idemd_replay_cache_t *c, const idem_scope_t *scope,
     return;
   if ((e = malloc(size)) == NULL)
     return;
-  memset(e, 0, sizeof *e);
+  e->prev = NULL; /* the rest is set below */
   e->hash = h;
   e->tenant_id = scope->tenant_id;
   e->expires_at = expires_at_ms;
@@ -158,6 +160,9 @@ void idemd_replay_cache_put(idemd_replay_cache_t *c, const idem_scope_t *scope,
       break;
     }
   e->chain = *slot;
+  if (e->chain)
+    e->chain->pchain = &e->chain;
+  e->pchain = slot;
   *slot = e;
   e->next = s->head;
   if (s->head)
@@ -190,8 +195,9 @@ int idemd_replay_cache_get(idemd_replay_cache_t *c, const idem_scope_t *scope,
       break;
     }
     if ((out->body = strdup(e->body)) != NULL) {
-      memcpy(out->fingerprint, e->fingerprint, sizeof out->fingerprint);
-      memcpy(out->location, e->location, sizeof out->location);
+      /* Strings only: an entry's arrays are not zeroed past them. */
+      idem_copy(out->fingerprint, sizeof out->fingerprint, e->fingerprint);
+      idem_copy(out->location, sizeof out->location, e->location);
       out->status = e->status;
       to_front(s, e);
       found = 1;

@@ -118,11 +118,75 @@ static void test_budget(void **state) {
   assert_int_equal(idemd_replay_cache_get(NULL, &sc, 1, &out), 0);
 }
 
+/* More entries than buckets, so that buckets hold several: entries
+ * replaced, expired and evicted from anywhere in a bucket leave the rest
+ * of it whole (under AddressSanitizer, a bucket left pointing at a freed
+ * entry is an error at the next look). */
+static void test_many_in_each_bucket(void **state) {
+  enum { KEYS = 100000 };
+  idemd_replay_cache_t *c = idemd_replay_cache_new((size_t)64 << 20);
+  char key[32], body[32];
+  idemd_replay_t out;
+  (void)state;
+
+  for (int i = 0; i < KEYS; i++) {
+    idem_scope_t sc = {1, "create_payment", key};
+    snprintf(key, sizeof key, "k%d", i);
+    snprintf(body, sizeof body, "{\"v\":%d}", i);
+    /* Every fifth expires at 100 ms, the rest much later. */
+    idemd_replay_cache_put(c, &sc, FP_A, 201, body, "/payments/x", i % 5 == 0 ? 100 : 1000000);
+  }
+  for (int i = 0; i < KEYS; i += 3) { /* replaced */
+    idem_scope_t sc = {1, "create_payment", key};
+    snprintf(key, sizeof key, "k%d", i);
+    snprintf(body, sizeof body, "{\"w\":%d}", i);
+    idemd_replay_cache_put(c, &sc, FP_B, 402, body, "", 1000000);
+  }
+  for (int pass = 0; pass < 2; pass++) /* the first pass drops the expired */
+    for (int i = 0; i < KEYS; i++) {
+      idem_scope_t sc = {1, "create_payment", key};
+      int replaced = i % 3 == 0, expired = !replaced && i % 5 == 0;
+      snprintf(key, sizeof key, "k%d", i);
+      snprintf(body, sizeof body, replaced ? "{\"w\":%d}" : "{\"v\":%d}", i);
+      if (idemd_replay_cache_get(c, &sc, 200, &out) != !expired)
+        fail_msg("pass %d, key %d: %s", pass, i, expired ? "expired, found" : "missing");
+      if (!expired) {
+        assert_string_equal(out.body, body);
+        assert_string_equal(out.fingerprint, replaced ? FP_B : FP_A);
+        assert_string_equal(out.location, replaced ? "" : "/payments/x");
+        free(out.body);
+      }
+    }
+  idemd_replay_cache_free(c);
+
+  /* Evicted: 40 MiB hold some 90,000 entries, more than the buckets, so
+   * the least recently used goes from wherever it is in its bucket. */
+  c = idemd_replay_cache_new((size_t)40 << 20);
+  for (int i = 0; i < 2 * KEYS; i++) {
+    idem_scope_t sc = {1, "create_payment", key};
+    snprintf(key, sizeof key, "k%d", i);
+    idemd_replay_cache_put(c, &sc, FP_A, 201, "{}", "/payments/x", 1000000);
+  }
+  for (int i = 0; i < 2 * KEYS; i++) {
+    idem_scope_t sc = {1, "create_payment", key};
+    int found;
+    snprintf(key, sizeof key, "k%d", i);
+    found = idemd_replay_cache_get(c, &sc, 200, &out);
+    if (found)
+      free(out.body);
+    if (i < KEYS / 2 && found)
+      fail_msg("key %d of the first half was kept", i);
+    if (i >= KEYS + KEYS / 2 && !found)
+      fail_msg("key %d of the last half is missing", i);
+  }
+  idemd_replay_cache_free(c);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_hit_and_miss),     cmocka_unit_test(test_expired_is_a_miss),
       cmocka_unit_test(test_scopes_are_separate), cmocka_unit_test(test_put_replaces),
-      cmocka_unit_test(test_budget),
+      cmocka_unit_test(test_budget),      cmocka_unit_test(test_many_in_each_bucket),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
