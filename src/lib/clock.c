@@ -23,13 +23,13 @@ int64_t idem_mono_us(void) {
 }
 
 /* The text of the second a thread formatted last: every new payment and
- * order is stamped, and gmtime_r() and strftime() (which takes glibc's
- * time zone lock) were most of the cost. */
+ * order is stamped, and gmtime_r() (which takes glibc's time zone lock)
+ * and strftime() were most of the cost. */
 struct formatted_second {
   int valid;
   time_t secs;
-  size_t len;     /* strftime's result: 0 when the text did not fit */
-  char text[64];  /* any year an int holds, and more */
+  size_t len;    /* strftime's result: 0 when the text did not fit */
+  char text[64]; /* any year an int holds, and more */
 };
 
 void idem_format_time(int64_t ms, char *out, size_t outlen) {

@@ -1,8 +1,9 @@
-/* Internal: JSON text written directly, for the bodies a request writes on
- * its hot path (a payment, an order). Building a json_t and dumping it
- * was a seventh of a new payment's instructions and a ninth of a new
- * order's (docs/performance.md); unit tests compare what is written here
- * with json_dumps(JSON_COMPACT) for the same values. */
+/* Internal: JSON text written directly, for what a request writes on its
+ * hot path (a payment's and an order's bodies, the request log line).
+ * Building a json_t and dumping it was a seventh of a new payment's
+ * instructions and a ninth of a new order's (docs/performance.md); unit
+ * tests compare what is written here with json_dumps(JSON_COMPACT) for
+ * the same values, and numbers with printf's. */
 #ifndef IDEM_LIB_JSON_TEXT_H
 #define IDEM_LIB_JSON_TEXT_H
 

@@ -3,7 +3,6 @@
 #include "provider/payment.h"
 
 #include <jansson.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -79,7 +78,8 @@ int idem_payment_settle(const idem_payment_t *p, const idem_charge_result_t *r,
   const char *error = NULL;
 
   memset(s, 0, sizeof *s);
-  /* "/payments/" and an id of at most 31 bytes fit `location`. */
+  _Static_assert(sizeof s->location >= 10 + sizeof p->id,
+                 "a location holds /payments/ and an id");
   memcpy(s->location, "/payments/", 10);
   idem_copy(s->location + 10, sizeof s->location - 10, p->id);
   switch (r->outcome) {

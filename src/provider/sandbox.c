@@ -4,7 +4,6 @@
  * key, so a repeated key names the same charge, as a real provider would. */
 #include "provider/provider.h"
 
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -32,6 +31,8 @@ static void decide(const sandbox_t *sb, const idem_charge_t *c,
     return;
   }
   idem_hex(digest, 12, hex);
+  _Static_assert(sizeof out->reference >= 11 + 24 + 1,
+                 "a reference holds ch_sandbox_ and 24 hex digits");
   memcpy(out->reference, "ch_sandbox_", 11);
   idem_copy(out->reference + 11, sizeof out->reference - 11, hex);
   if (c->amount == sb->opts.uncertain_amount)

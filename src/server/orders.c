@@ -1,7 +1,6 @@
 /* POST /orders and GET /orders/{id}. An order has no outside effect, so it
  * is written together with its idempotency record, already completed, in
  * the one transaction that reserves the key. */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -41,8 +40,13 @@ static int prepare(void *ctx) {
 
   if (idem_sortable_token(token, 24, now) != IDEM_OK)
     return IDEM_ECRYPTO;
-  snprintf(oc->id, sizeof oc->id, "ord_%s", token);
-  snprintf(oc->location, sizeof oc->location, "/orders/%s", oc->id);
+  _Static_assert(sizeof oc->id >= 4 + sizeof token, "an order id holds ord_ and a token");
+  _Static_assert(sizeof oc->location >= 8 + sizeof oc->id,
+                 "a location holds /orders/ and an id");
+  memcpy(oc->id, "ord_", 4);
+  memcpy(oc->id + 4, token, sizeof token); /* 24 characters and the NUL */
+  memcpy(oc->location, "/orders/", 8);
+  memcpy(oc->location + 8, oc->id, 4 + sizeof token);
   idem_format_time(now, created_at, sizeof created_at);
   oc->text = idemd_order_json(oc->cmd, oc->id, oc->total, created_at);
   if (oc->text == NULL)

@@ -5,7 +5,6 @@
  *    derived from the payment (its id), so every retry reuses it;
  * 3. store the outcome, the reference and the response in one transaction
  *    (idem_store_complete). */
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 

@@ -478,9 +478,9 @@ char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
     n += IDEM_JSON_LIT(out + n, "{\"sku\":");
     n += idem__json_string(out + n, json_string_value(json_object_get(it, "sku")));
     n += IDEM_JSON_LIT(out + n, ",\"quantity\":");
-    n += idem__json_int(out + n, (long long)json_integer_value(json_object_get(it, "quantity")));
+    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "quantity")));
     n += IDEM_JSON_LIT(out + n, ",\"unit_price\":");
-    n += idem__json_int(out + n, (long long)json_integer_value(json_object_get(it, "unit_price")));
+    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "unit_price")));
     out[n++] = '}';
   }
   n += IDEM_JSON_LIT(out + n, "],\"currency\":");

@@ -711,8 +711,9 @@ static void test_request_arriving_while_suspended(void **state) {
     send_all(fd, req);
     /* The first is reserved: its connection stays suspended until the
      * provider's answer (500 ms) is written. */
-    if (i == 1 && !h_db_wait(s, 5000, "SELECT count(*) FROM idempotency_records WHERE "
-                                      "key = 'while-suspended-1' AND state = 'processing'"))
+    if (i == 1 && !h_db_wait(s, 5000,
+                             "SELECT count(*) FROM idempotency_records WHERE "
+                             "key = 'while-suspended-1' AND state = 'processing'"))
       fail_msg("the first payment was never reserved");
   }
   h_context("answers on one connection, the second request sent while the first waited");

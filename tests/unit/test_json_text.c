@@ -22,10 +22,10 @@ static void check(long long v) {
 }
 
 static void test_int_matches_printf(void **state) {
-  static const long long edges[] = {0,        1,        -1,        9,         10,
-                                    -10,      99,       100,       15990,     -15990,
-                                    INT_MAX,  INT_MIN,  LLONG_MAX, LLONG_MIN, LLONG_MIN + 1,
-                                    LLONG_MAX - 1};
+  static const long long edges[] = {
+      0,       1,         -1,        9,         10,           -10,
+      99,      100,       15990,     -15990,    INT_MAX,      INT_MIN,
+      LLONG_MAX, LLONG_MIN, LLONG_MIN + 1, LLONG_MAX - 1};
   (void)state;
 
   for (size_t i = 0; i < ARRAY_LEN(edges); i++)

@@ -134,7 +134,8 @@ static void test_many_in_each_bucket(void **state) {
     snprintf(key, sizeof key, "k%d", i);
     snprintf(body, sizeof body, "{\"v\":%d}", i);
     /* Every fifth expires at 100 ms, the rest much later. */
-    idemd_replay_cache_put(c, &sc, FP_A, 201, body, "/payments/x", i % 5 == 0 ? 100 : 1000000);
+    idemd_replay_cache_put(c, &sc, FP_A, 201, body, "/payments/x",
+                           i % 5 == 0 ? 100 : 1000000);
   }
   for (int i = 0; i < KEYS; i += 3) { /* replaced */
     idem_scope_t sc = {1, "create_payment", key};
@@ -159,8 +160,9 @@ static void test_many_in_each_bucket(void **state) {
     }
   idemd_replay_cache_free(c);
 
-  /* Evicted: 40 MiB hold some 90,000 entries, more than the buckets, so
-   * the least recently used goes from wherever it is in its bucket. */
+  /* Evicted: 40 MiB hold some 130,000 of these entries, more than the
+   * 65,536 buckets, so the least recently used goes from wherever it is in
+   * its bucket. */
   c = idemd_replay_cache_new((size_t)40 << 20);
   for (int i = 0; i < 2 * KEYS; i++) {
     idem_scope_t sc = {1, "create_payment", key};
