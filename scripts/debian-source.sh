@@ -1,7 +1,35 @@
 # shellcheck shell=bash
-# Sourced by sqlite-source.sh and mhd-source.sh: fetching the files of a
-# Debian source package, checked, and applying its patches as dpkg-source
-# would. Messages name the script that sourced this.
+# Sourced by sqlite-source.sh and mhd-source.sh: making a directory of
+# .deps whole or not at all, fetching the files of a Debian source package,
+# checked, and applying its patches as dpkg-source would. Messages name the
+# script that sourced this.
+
+# debian_begin OUT FILE STAMP: for a script that makes the directory OUT.
+# One run at a time (a lock per OUT). Exits the script when OUT/FILE is
+# there and OUT/VERSION holds STAMP. Otherwise removes OUT first (another
+# version, or a run cut short: gone before anything can fail, so that a
+# failure leaves the build on the system's library, as the scripts say)
+# and sets `work`, a temporary directory, and `stage`, one beside OUT for
+# debian_finish to rename into place; both go when the script exits.
+debian_begin() {
+  local out=$1 file=$2 stamp=$3
+  mkdir -p "$(dirname "$out")"
+  exec 9>"$out.lock"
+  flock 9
+  [ -f "$out/$file" ] && [ "$(cat "$out/VERSION" 2>/dev/null)" = "$stamp" ] && exit 0
+  rm -rf "$out"
+  work=$(mktemp -d)
+  stage=$(mktemp -d "$out.XXXXXX")
+  trap 'rm -rf "$work" "$stage"' EXIT
+}
+
+# debian_finish OUT STAMP: notes STAMP in the stage debian_begin made, now
+# full, and renames it to OUT: CMake never sees half of it.
+debian_finish() {
+  echo "$2" >"$stage/VERSION"
+  chmod 755 "$stage"
+  mv -T "$stage" "$1"
+}
 
 # debian_fetch BASE DIR "NAME SHA256"...: downloads each NAME from BASE
 # into DIR and checks its SHA-256. Returns 1, saying why, at the first

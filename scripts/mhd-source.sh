@@ -26,17 +26,7 @@ patch_file=scripts/mhd-epoll-suspend.patch
 stamp="$version $(cat "$patch_file" scripts/mhd-source.sh | sha256sum | cut -d' ' -f1)"
 
 out=.deps/libmicrohttpd
-mkdir -p .deps
-exec 9>.deps/.lock-mhd # one run at a time
-flock 9
-[ -f "$out/lib/libmicrohttpd.a" ] && [ "$(cat "$out/VERSION" 2>/dev/null)" = "$stamp" ] && exit 0
-# Another version, or a run cut short: gone before anything can fail, so
-# that a failure leaves the build on the system's library, as it says.
-rm -rf "$out"
-
-work=$(mktemp -d)
-stage=$(mktemp -d .deps/libmicrohttpd.XXXXXX)
-trap 'rm -rf "$work" "$stage"' EXIT
+debian_begin "$out" lib/libmicrohttpd.a "$stamp"
 debian_fetch "$base" "$work" "${files[@]}"
 
 echo "mhd-source: building libmicrohttpd $version with $patch_file in $out" >&2
@@ -66,10 +56,7 @@ fi
   exit 1
 }
 
-# Made whole beside it, then renamed into place: CMake never sees half.
 mkdir -p "$stage/lib" "$stage/include"
 cp "$src/src/microhttpd/.libs/libmicrohttpd.a" "$stage/lib/"
 cp "$src/src/include/microhttpd.h" "$stage/include/"
-echo "$stamp" >"$stage/VERSION"
-chmod 755 "$stage"
-mv -T "$stage" "$out"
+debian_finish "$out" "$stamp"

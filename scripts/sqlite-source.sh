@@ -24,17 +24,7 @@ files=(
 )
 
 out=.deps/sqlite
-mkdir -p .deps
-exec 9>.deps/.lock # one run at a time
-flock 9
-[ -f "$out/sqlite3.c" ] && [ "$(cat "$out/VERSION" 2>/dev/null)" = "$version" ] && exit 0
-# Another version, or a run cut short: gone before anything can fail, so
-# that a failure leaves the build on the system's library, as it says.
-rm -rf "$out"
-
-work=$(mktemp -d)
-stage=$(mktemp -d .deps/sqlite.XXXXXX)
-trap 'rm -rf "$work" "$stage"' EXIT
+debian_begin "$out" sqlite3.c "$version"
 debian_fetch "$base" "$work" "${files[@]}"
 
 echo "sqlite-source: making SQLite $version's amalgamation in $out" >&2
@@ -47,8 +37,5 @@ debian_patch "$work/sqlite3-3.40.1"
 mkdir "$work/build"
 (cd "$work/build" && ../sqlite3-3.40.1/configure >/dev/null && make sqlite3.c >/dev/null)
 
-# Made whole beside it, then renamed into place: CMake never sees half.
 cp "$work/build/sqlite3.c" "$work/build/sqlite3.h" "$stage/"
-echo "$version" >"$stage/VERSION"
-chmod 755 "$stage"
-mv -T "$stage" "$out"
+debian_finish "$out" "$version"
