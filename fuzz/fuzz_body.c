@@ -101,14 +101,28 @@ static json_t *run(validator_fn fn, const json_t *body, int64_t *total) {
   return NULL;
 }
 
-static void check_payment_cmd(const json_t *cmd) {
-  json_t *amount = json_object_get(cmd, "amount");
+/* `body` gave the payment command `cmd`: its fields are in range, and the
+ * canonical text idempotent payments are fingerprinted by (written
+ * directly, idemd_payment_canon()) is idem_canon_dump()'s of `cmd`. */
+static void check_payment_cmd(const json_t *body, const json_t *cmd) {
+  json_t *amount = json_object_get(cmd, "amount"), *errors = NULL;
   const char *cur = json_string_value(json_object_get(cmd, "currency"));
+  idemd_payment_cmd_t direct;
+  char text[IDEMD_PAYMENT_CANON_MAX], *want;
+  size_t len;
+
   FUZZ_CHECK(json_is_integer(amount) && json_integer_value(amount) >= 1 &&
                  json_integer_value(amount) <= IDEMD_MAX_SAFE_INT,
              "payment amount out of range");
   FUZZ_CHECK(cur && strlen(cur) == 3 && strspn(cur, "ABCDEFGHIJKLMNOPQRSTUVWXYZ") == 3,
              "payment currency '%s'", cur ? cur : "(none)");
+  FUZZ_CHECK(idemd_validate_payment_cmd(body, &direct, &errors) == 0 && errors == NULL,
+             "the payment validators disagree");
+  len = idemd_payment_canon(&direct, text);
+  want = canon(cmd);
+  FUZZ_CHECK(len == strlen(want) && strcmp(text, want) == 0,
+             "payment canonical text:\n  %.300s\n  %.300s", text, want);
+  free(want);
 }
 
 static void check_order_cmd(const json_t *cmd, int64_t total) {
@@ -147,7 +161,7 @@ static void check_command(const char *op, validator_fn fn, const json_t *body) {
              op);
   json_decref(cmd2);
   if (fn == validate_payment)
-    check_payment_cmd(cmd);
+    check_payment_cmd(body, cmd);
   else
     check_order_cmd(cmd, total);
 

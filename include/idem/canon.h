@@ -28,6 +28,14 @@ IDEM_WARN_UNUSED int idem_fingerprint(const char *operation,
                                       const json_t *command,
                                       char hex[IDEM_FINGERPRINT_LEN]);
 
+/* The same fingerprint from a command already in canonical form: the
+ * `len` bytes at `canon` stand for idem_canon_dump(command). Returns
+ * IDEM_OK, IDEM_EINVAL (a NULL argument), IDEM_ENOMEM or IDEM_ECRYPTO
+ * (then `hex` is an empty string). */
+IDEM_WARN_UNUSED int idem_fingerprint_text(const char *operation,
+                                           const char *canon, size_t len,
+                                           char hex[IDEM_FINGERPRINT_LEN]);
+
 #ifdef __cplusplus
 }
 #endif

@@ -15,35 +15,43 @@ char *idem_canon_dump(const json_t *value) {
   return json_dumps(value, CANON_FLAGS);
 }
 
+int idem_fingerprint_text(const char *operation, const char *canon, size_t len,
+                          char hex[IDEM_FINGERPRINT_LEN]) {
+  unsigned char digest[IDEM_SHA256_LEN];
+  char stack[2048], *buf = stack;
+  size_t oplen;
+  int rc;
+
+  hex[0] = '\0';
+  if (operation == NULL || canon == NULL)
+    return IDEM_EINVAL;
+  oplen = strlen(operation);
+  /* A payment's command fits on the stack; an order's may not. */
+  if (oplen + 1 + len > sizeof stack && (buf = malloc(oplen + 1 + len)) == NULL)
+    return IDEM_ENOMEM;
+  memcpy(buf, operation, oplen);
+  buf[oplen] = '\n';
+  memcpy(buf + oplen + 1, canon, len);
+  rc = idem_sha256(buf, oplen + 1 + len, digest);
+  if (buf != stack)
+    free(buf);
+  if (rc != IDEM_OK)
+    return rc;
+  idem_hex(digest, sizeof digest, hex);
+  return IDEM_OK;
+}
+
 int idem_fingerprint(const char *operation, const json_t *command,
                      char hex[IDEM_FINGERPRINT_LEN]) {
-  unsigned char digest[IDEM_SHA256_LEN];
   char *canon;
-  size_t oplen, clen;
-  char *buf;
   int rc;
 
   hex[0] = '\0';
   if (operation == NULL || command == NULL)
     return IDEM_EINVAL;
-  canon = idem_canon_dump(command);
-  if (canon == NULL)
+  if ((canon = idem_canon_dump(command)) == NULL)
     return IDEM_ENOMEM;
-  oplen = strlen(operation);
-  clen = strlen(canon);
-  buf = malloc(oplen + 1 + clen);
-  if (buf == NULL) {
-    free(canon);
-    return IDEM_ENOMEM;
-  }
-  memcpy(buf, operation, oplen);
-  buf[oplen] = '\n';
-  memcpy(buf + oplen + 1, canon, clen);
-  rc = idem_sha256(buf, oplen + 1 + clen, digest);
-  free(buf);
+  rc = idem_fingerprint_text(operation, canon, strlen(canon), hex);
   free(canon);
-  if (rc != IDEM_OK)
-    return rc;
-  idem_hex(digest, sizeof digest, hex);
-  return IDEM_OK;
+  return rc;
 }

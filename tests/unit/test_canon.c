@@ -146,6 +146,46 @@ static void test_fingerprint_operation_and_command(void **state) {
   assert_string_not_equal(pay, other);
 }
 
+/* The fingerprint of canonical text is that of the command it stands for,
+ * short (on the stack) or long (allocated). */
+static void test_fingerprint_text(void **state) {
+  static const char want[] =
+      "0ed6d96bd868f01812dfe68408794c86f288716fa92914970a1ec3df9fb3c9a9";
+  static const char text[] = "{\"amount\":15990,\"currency\":\"BRL\"}";
+  char hex[IDEM_FINGERPRINT_LEN], expect[IDEM_FINGERPRINT_LEN];
+  char *big = malloc(5000), *canon;
+  json_t *v;
+  (void)state;
+
+  assert_int_equal(idem_fingerprint_text("create_payment", text, strlen(text), hex), IDEM_OK);
+  assert_string_equal(hex, want);
+  /* Only `len` bytes count. */
+  assert_int_equal(idem_fingerprint_text("create_payment", "{\"amount\":15990,\"currency\":\"BRL\"}xyz",
+                                         strlen(text), hex),
+                   IDEM_OK);
+  assert_string_equal(hex, want);
+
+  assert_non_null(big);
+  memset(big, 'a', 4999);
+  big[4999] = '\0';
+  v = json_pack("{s:s}", "customer_id", big);
+  canon = idem_canon_dump(v);
+  assert_non_null(canon);
+  assert_int_equal(idem_fingerprint("create_order", v, expect), IDEM_OK);
+  assert_int_equal(idem_fingerprint_text("create_order", canon, strlen(canon), hex), IDEM_OK);
+  assert_string_equal(hex, expect);
+  free(canon);
+  json_decref(v);
+  free(big);
+
+  memset(hex, 'x', sizeof hex);
+  assert_int_equal(idem_fingerprint_text(NULL, text, strlen(text), hex), IDEM_EINVAL);
+  assert_string_equal(hex, "");
+  memset(hex, 'x', sizeof hex);
+  assert_int_equal(idem_fingerprint_text("create_payment", NULL, 0, hex), IDEM_EINVAL);
+  assert_string_equal(hex, "");
+}
+
 static void test_fingerprint_bad_arguments(void **state) {
   char hex[IDEM_FINGERPRINT_LEN];
   json_t *v = load_json("{}");
@@ -234,6 +274,7 @@ int main(void) {
       cmocka_unit_test(test_dump_null),
       cmocka_unit_test(test_fingerprint_definition),
       cmocka_unit_test(test_fingerprint_operation_and_command),
+      cmocka_unit_test(test_fingerprint_text),
       cmocka_unit_test(test_fingerprint_bad_arguments),
       cmocka_unit_test(test_fingerprint_of_validated_commands),
   };

@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "idem/canon.h"
+
 /* ---- idemd_parse_body ------------------------------------------------ */
 
 #define MSG_OBJECT "request body must be a JSON object"
@@ -555,6 +557,73 @@ static void test_order_json_matches_jansson(void **state) {
   }
 }
 
+/* idemd_payment_canon() against idem_canon_dump() of the same command
+ * built in jansson, for payments of every shape the validator lets
+ * through: default and given currency, no order_id and the longest, the
+ * largest amount, and every visible ASCII character in order_id. */
+static void test_payment_canon_matches_jansson(void **state) {
+  char visible[96], longest[IDEMD_ORDER_ID_MAX + 1], *bodies[5];
+  size_t n = 0;
+  (void)state;
+
+  for (int c = 0x21; c < 0x7f; c++) /* visible ASCII, no space */
+    visible[n++] = (char)c;
+  visible[n] = '\0';
+  memset(longest, '\\', IDEMD_ORDER_ID_MAX); /* each one escaped */
+  longest[IDEMD_ORDER_ID_MAX] = '\0';
+  json_t *v = json_pack("{s:I, s:s}", "amount", (json_int_t)1, "order_id", visible);
+  bodies[0] = json_dumps(v, 0);
+  json_decref(v);
+  v = json_pack("{s:s, s:s, s:s}", "order_id", longest, "currency", "USD", "amount",
+                "9007199254740991");
+  bodies[1] = json_dumps(v, 0);
+  json_decref(v);
+  bodies[2] = strdup("{\"amount\":15990}");
+  bodies[3] = strdup("{\"currency\":\"EUR\",\"order_id\":null,\"amount\":42}");
+  bodies[4] = strdup("{\"order_id\":\"ord_01k8pdkllp0buf3vimcdvb0a\",\"amount\":\"7\"}");
+
+  for (size_t i = 0; i < ARRAY_LEN(bodies); i++) {
+    json_t *body, *cmd_json, *errors = NULL;
+    idemd_payment_cmd_t cmd;
+    char got[IDEMD_PAYMENT_CANON_MAX], *want;
+    size_t len;
+
+    assert_non_null(bodies[i]);
+    body = json_loads(bodies[i], 0, NULL);
+    assert_non_null(body);
+    if (idemd_validate_payment_cmd(body, &cmd, &errors) != 0)
+      fail_msg("%s rejected: %s", bodies[i], error_list(errors));
+    assert_null(errors);
+    len = idemd_payment_canon(&cmd, got);
+    assert_int_equal(len, strlen(got));
+    cmd_json = idemd_payment_cmd_json(&cmd);
+    want = idem_canon_dump(cmd_json);
+    assert_non_null(want);
+    assert_string_equal(got, want);
+    free(want);
+    json_decref(cmd_json);
+    json_decref(body);
+    free(bodies[i]);
+  }
+}
+
+/* A rejected payment leaves no command behind. */
+static void test_payment_cmd_rejected(void **state) {
+  json_t *body = json_loads("{\"amount\":1,\"order_id\":\"ord 1\"}", 0, NULL);
+  json_t *errors = NULL;
+  idemd_payment_cmd_t cmd;
+  (void)state;
+
+  memset(&cmd, 'x', sizeof cmd);
+  assert_int_equal(idemd_validate_payment_cmd(body, &cmd, &errors), -1);
+  assert_non_null(errors);
+  assert_int_equal(cmd.amount, 0);
+  assert_string_equal(cmd.currency, "");
+  assert_string_equal(cmd.order_id, "");
+  json_decref(errors);
+  json_decref(body);
+}
+
 /* Anything but an order command is refused, not written half. */
 static void test_order_json_refuses_other_commands(void **state) {
   json_t *payment = json_pack("{s:I, s:s}", "amount", (json_int_t)1, "currency", "BRL");
@@ -584,6 +653,8 @@ int main(void) {
       cmocka_unit_test(test_order_item_count),
       cmocka_unit_test(test_order_json_matches_jansson),
       cmocka_unit_test(test_order_json_refuses_other_commands),
+      cmocka_unit_test(test_payment_canon_matches_jansson),
+      cmocka_unit_test(test_payment_cmd_rejected),
   };
   return cmocka_run_group_tests_name("validate", tests, NULL, NULL);
 }
