@@ -4,9 +4,11 @@
  * error, errors shaped {field, message, code}); the canonical form does not
  * change when the object is rebuilt with its keys inserted in reverse order
  * (at every level) or dumped indented and parsed again, and canonicalising
- * the canonical text is a no-op; a validated command's fingerprint equals
- * that of its canonical text parsed again, that text is itself a valid body
- * giving the same command, and key order in the body does not change it. */
+ * the canonical text is a no-op; a validated command's canonical text
+ * written directly (idemd_payment_canon, idemd_order_canon) is the same
+ * bytes; its fingerprint equals that of its canonical text parsed again,
+ * that text is itself a valid body giving the same command, and key order
+ * in the body does not change it. */
 #include <string.h>
 
 #include "fuzz_util.h"
@@ -141,6 +143,15 @@ static void check_order_cmd(const json_t *cmd, int64_t total) {
     FUZZ_CHECK(sum <= IDEMD_MAX_SAFE_INT, "total beyond 2^53 - 1 accepted");
   }
   FUZZ_CHECK(sum == total, "total %lld, items sum to %lld", (long long)total, (long long)sum);
+  /* Orders are fingerprinted by their canonical text written directly. */
+  {
+    size_t len = 0;
+    char *direct = idemd_order_canon(cmd, &len), *want = canon(cmd);
+    FUZZ_CHECK(direct != NULL && len == strlen(want) && strcmp(direct, want) == 0,
+               "order canonical text:\n  %.300s\n  %.300s", direct ? direct : "(none)", want);
+    free(direct);
+    free(want);
+  }
 }
 
 static void check_command(const char *op, validator_fn fn, const json_t *body) {

@@ -63,6 +63,9 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
   order_call_t *oc;
   json_t *cmd = NULL, *errors = NULL;
   int64_t total = 0;
+  char *canon;
+  size_t len;
+  int rc;
 
   if (idemd_validate_order(body, &cmd, &errors, &total) != 0) {
     r->outcome = OUTCOME_INVALID;
@@ -80,7 +83,12 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
   r->call_free = order_call_free;
   oc->cmd = cmd;
   oc->total = total;
-  if (idem_fingerprint(OPERATION, cmd, oc->fingerprint) != IDEM_OK)
+  canon = idemd_order_canon(cmd, &len);
+  if (canon == NULL)
+    return idemd_reply_store_error(r, IDEM_ENOMEM);
+  rc = idem_fingerprint_text(OPERATION, canon, len, oc->fingerprint);
+  free(canon);
+  if (rc != IDEM_OK)
     return idemd_reply_store_error(r, IDEM_ECRYPTO);
   oc->effect = (idemd_effect_t){.operation = OPERATION, .fingerprint = oc->fingerprint,
                                 .resource = &oc->resource, .outcome = &oc->done,

@@ -500,28 +500,43 @@ int idemd_validate_order(const json_t *body, json_t **cmd_out,
   return finish(cmd, errors, cmd_out, errors_out);
 }
 
-char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
-                       const char *created_at) {
-  const char *customer = json_string_value(json_object_get(cmd, "customer_id"));
-  const char *currency = json_string_value(json_object_get(cmd, "currency"));
-  const json_t *items = json_object_get(cmd, "items"), *it;
-  size_t cap, n = 0, i;
-  char *out;
+/* The parts of an order command from idemd_validate_order(), and room for
+ * them written as JSON text with `extra` bytes more: the fixed text and
+ * numbers take under 128 bytes for the order and under 96 per item, each
+ * string at most IDEM_JSON_STRING_MAX. 0 when `cmd` is no such command. */
+static size_t order_parts(const json_t *cmd, size_t extra, const char **customer,
+                          const char **currency, const json_t **items) {
+  const json_t *it;
+  size_t cap, i;
 
-  if (customer == NULL || currency == NULL || !json_is_array(items))
-    return NULL;
-  /* The fixed text and numbers take under 128 bytes for the order, and
-   * under 96 per item; each string at most IDEM_JSON_STRING_MAX. */
-  cap = 128 + IDEM_JSON_STRING_MAX(strlen(id)) + IDEM_JSON_STRING_MAX(strlen(customer)) +
-        IDEM_JSON_STRING_MAX(strlen(currency)) + IDEM_JSON_STRING_MAX(strlen(created_at));
-  json_array_foreach(items, i, it) {
+  *customer = json_string_value(json_object_get(cmd, "customer_id"));
+  *currency = json_string_value(json_object_get(cmd, "currency"));
+  *items = json_object_get(cmd, "items");
+  if (*customer == NULL || *currency == NULL || !json_is_array(*items))
+    return 0;
+  cap = 128 + extra + IDEM_JSON_STRING_MAX(strlen(*customer)) +
+        IDEM_JSON_STRING_MAX(strlen(*currency));
+  json_array_foreach(*items, i, it) {
     const char *sku = json_string_value(json_object_get(it, "sku"));
     if (sku == NULL || !json_is_integer(json_object_get(it, "quantity")) ||
         !json_is_integer(json_object_get(it, "unit_price")))
-      return NULL;
+      return 0;
     cap += 96 + IDEM_JSON_STRING_MAX(strlen(sku));
   }
-  if ((out = malloc(cap)) == NULL)
+  return cap;
+}
+
+char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
+                       const char *created_at) {
+  const char *customer, *currency;
+  const json_t *items, *it;
+  size_t cap, n = 0, i;
+  char *out;
+
+  cap = order_parts(cmd, IDEM_JSON_STRING_MAX(strlen(id)) +
+                             IDEM_JSON_STRING_MAX(strlen(created_at)),
+                    &customer, &currency, &items);
+  if (cap == 0 || (out = malloc(cap)) == NULL)
     return NULL;
   n += IDEM_JSON_LIT(out + n, "{\"id\":");
   n += idem__json_string(out + n, id);
@@ -547,5 +562,38 @@ char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
   n += idem__json_string(out + n, created_at);
   out[n++] = '}';
   out[n] = '\0';
+  return out;
+}
+
+char *idemd_order_canon(const json_t *cmd, size_t *len) {
+  const char *customer, *currency;
+  const json_t *items, *it;
+  size_t cap, n = 0, i;
+  char *out;
+
+  cap = order_parts(cmd, 0, &customer, &currency, &items);
+  if (cap == 0 || (out = malloc(cap)) == NULL)
+    return NULL;
+  /* Keys in bytewise order at each level, as idem_canon_dump() sorts
+   * them; the strings are visible ASCII. */
+  n += IDEM_JSON_LIT(out + n, "{\"currency\":");
+  n += idem__json_string(out + n, currency);
+  n += IDEM_JSON_LIT(out + n, ",\"customer_id\":");
+  n += idem__json_string(out + n, customer);
+  n += IDEM_JSON_LIT(out + n, ",\"items\":[");
+  json_array_foreach(items, i, it) {
+    if (i > 0)
+      out[n++] = ',';
+    n += IDEM_JSON_LIT(out + n, "{\"quantity\":");
+    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "quantity")));
+    n += IDEM_JSON_LIT(out + n, ",\"sku\":");
+    n += idem__json_string(out + n, json_string_value(json_object_get(it, "sku")));
+    n += IDEM_JSON_LIT(out + n, ",\"unit_price\":");
+    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "unit_price")));
+    out[n++] = '}';
+  }
+  n += IDEM_JSON_LIT(out + n, "]}");
+  out[n] = '\0';
+  *len = n;
   return out;
 }

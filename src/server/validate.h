@@ -79,4 +79,11 @@ int idemd_validate_order(const json_t *body, json_t **cmd, json_t **errors,
 char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
                        const char *created_at);
 
+/* Writes the canonical form of an order command from
+ * idemd_validate_order(): the same bytes as idem_canon_dump(cmd), without
+ * sorting and dumping it (tests/unit/test_validate.c, fuzz/fuzz_body.c).
+ * Returns a string to free() and sets `*len` to its length, or NULL when
+ * out of memory or when `cmd` is not such a command. */
+char *idemd_order_canon(const json_t *cmd, size_t *len);
+
 #endif

@@ -505,10 +505,10 @@ static char *worst_order(void) {
   return text;
 }
 
-/* idemd_order_json() against jansson, for orders of every shape the
- * validator lets through: one item and the most, the largest numbers, the
- * longest identifiers, and every visible ASCII character (quotes and
- * backslashes among them) in the strings. */
+/* idemd_order_json() and idemd_order_canon() against jansson, for orders
+ * of every shape the validator lets through: one item and the most, the
+ * largest numbers, the longest identifiers, and every visible ASCII
+ * character (quotes and backslashes among them) in the strings. */
 static void test_order_json_matches_jansson(void **state) {
   char visible[96], customer[256], *bodies[5];
   size_t n = 0;
@@ -539,6 +539,7 @@ static void test_order_json_matches_jansson(void **state) {
     json_t *cmd = NULL, *errors = NULL;
     int64_t total = 0;
     char *got, *want;
+    size_t len = 0;
 
     assert_non_null(bodies[i]);
     if (validate_body("order", bodies[i], &cmd, &errors, &total) != 0)
@@ -550,6 +551,14 @@ static void test_order_json_matches_jansson(void **state) {
     assert_non_null(got);
     assert_non_null(want);
     assert_string_equal(got, want);
+    free(got);
+    free(want);
+    got = idemd_order_canon(cmd, &len);
+    want = idem_canon_dump(cmd);
+    assert_non_null(got);
+    assert_non_null(want);
+    assert_string_equal(got, want);
+    assert_int_equal(len, strlen(want));
     free(got);
     free(want);
     json_decref(cmd);
@@ -632,10 +641,14 @@ static void test_order_json_refuses_other_commands(void **state) {
   json_t *text_price = json_pack("{s:s, s:[{s:s, s:I, s:s}], s:s}", "customer_id", "c1",
                                  "items", "sku", "A1", "quantity", (json_int_t)1,
                                  "unit_price", "1", "currency", "BRL");
+  size_t len;
   (void)state;
   assert_null(idemd_order_json(payment, "ord_1", 1, "2026-12-01T00:00:00Z"));
   assert_null(idemd_order_json(no_sku, "ord_1", 1, "2026-12-01T00:00:00Z"));
   assert_null(idemd_order_json(text_price, "ord_1", 1, "2026-12-01T00:00:00Z"));
+  assert_null(idemd_order_canon(payment, &len));
+  assert_null(idemd_order_canon(no_sku, &len));
+  assert_null(idemd_order_canon(text_price, &len));
   json_decref(payment);
   json_decref(no_sku);
   json_decref(text_price);
