@@ -526,11 +526,44 @@ static size_t order_parts(const json_t *cmd, size_t extra, const char **customer
   return cap;
 }
 
+/* Writes the items of an order command as a JSON array, each with its
+ * keys in the order's own order (sku, quantity, unit_price) or, `sorted`,
+ * bytewise as the canonical form has them; returns the bytes written. */
+static size_t write_items(char *out, const json_t *items, int sorted) {
+  const json_t *it;
+  size_t n = 0, i;
+
+  out[n++] = '[';
+  json_array_foreach(items, i, it) {
+    const char *sku = json_string_value(json_object_get(it, "sku"));
+    long long quantity = json_integer_value(json_object_get(it, "quantity"));
+
+    if (i > 0)
+      out[n++] = ',';
+    if (sorted) {
+      n += IDEM_JSON_LIT(out + n, "{\"quantity\":");
+      n += idem__json_int(out + n, quantity);
+      n += IDEM_JSON_LIT(out + n, ",\"sku\":");
+      n += idem__json_string(out + n, sku);
+    } else {
+      n += IDEM_JSON_LIT(out + n, "{\"sku\":");
+      n += idem__json_string(out + n, sku);
+      n += IDEM_JSON_LIT(out + n, ",\"quantity\":");
+      n += idem__json_int(out + n, quantity);
+    }
+    n += IDEM_JSON_LIT(out + n, ",\"unit_price\":");
+    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "unit_price")));
+    out[n++] = '}';
+  }
+  out[n++] = ']';
+  return n;
+}
+
 char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
                        const char *created_at) {
   const char *customer, *currency;
-  const json_t *items, *it;
-  size_t cap, n = 0, i;
+  const json_t *items;
+  size_t cap, n = 0;
   char *out;
 
   cap = order_parts(cmd, IDEM_JSON_STRING_MAX(strlen(id)) +
@@ -542,19 +575,9 @@ char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
   n += idem__json_string(out + n, id);
   n += IDEM_JSON_LIT(out + n, ",\"customer_id\":");
   n += idem__json_string(out + n, customer);
-  n += IDEM_JSON_LIT(out + n, ",\"items\":[");
-  json_array_foreach(items, i, it) {
-    if (i > 0)
-      out[n++] = ',';
-    n += IDEM_JSON_LIT(out + n, "{\"sku\":");
-    n += idem__json_string(out + n, json_string_value(json_object_get(it, "sku")));
-    n += IDEM_JSON_LIT(out + n, ",\"quantity\":");
-    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "quantity")));
-    n += IDEM_JSON_LIT(out + n, ",\"unit_price\":");
-    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "unit_price")));
-    out[n++] = '}';
-  }
-  n += IDEM_JSON_LIT(out + n, "],\"currency\":");
+  n += IDEM_JSON_LIT(out + n, ",\"items\":");
+  n += write_items(out + n, items, 0);
+  n += IDEM_JSON_LIT(out + n, ",\"currency\":");
   n += idem__json_string(out + n, currency);
   n += IDEM_JSON_LIT(out + n, ",\"total\":");
   n += idem__json_int(out + n, (long long)total);
@@ -567,8 +590,8 @@ char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
 
 char *idemd_order_canon(const json_t *cmd, size_t *len) {
   const char *customer, *currency;
-  const json_t *items, *it;
-  size_t cap, n = 0, i;
+  const json_t *items;
+  size_t cap, n = 0;
   char *out;
 
   cap = order_parts(cmd, 0, &customer, &currency, &items);
@@ -580,19 +603,9 @@ char *idemd_order_canon(const json_t *cmd, size_t *len) {
   n += idem__json_string(out + n, currency);
   n += IDEM_JSON_LIT(out + n, ",\"customer_id\":");
   n += idem__json_string(out + n, customer);
-  n += IDEM_JSON_LIT(out + n, ",\"items\":[");
-  json_array_foreach(items, i, it) {
-    if (i > 0)
-      out[n++] = ',';
-    n += IDEM_JSON_LIT(out + n, "{\"quantity\":");
-    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "quantity")));
-    n += IDEM_JSON_LIT(out + n, ",\"sku\":");
-    n += idem__json_string(out + n, json_string_value(json_object_get(it, "sku")));
-    n += IDEM_JSON_LIT(out + n, ",\"unit_price\":");
-    n += idem__json_int(out + n, json_integer_value(json_object_get(it, "unit_price")));
-    out[n++] = '}';
-  }
-  n += IDEM_JSON_LIT(out + n, "]}");
+  n += IDEM_JSON_LIT(out + n, ",\"items\":");
+  n += write_items(out + n, items, 1);
+  out[n++] = '}';
   out[n] = '\0';
   *len = n;
   return out;
