@@ -22,16 +22,18 @@ char *idem_canon_dump(const json_t *value);
 
 /* Computes the fingerprint of a validated command: the lowercase hex
  * SHA-256 of `operation`, a newline, and idem_canon_dump(command).
- * Writes it to `hex` and returns IDEM_OK, or IDEM_ENOMEM / IDEM_ECRYPTO
- * (then `hex` is an empty string). */
+ * Writes it to `hex` and returns IDEM_OK, or IDEM_EINVAL (`operation` or
+ * `command` NULL), IDEM_ENOMEM or IDEM_ECRYPTO (then `hex` is an empty
+ * string). */
 IDEM_WARN_UNUSED int idem_fingerprint(const char *operation,
                                       const json_t *command,
                                       char hex[IDEM_FINGERPRINT_LEN]);
 
 /* The same fingerprint from a command already in canonical form: the
- * `len` bytes at `canon` stand for idem_canon_dump(command). Returns
- * IDEM_OK, IDEM_EINVAL (a NULL argument), IDEM_ENOMEM or IDEM_ECRYPTO
- * (then `hex` is an empty string). */
+ * `len` bytes at `canon` (no NUL needed; only those are read) stand for
+ * idem_canon_dump(command). Returns IDEM_OK, IDEM_EINVAL (`operation` or
+ * `canon` NULL), IDEM_ENOMEM or IDEM_ECRYPTO (then `hex` is an empty
+ * string). */
 IDEM_WARN_UNUSED int idem_fingerprint_text(const char *operation,
                                            const char *canon, size_t len,
                                            char hex[IDEM_FINGERPRINT_LEN]);

@@ -89,7 +89,7 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
   rc = idem_fingerprint_text(OPERATION, canon, len, oc->fingerprint);
   free(canon);
   if (rc != IDEM_OK)
-    return idemd_reply_store_error(r, IDEM_ECRYPTO);
+    return idemd_reply_store_error(r, rc);
   oc->effect = (idemd_effect_t){.operation = OPERATION, .fingerprint = oc->fingerprint,
                                 .resource = &oc->resource, .outcome = &oc->done,
                                 .prepare = prepare, .ctx = oc};

@@ -87,6 +87,7 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   json_t *errors = NULL;
   char canon[IDEMD_PAYMENT_CANON_MAX];
   size_t len;
+  int rc;
 
   if (idemd_validate_payment_cmd(body, &cmd, &errors) != 0) {
     r->outcome = OUTCOME_INVALID;
@@ -105,8 +106,8 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   /* The canonical command written directly: building it in jansson and
    * dumping it was 4 % of a new payment's instructions (docs/performance.md). */
   len = idemd_payment_canon(&cmd, canon);
-  if (idem_fingerprint_text(OPERATION, canon, len, pc->fingerprint) != IDEM_OK)
-    return idemd_reply_store_error(r, IDEM_ECRYPTO);
+  if ((rc = idem_fingerprint_text(OPERATION, canon, len, pc->fingerprint)) != IDEM_OK)
+    return idemd_reply_store_error(r, rc);
   p->amount = cmd.amount;
   _Static_assert(sizeof p->currency >= sizeof cmd.currency, "currency fits");
   _Static_assert(sizeof p->order_id >= sizeof cmd.order_id, "order_id fits");

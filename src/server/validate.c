@@ -337,7 +337,6 @@ int idemd_validate_payment_cmd(const json_t *body, idemd_payment_cmd_t *cmd,
   unknown_fields(body, allowed, "", errors);
 
   if (!ok || json_array_size(errors) > 0) {
-    memset(cmd, 0, sizeof *cmd);
     *errors_out = errors;
     return -1;
   }

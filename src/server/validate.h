@@ -48,7 +48,8 @@ int idemd_validate_payment_cmd(const json_t *body, idemd_payment_cmd_t *cmd,
 
 /* The same, giving the canonical command as JSON: `*cmd` owns
  * {"amount", "currency"[, "order_id" when given]}, NULL on failure (then
- * `*errors` owns the errors, an empty array when out of memory). */
+ * `*errors` owns the errors: an empty array, or NULL, when out of
+ * memory). */
 int idemd_validate_payment(const json_t *body, json_t **cmd, json_t **errors);
 
 /* The command `cmd` as JSON, as idemd_validate_payment() gives it; NULL
@@ -62,7 +63,9 @@ json_t *idemd_payment_cmd_json(const idemd_payment_cmd_t *cmd);
 /* Writes the canonical form of `cmd` to `out` (room for
  * IDEMD_PAYMENT_CANON_MAX bytes), NUL-terminated, and returns its length:
  * the same bytes as idem_canon_dump(idemd_payment_cmd_json(cmd)), without
- * building the JSON (tests/unit/test_validate.c, fuzz/fuzz_body.c). */
+ * building the JSON (tests/unit/test_validate.c, fuzz/fuzz_body.c), for
+ * every command the validator gives (its strings are visible ASCII;
+ * others would be written otherwise). */
 size_t idemd_payment_canon(const idemd_payment_cmd_t *cmd, char *out);
 
 /* Validates an order command `{"customer_id", "items", "currency"}` the same
@@ -81,9 +84,10 @@ char *idemd_order_json(const json_t *cmd, const char *id, int64_t total,
 
 /* Writes the canonical form of an order command from
  * idemd_validate_order(): the same bytes as idem_canon_dump(cmd), without
- * sorting and dumping it (tests/unit/test_validate.c, fuzz/fuzz_body.c).
+ * sorting and dumping it (tests/unit/test_validate.c, fuzz/fuzz_body.c;
+ * its strings are visible ASCII, others would be written otherwise).
  * Returns a string to free() and sets `*len` to its length, or NULL when
- * out of memory or when `cmd` is not such a command. */
+ * out of memory or when `cmd` is not shaped as such a command. */
 char *idemd_order_canon(const json_t *cmd, size_t *len);
 
 #endif

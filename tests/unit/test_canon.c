@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "idem/canon.h"
+#include "idem/crypto.h"
 
 /* Non-ASCII is escaped as jansson writes it, with upper-case hex: these
  * bytes feed every fingerprint, so they are pinned exactly. */
@@ -146,37 +147,64 @@ static void test_fingerprint_operation_and_command(void **state) {
   assert_string_not_equal(pay, other);
 }
 
-/* The fingerprint of canonical text is that of the command it stands for,
- * short (on the stack) or long (allocated). */
+/* The hex SHA-256 of `operation`, a newline and `canon`, computed here. */
+static void reference_fingerprint(const char *operation, const char *canon,
+                                  char hex[IDEM_FINGERPRINT_LEN]) {
+  size_t oplen = strlen(operation), len = strlen(canon);
+  char *buf = malloc(oplen + 1 + len);
+  unsigned char digest[IDEM_SHA256_LEN];
+
+  assert_non_null(buf);
+  memcpy(buf, operation, oplen);
+  buf[oplen] = '\n';
+  memcpy(buf + oplen + 1, canon, len);
+  assert_int_equal(idem_sha256(buf, oplen + 1 + len, digest), IDEM_OK);
+  idem_hex(digest, sizeof digest, hex);
+  free(buf);
+}
+
+/* The fingerprint of canonical text, whether it fits idem_fingerprint_text()'s
+ * 2,048-byte stack buffer or not, and the same as idem_fingerprint()'s. */
 static void test_fingerprint_text(void **state) {
   static const char want[] =
       "0ed6d96bd868f01812dfe68408794c86f288716fa92914970a1ec3df9fb3c9a9";
   static const char text[] = "{\"amount\":15990,\"currency\":\"BRL\"}";
-  char hex[IDEM_FINGERPRINT_LEN], expect[IDEM_FINGERPRINT_LEN];
-  char *big = malloc(5000), *canon;
-  json_t *v;
+  char hex[IDEM_FINGERPRINT_LEN], expect[IDEM_FINGERPRINT_LEN], via_json[IDEM_FINGERPRINT_LEN];
   (void)state;
 
   assert_int_equal(idem_fingerprint_text("create_payment", text, strlen(text), hex), IDEM_OK);
   assert_string_equal(hex, want);
   /* Only `len` bytes count. */
-  assert_int_equal(idem_fingerprint_text("create_payment", "{\"amount\":15990,\"currency\":\"BRL\"}xyz",
+  assert_int_equal(idem_fingerprint_text("create_payment",
+                                         "{\"amount\":15990,\"currency\":\"BRL\"}xyz",
                                          strlen(text), hex),
                    IDEM_OK);
   assert_string_equal(hex, want);
 
-  assert_non_null(big);
-  memset(big, 'a', 4999);
-  big[4999] = '\0';
-  v = json_pack("{s:s}", "customer_id", big);
-  canon = idem_canon_dump(v);
-  assert_non_null(canon);
-  assert_int_equal(idem_fingerprint("create_order", v, expect), IDEM_OK);
-  assert_int_equal(idem_fingerprint_text("create_order", canon, strlen(canon), hex), IDEM_OK);
-  assert_string_equal(hex, expect);
-  free(canon);
-  json_decref(v);
-  free(big);
+  /* "create_order", a newline and {"customer_id":"..."} of k characters
+   * take 13 + 18 + k bytes: 2,048 at k = 2,017; and far beyond. */
+  static const size_t sizes[] = {2015, 2016, 2017, 2018, 2019, 5000};
+  for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) {
+    size_t k = sizes[i];
+    char *id = malloc(k + 1), *canon;
+    json_t *v;
+
+    assert_non_null(id);
+    memset(id, 'b', k);
+    id[k] = '\0';
+    v = json_pack("{s:s}", "customer_id", id);
+    canon = idem_canon_dump(v);
+    assert_non_null(canon);
+    assert_int_equal(strlen(canon), 18 + k);
+    reference_fingerprint("create_order", canon, expect);
+    assert_int_equal(idem_fingerprint_text("create_order", canon, strlen(canon), hex), IDEM_OK);
+    assert_string_equal(hex, expect);
+    assert_int_equal(idem_fingerprint("create_order", v, via_json), IDEM_OK);
+    assert_string_equal(via_json, expect);
+    free(canon);
+    json_decref(v);
+    free(id);
+  }
 
   memset(hex, 'x', sizeof hex);
   assert_int_equal(idem_fingerprint_text(NULL, text, strlen(text), hex), IDEM_EINVAL);

@@ -616,6 +616,61 @@ static void test_payment_canon_matches_jansson(void **state) {
   }
 }
 
+/* Fingerprints of validated bodies, pinned: records stored by earlier
+ * versions hold them, and a retry must match (computed with sha256sum of
+ * the operation, a newline and the canonical text). */
+static void test_fingerprints_pinned(void **state) {
+  static const struct {
+    const char *operation, *body, *fingerprint;
+  } cases[] = {
+      {"create_payment", "{\"amount\":15990}",
+       "0ed6d96bd868f01812dfe68408794c86f288716fa92914970a1ec3df9fb3c9a9"},
+      {"create_payment", "{\"order_id\":\"a\\\"b\\\\c/d\",\"currency\":\"USD\",\"amount\":1}",
+       "76e177176d56292a1bd4c7e559c68d3347a43b0bac6a43fb9905dfca28825777"},
+      {"create_payment", NULL, /* the largest amount, the longest order_id */
+       "cf0af846ce7a8e914620e7adf610a04d57abea701a908b8c79656bec226a76cf"},
+      {"create_order",
+       "{\"customer_id\":\"c1\",\"items\":[{\"sku\":\"A1\",\"quantity\":2,"
+       "\"unit_price\":1000},{\"unit_price\":5,\"quantity\":1,\"sku\":\"B\\\"2\"}]}",
+       "f598058793aa422a9d4e949ef384262d63a245dc775b589c337e829ab655fd12"},
+  };
+  char longest[400];
+  size_t n;
+  (void)state;
+
+  n = (size_t)snprintf(longest, sizeof longest,
+                       "{\"amount\":\"9007199254740991\",\"order_id\":\"");
+  memset(longest + n, 'o', IDEMD_ORDER_ID_MAX);
+  strcpy(longest + n + IDEMD_ORDER_ID_MAX, "\"}");
+  for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
+    json_t *body = json_loads(cases[i].body ? cases[i].body : longest, 0, NULL), *cmd;
+    json_t *errors = NULL;
+    char hex[IDEM_FINGERPRINT_LEN], *text;
+    size_t len;
+    int64_t total;
+
+    assert_non_null(body);
+    if (strcmp(cases[i].operation, "create_payment") == 0) {
+      idemd_payment_cmd_t pay;
+      char canon[IDEMD_PAYMENT_CANON_MAX];
+      assert_int_equal(idemd_validate_payment_cmd(body, &pay, &errors), 0);
+      len = idemd_payment_canon(&pay, canon);
+      assert_int_equal(idem_fingerprint_text(cases[i].operation, canon, len, hex), IDEM_OK);
+    } else {
+      assert_int_equal(idemd_validate_order(body, &cmd, &errors, &total), 0);
+      text = idemd_order_canon(cmd, &len);
+      assert_non_null(text);
+      assert_int_equal(idem_fingerprint_text(cases[i].operation, text, len, hex), IDEM_OK);
+      free(text);
+      json_decref(cmd);
+    }
+    if (strcmp(hex, cases[i].fingerprint) != 0)
+      fail_msg("%s: fingerprint %s, want %s", cases[i].body ? cases[i].body : longest, hex,
+               cases[i].fingerprint);
+    json_decref(body);
+  }
+}
+
 /* A rejected payment leaves no command behind. */
 static void test_payment_cmd_rejected(void **state) {
   json_t *body = json_loads("{\"amount\":1,\"order_id\":\"ord 1\"}", 0, NULL);
@@ -668,6 +723,7 @@ int main(void) {
       cmocka_unit_test(test_order_json_refuses_other_commands),
       cmocka_unit_test(test_payment_canon_matches_jansson),
       cmocka_unit_test(test_payment_cmd_rejected),
+      cmocka_unit_test(test_fingerprints_pinned),
   };
   return cmocka_run_group_tests_name("validate", tests, NULL, NULL);
 }
