@@ -27,9 +27,10 @@
 #include "server/reply.h"
 #include "server/validate.h"
 
-/* Past the 64 KiB cap we keep reading, and dropping, up to this much so the
- * client can read its 413 (libmicrohttpd answers only once the upload is
- * over); beyond it we close the connection. Memory does not grow either way. */
+/* A body we will not use (past the 64 KiB cap, or refused from the headers)
+ * is read and dropped up to this much before the answer, so the client can
+ * read it; beyond it we close the connection. Memory does not grow either
+ * way. */
 #define DISCARD_LIMIT (8 * 1024 * 1024)
 
 struct route_def {
@@ -209,39 +210,58 @@ static enum MHD_Result serve_create(idemd_request_t *r) {
   return ret;
 }
 
-/* Checks the API key against the store: IDEM_OK and r->authenticated, or
- * the request answered (401, or 503 when the store failed). */
-static int authenticate(idemd_request_t *r, enum MHD_Result *ret) {
+/* Checks the API key against the store: IDEM_OK (and r->authenticated),
+ * IDEM_ENOTFOUND when it names no tenant, or the store's error. Answers
+ * nothing. */
+static int check_key(idemd_request_t *r) {
   int rc = idemd_authenticate(r->srv->store,
                               MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
                                                           MHD_HTTP_HEADER_AUTHORIZATION),
                               &r->tenant);
-  if (rc == IDEM_ENOTFOUND) {
-    idemd_reply_headers_t h = {.www_authenticate = 1};
-    r->outcome = OUTCOME_INVALID;
-    *ret = idemd_reply_error(r, 401, "missing or invalid API key", &h);
-    return rc;
-  }
-  if (rc != IDEM_OK) {
-    *ret = idemd_reply_store_error(r, rc);
-    return rc;
-  }
-  r->authenticated = 1;
-  return IDEM_OK;
+  if (rc == IDEM_OK)
+    r->authenticated = 1;
+  return rc;
+}
+
+/* The answer to a failed check_key(): 401, or 503 when the store failed. */
+static enum MHD_Result reply_key_failure(idemd_request_t *r, int rc) {
+  idemd_reply_headers_t h = {.www_authenticate = 1};
+  if (rc != IDEM_ENOTFOUND)
+    return idemd_reply_store_error(r, rc);
+  r->outcome = OUTCOME_INVALID;
+  return idemd_reply_error(r, 401, "missing or invalid API key", &h);
+}
+
+/* A refusal decided from the headers (404, 405, 401). With a body on its
+ * way (r->drain) the answer waits until that body is read and dropped:
+ * sent at once, the connection would close with the body unread, and the
+ * reset the kernel sends then can reach the client while it is still
+ * sending, before it reads the answer (curl reports a send error, not the
+ * status). */
+static enum MHD_Result refuse(idemd_request_t *r, int status, const char *msg,
+                              const char *allow) {
+  idemd_reply_headers_t h = {.allow = allow, .www_authenticate = status == 401};
+  r->outcome = OUTCOME_INVALID;
+  if (!r->drain)
+    return idemd_reply_error(r, status, msg, &h);
+  r->refusal = status;
+  r->refusal_msg = msg;
+  r->refusal_allow = allow;
+  return MHD_YES;
 }
 
 /* The request is all here. Runs in an event thread first; whatever would
  * wait there is deferred to a worker, which runs this again. */
 static enum MHD_Result dispatch(idemd_request_t *r) {
   int local = idem_store_local_reads(r->srv->store);
-  enum MHD_Result ret;
+  int rc;
 
   /* Where reads may block (PostgreSQL), even the key check waits on the
    * network: all of it runs in a worker. */
   if (!r->may_block && !local)
     return idemd_defer(r);
-  if (r->needs_auth && !r->authenticated && authenticate(r, &ret) != IDEM_OK)
-    return ret;
+  if (r->needs_auth && !r->authenticated && (rc = check_key(r)) != IDEM_OK)
+    return reply_key_failure(r, rc);
   switch (r->route) {
   case ROUTE_HEALTHZ:
     return serve_healthz(r);
@@ -261,13 +281,27 @@ static enum MHD_Result dispatch(idemd_request_t *r) {
 
 enum MHD_Result idemd_rerun(idemd_request_t *r) { return dispatch(r); }
 
-/* First call for a request: headers only. Answers at once when the path,
- * method, credentials or declared length already decide. */
+/* Whether a body follows that the client sends without waiting for our
+ * go-ahead (no "Expect: 100-continue"), and that is small enough to read
+ * and drop before answering: declared up to DISCARD_LIMIT, or chunked. */
+static int body_to_drain(struct MHD_Connection *conn, uint64_t declared, int has_length) {
+  const char *expect = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
+  if (expect && strcasecmp(expect, "100-continue") == 0)
+    return 0;
+  if (has_length)
+    return declared > 0 && declared <= DISCARD_LIMIT;
+  return MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                     MHD_HTTP_HEADER_TRANSFER_ENCODING) != NULL;
+}
+
+/* First call for a request: headers only. Decides at once when the path,
+ * method, credentials or declared length already do; the answer goes out
+ * now, or after the body when one follows (refuse()). */
 static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
   const struct route_def *d;
   const char *len;
-  enum MHD_Result ret;
-  int too_large;
+  uint64_t declared = 0;
+  int too_large, rc;
 
   set_path(r, url);
   set_request_id(r);
@@ -277,29 +311,37 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
     r->outcome = OUTCOME_ERROR;
     return idemd_reply_error(r, 503, "too many connections, retry later", &h);
   }
+  len = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+  if (len)
+    declared = strtoull(len, NULL, 10);
+  r->drain = body_to_drain(r->conn, declared, len != NULL);
   d = match_route(url, r->resource_id, sizeof r->resource_id);
-  if (d == NULL) {
-    r->outcome = OUTCOME_INVALID;
-    return idemd_reply_error(r, 404, "not found", NULL);
-  }
+  if (d == NULL)
+    return refuse(r, 404, "not found", NULL);
   r->route = d->route;
   r->op = d->op;
-  if (!method_allowed(d, r->method)) {
-    idemd_reply_headers_t h = {.allow = d->allow};
-    r->outcome = OUTCOME_INVALID;
-    return idemd_reply_error(r, 405, "method not allowed", &h);
-  }
+  if (!method_allowed(d, r->method))
+    return refuse(r, 405, "method not allowed", d->allow);
   r->needs_auth = d->needs_auth;
-  len = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-  too_large = len && strtoull(len, NULL, 10) > IDEMD_MAX_BODY &&
+  too_large = declared > IDEMD_MAX_BODY &&
               (r->route == ROUTE_PAYMENTS || r->route == ROUTE_ORDERS);
+  if (too_large && r->drain) {
+    /* Dropped as it comes; 401 or 413 once it is all here. */
+    r->body_too_large = 1;
+    return MHD_YES;
+  }
   /* The key is checked now when that cannot wait on a network; else with
-   * the body, in a worker. A declared length over the cap is answered now
-   * either way (401 first), rather than after reading megabytes: a rare
-   * error path may take one store read in the event thread. */
+   * the body, in a worker. A declared length beyond what we would read is
+   * answered now either way (401 first): a rare error path may take one
+   * store read in the event thread. A store failure here is left to the
+   * check after the body, which answers it. */
   if (d->needs_auth && (idem_store_local_reads(r->srv->store) || too_large) &&
-      authenticate(r, &ret) != IDEM_OK)
-    return ret;
+      (rc = check_key(r)) != IDEM_OK) {
+    if (rc == IDEM_ENOTFOUND)
+      return refuse(r, 401, "missing or invalid API key", NULL);
+    if (!r->drain)
+      return reply_key_failure(r, rc);
+  }
   if (too_large) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_error(r, 413, "request body is larger than 64 KiB", NULL);
@@ -359,6 +401,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     r->body_seen += n;
     if (r->responded)
       return MHD_YES;
+    if (r->refusal) /* drop it; past the discard limit, hang up */
+      return r->body_seen > DISCARD_LIMIT ? MHD_NO : MHD_YES;
     if (!r->body_too_large && r->body_len + n > IDEMD_MAX_BODY) {
       r->body_too_large = 1;
       free(r->body);
@@ -389,6 +433,10 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
   }
   if (r->responded)
     return MHD_YES;
+  if (r->refusal)
+    return idemd_reply_error(r, r->refusal, r->refusal_msg,
+                             &(idemd_reply_headers_t){.allow = r->refusal_allow,
+                                                      .www_authenticate = r->refusal == 401});
   /* The request is all here: from now on it may take as long as its work
    * takes (a provider call, a wait for a duplicate) without being cut. */
   idemd_guard_busy(r->srv->guard, r->conn_guard, 1);

@@ -1,9 +1,13 @@
 /* Bad input (SPEC section 3): each answered with the right status and body
  * shape, in the documented check order, with nothing written to the
  * database, the key still free afterwards and the server still healthy. */
+#include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -437,6 +441,129 @@ static void test_check_order(void **state) {
   h_server_stop(s);
 }
 
+static void send_all(int fd, const char *bytes, size_t len) {
+  while (len > 0) {
+    ssize_t w = send(fd, bytes, len, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0)
+      fail_msg("send: %s (the server closed before reading the body)", strerror(errno));
+    bytes += w;
+    len -= (size_t)w;
+  }
+}
+
+/* Everything the server sends until it closes, NUL-terminated; the caller
+ * frees it. */
+static char *read_to_close(int fd) {
+  size_t n = 0, cap = 16384;
+  char *buf = malloc(cap);
+  struct pollfd p = {.fd = fd, .events = POLLIN};
+
+  assert_non_null(buf);
+  for (;;) {
+    ssize_t got;
+    if (n + 1 == cap) {
+      buf = realloc(buf, cap *= 2);
+      assert_non_null(buf);
+    }
+    if (poll(&p, 1, 10000) != 1)
+      fail_msg("no answer within 10 s");
+    got = recv(fd, buf + n, cap - 1 - n, 0);
+    if (got < 0 && errno == EINTR)
+      continue;
+    if (got < 0)
+      fail_msg("recv: %s", strerror(errno));
+    if (got == 0)
+      break;
+    n += (size_t)got;
+  }
+  buf[n] = '\0';
+  return buf;
+}
+
+static void assert_starts_with_status(const char *text, long status) {
+  char want[32];
+  snprintf(want, sizeof want, "HTTP/1.1 %ld ", status);
+  if (strncmp(text, want, strlen(want)) != 0)
+    fail_msg("want %s..., got: %.200s", want, text);
+}
+
+/* A refusal decided from the headers alone (404, 405, 401, 413) to a
+ * request whose body the client sends without asking waits for that body.
+ * Sent while the body is still coming, the connection would close with it
+ * unread, and the reset that follows could reach the client before the
+ * answer (curl then reports a failed send, not the status). After it the
+ * connection still serves a next request. With "Expect: 100-continue", or
+ * a declared length beyond what idemd reads (8 MiB), the answer comes at
+ * once, without the body. */
+static void test_refusal_after_body(void **state) {
+  static const struct {
+    const char *method, *path;
+    int token;
+    long status;
+  } cases[] = {
+      {"POST", "/payments-v2", 1, 404}, {"PUT", "/orders", 1, 405},
+      {"POST", "/payments", 0, 401},    {"POST", "/orders", 0, 401},
+      {"POST", "/payments", 1, 413},    {"POST", "/orders", 1, 413},
+  };
+  const size_t len = 70 * 1024, first = 1024;
+  h_server_t *s = h_server_start(NULL);
+  const char *tok = h_tenant(s, "acme");
+  char *body = malloc(len), head[512], auth[160];
+  (void)state;
+
+  assert_non_null(body);
+  memset(body, ' ', len);
+  snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", tok);
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+    static const char next[] = "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                               "Connection: close\r\n\r\n";
+    struct pollfd p;
+    int fd = h_dial(s);
+    char *text;
+
+    snprintf(head, sizeof head,
+             "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%sContent-Type: application/json\r\n"
+             "Idempotency-Key: after-body\r\nContent-Length: %zu\r\n\r\n",
+             cases[i].method, cases[i].path, cases[i].token ? auth : "", len);
+    h_context("%s %s -> %ld", cases[i].method, cases[i].path, cases[i].status);
+    send_all(fd, head, strlen(head));
+    send_all(fd, body, first);
+    p = (struct pollfd){.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, 300) != 0)
+      fail_msg("answered (or closed) with %zu of %zu body bytes unsent", len - first, len);
+    send_all(fd, body + first, len - first);
+    send_all(fd, next, strlen(next));
+    text = read_to_close(fd);
+    assert_starts_with_status(text, cases[i].status);
+    if (strstr(text + 1, "HTTP/1.1 200 ") == NULL)
+      fail_msg("the connection did not serve the next request: %.300s", text);
+    free(text);
+    close(fd);
+  }
+  for (int expect = 0; expect < 2; expect++) {
+    int fd = h_dial(s);
+    char *text;
+    snprintf(head, sizeof head,
+             "POST /payments HTTP/1.1\r\nHost: 127.0.0.1\r\n%sContent-Type: "
+             "application/json\r\nIdempotency-Key: at-once\r\n%sContent-Length: %zu\r\n\r\n",
+             auth, expect ? "Expect: 100-continue\r\n" : "",
+             expect ? len : (size_t)9 << 20);
+    h_context(expect ? "Expect: 100-continue" : "Content-Length of 9 MiB");
+    send_all(fd, head, strlen(head)); /* and no body */
+    text = read_to_close(fd);
+    assert_starts_with_status(text, 413);
+    free(text);
+    close(fd);
+  }
+  h_context_clear();
+  free(body);
+  h_assert_db(s, 0, ALL_ROWS);
+  h_assert_healthy(s);
+  h_server_stop(s);
+}
+
 /* 413, 415, 401, 404 and 405 each on their own, with a valid key: nothing
  * stored and the key still free. Also the accepted boundaries. */
 static void test_transport_rejections(void **state) {
@@ -767,6 +894,7 @@ int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_check_order, h_teardown),
       cmocka_unit_test_teardown(test_transport_rejections, h_teardown),
+      cmocka_unit_test_teardown(test_refusal_after_body, h_teardown),
       cmocka_unit_test_teardown(test_sql_looking_input, h_teardown),
   };
   char id256[257];
