@@ -241,9 +241,10 @@ static enum MHD_Result reply_key_failure(idemd_request_t *r, int rc) {
 static enum MHD_Result refuse(idemd_request_t *r, int status, const char *msg,
                               const char *allow) {
   idemd_reply_headers_t h = {.allow = allow, .www_authenticate = status == 401};
-  r->outcome = OUTCOME_INVALID;
-  if (!r->drain)
+  if (!r->drain) {
+    r->outcome = OUTCOME_INVALID;
     return idemd_reply_error(r, status, msg, &h);
+  }
   r->refusal = status;
   r->refusal_msg = msg;
   r->refusal_allow = allow;
@@ -281,26 +282,40 @@ static enum MHD_Result dispatch(idemd_request_t *r) {
 
 enum MHD_Result idemd_rerun(idemd_request_t *r) { return dispatch(r); }
 
-/* Whether a body follows that the client sends without waiting for our
- * go-ahead (no "Expect: 100-continue"), and that is small enough to read
- * and drop before answering: declared up to DISCARD_LIMIT, or chunked. */
-static int body_to_drain(struct MHD_Connection *conn, uint64_t declared, int has_length) {
-  const char *expect = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_EXPECT);
-  if (expect && strcasecmp(expect, "100-continue") == 0)
-    return 0;
-  if (has_length)
-    return declared > 0 && declared <= DISCARD_LIMIT;
-  return MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
-                                     MHD_HTTP_HEADER_TRANSFER_ENCODING) != NULL;
+/* Reads how the body is framed as libmicrohttpd does: by
+ * Transfer-Encoding when there is one (then Content-Length is not looked
+ * at), else by Content-Length. Sets *declared (0 when not declared) and
+ * returns whether a body follows that the client sends without waiting
+ * for our go-ahead (an HTTP/1.1 "Expect: 100-continue" waits for it) and
+ * that is small enough to read and drop before answering: chunked, or
+ * declared up to DISCARD_LIMIT. A body framed by anything but chunked
+ * has no end we could wait for. */
+static int body_to_drain(struct MHD_Connection *conn, const char *version,
+                         uint64_t *declared) {
+  const char *te = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                               MHD_HTTP_HEADER_TRANSFER_ENCODING);
+  const char *len = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                                MHD_HTTP_HEADER_CONTENT_LENGTH);
+  const char *expect = MHD_lookup_connection_value(conn, MHD_HEADER_KIND,
+                                                   MHD_HTTP_HEADER_EXPECT);
+  int unasked = !(expect && strcasecmp(expect, "100-continue") == 0 &&
+                  strcmp(version, MHD_HTTP_VERSION_1_1) == 0);
+
+  *declared = 0;
+  if (te)
+    return unasked && strcasecmp(te, "chunked") == 0;
+  if (len)
+    *declared = strtoull(len, NULL, 10);
+  return unasked && *declared > 0 && *declared <= DISCARD_LIMIT;
 }
 
 /* First call for a request: headers only. Decides at once when the path,
  * method, credentials or declared length already do; the answer goes out
  * now, or after the body when one follows (refuse()). */
-static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
+static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
+                                  const char *version) {
   const struct route_def *d;
-  const char *len;
-  uint64_t declared = 0;
+  uint64_t declared;
   int too_large, rc;
 
   set_path(r, url);
@@ -311,10 +326,7 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
     r->outcome = OUTCOME_ERROR;
     return idemd_reply_error(r, 503, "too many connections, retry later", &h);
   }
-  len = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
-  if (len)
-    declared = strtoull(len, NULL, 10);
-  r->drain = body_to_drain(r->conn, declared, len != NULL);
+  r->drain = body_to_drain(r->conn, version, &declared);
   d = match_route(url, r->resource_id, sizeof r->resource_id);
   if (d == NULL)
     return refuse(r, 404, "not found", NULL);
@@ -331,10 +343,11 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url) {
     return MHD_YES;
   }
   /* The key is checked now when that cannot wait on a network; else with
-   * the body, in a worker. A declared length beyond what we would read is
+   * the body, in a worker. A declared length over the cap that we will not
+   * read first (beyond DISCARD_LIMIT, or after "Expect: 100-continue") is
    * answered now either way (401 first): a rare error path may take one
-   * store read in the event thread. A store failure here is left to the
-   * check after the body, which answers it. */
+   * store read in the event thread. A store failure here, with a body
+   * following, is left to the check after the body, which answers it. */
   if (d->needs_auth && (idem_store_local_reads(r->srv->store) || too_large) &&
       (rc = check_key(r)) != IDEM_OK) {
     if (rc == IDEM_ENOTFOUND)
@@ -356,7 +369,6 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
   idemd_server_t *srv = cls;
   idemd_request_t *r = *con_cls;
 
-  (void)version;
   if (r == NULL) {
     r = calloc(1, sizeof *r);
     if (r == NULL)
@@ -368,7 +380,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     r->conn_guard = idemd_guard_of(conn);
     *con_cls = r;
     atomic_fetch_add(&srv->inflight, 1);
-    return on_headers(r, url);
+    return on_headers(r, url, version);
   }
   if (r->deferred) {
     /* Resumed: look again after a parked wait, go on with the flow after
@@ -433,10 +445,12 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
   }
   if (r->responded)
     return MHD_YES;
-  if (r->refusal)
+  if (r->refusal) {
+    r->outcome = OUTCOME_INVALID;
     return idemd_reply_error(r, r->refusal, r->refusal_msg,
                              &(idemd_reply_headers_t){.allow = r->refusal_allow,
                                                       .www_authenticate = r->refusal == 401});
+  }
   /* The request is all here: from now on it may take as long as its work
    * takes (a provider call, a wait for a duplicate) without being cut. */
   idemd_guard_busy(r->srv->guard, r->conn_guard, 1);

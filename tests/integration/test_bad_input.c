@@ -494,66 +494,96 @@ static void assert_starts_with_status(const char *text, long status) {
  * Sent while the body is still coming, the connection would close with it
  * unread, and the reset that follows could reach the client before the
  * answer (curl then reports a failed send, not the status). After it the
- * connection still serves a next request. With "Expect: 100-continue", or
- * a declared length beyond what idemd reads (8 MiB), the answer comes at
- * once, without the body. */
+ * connection still serves a next request. With "Expect: 100-continue", a
+ * declared length beyond what idemd reads (8 MiB), or a body framed by
+ * something idemd cannot find the end of, the answer comes at once. */
 static void test_refusal_after_body(void **state) {
   static const struct {
     const char *method, *path;
     int token;
+    size_t len;  /* body bytes */
+    int chunked; /* sent as two chunks instead of with Content-Length */
     long status;
+    const char *header; /* the answer must carry it */
   } cases[] = {
-      {"POST", "/payments-v2", 1, 404}, {"PUT", "/orders", 1, 405},
-      {"POST", "/payments", 0, 401},    {"POST", "/orders", 0, 401},
-      {"POST", "/payments", 1, 413},    {"POST", "/orders", 1, 413},
+      {"POST", "/payments-v2", 1, 70 * 1024, 0, 404, NULL},
+      {"POST", "/payments-v2", 1, 4096, 1, 404, NULL},
+      {"PUT", "/orders", 1, 70 * 1024, 0, 405, "\r\nAllow: POST\r\n"},
+      {"POST", "/payments", 0, 4096, 0, 401, "\r\nWWW-Authenticate: Bearer\r\n"},
+      {"POST", "/orders", 0, 4096, 1, 401, "\r\nWWW-Authenticate: Bearer\r\n"},
+      {"POST", "/payments", 0, 70 * 1024, 0, 401, "\r\nWWW-Authenticate: Bearer\r\n"},
+      {"POST", "/payments", 1, 70 * 1024, 0, 413, NULL},
+      {"POST", "/orders", 1, 70 * 1024, 0, 413, NULL},
   };
-  const size_t len = 70 * 1024, first = 1024;
+  static const struct {
+    const char *name, *path, *framing;
+    long status;
+  } at_once[] = {
+      {"Expect: 100-continue", "/payments",
+       "Expect: 100-continue\r\nContent-Length: 71680\r\n", 413},
+      {"Content-Length of 9 MiB", "/payments", "Content-Length: 9437184\r\n", 413},
+      {"Transfer-Encoding: gzip", "/payments-v2", "Transfer-Encoding: gzip\r\n", 404},
+  };
+  const size_t cap = 70 * 1024, first = 1024;
   h_server_t *s = h_server_start(NULL);
   const char *tok = h_tenant(s, "acme");
-  char *body = malloc(len), head[512], auth[160];
+  char *body = malloc(cap), head[512], auth[160], framing[64];
   (void)state;
 
   assert_non_null(body);
-  memset(body, ' ', len);
+  memset(body, ' ', cap);
   snprintf(auth, sizeof auth, "Authorization: Bearer %s\r\n", tok);
   for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
     static const char next[] = "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                                "Connection: close\r\n\r\n";
+    size_t len = cases[i].len;
     struct pollfd p;
     int fd = h_dial(s);
     char *text;
 
+    if (cases[i].chunked)
+      snprintf(framing, sizeof framing, "Transfer-Encoding: chunked\r\n\r\n%zx\r\n", first);
+    else
+      snprintf(framing, sizeof framing, "Content-Length: %zu\r\n\r\n", len);
     snprintf(head, sizeof head,
              "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%sContent-Type: application/json\r\n"
-             "Idempotency-Key: after-body\r\nContent-Length: %zu\r\n\r\n",
-             cases[i].method, cases[i].path, cases[i].token ? auth : "", len);
-    h_context("%s %s -> %ld", cases[i].method, cases[i].path, cases[i].status);
+             "Idempotency-Key: after-body\r\n%s",
+             cases[i].method, cases[i].path, cases[i].token ? auth : "", framing);
+    h_context("%s %s, %zu bytes%s -> %ld", cases[i].method, cases[i].path, len,
+              cases[i].chunked ? " chunked" : "", cases[i].status);
     send_all(fd, head, strlen(head));
     send_all(fd, body, first);
     p = (struct pollfd){.fd = fd, .events = POLLIN};
     if (poll(&p, 1, 300) != 0)
       fail_msg("answered (or closed) with %zu of %zu body bytes unsent", len - first, len);
+    if (cases[i].chunked) {
+      snprintf(framing, sizeof framing, "\r\n%zx\r\n", len - first);
+      send_all(fd, framing, strlen(framing));
+    }
     send_all(fd, body + first, len - first);
+    if (cases[i].chunked)
+      send_all(fd, "\r\n0\r\n\r\n", 7);
     send_all(fd, next, strlen(next));
     text = read_to_close(fd);
     assert_starts_with_status(text, cases[i].status);
+    if (cases[i].header && strstr(text, cases[i].header) == NULL)
+      fail_msg("no %s in: %.300s", cases[i].header + 2, text);
     if (strstr(text + 1, "HTTP/1.1 200 ") == NULL)
       fail_msg("the connection did not serve the next request: %.300s", text);
     free(text);
     close(fd);
   }
-  for (int expect = 0; expect < 2; expect++) {
+  for (size_t i = 0; i < sizeof at_once / sizeof *at_once; i++) {
     int fd = h_dial(s);
     char *text;
     snprintf(head, sizeof head,
-             "POST /payments HTTP/1.1\r\nHost: 127.0.0.1\r\n%sContent-Type: "
-             "application/json\r\nIdempotency-Key: at-once\r\n%sContent-Length: %zu\r\n\r\n",
-             auth, expect ? "Expect: 100-continue\r\n" : "",
-             expect ? len : (size_t)9 << 20);
-    h_context(expect ? "Expect: 100-continue" : "Content-Length of 9 MiB");
+             "POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%sContent-Type: application/json\r\n"
+             "Idempotency-Key: at-once\r\n%s\r\n",
+             at_once[i].path, auth, at_once[i].framing);
+    h_context("%s", at_once[i].name);
     send_all(fd, head, strlen(head)); /* and no body */
     text = read_to_close(fd);
-    assert_starts_with_status(text, 413);
+    assert_starts_with_status(text, at_once[i].status);
     free(text);
     close(fd);
   }
