@@ -45,9 +45,9 @@ void idem_hmac_free(idem_hmac_t *h);
  * IDEM_ECRYPTO (the buffer must then not be used). */
 IDEM_WARN_UNUSED int idem_random_bytes(void *buf, size_t len);
 
-/* Writes `nchars` random characters from [0-9a-z] followed by a NUL to
- * `out` (which holds nchars + 1 bytes). Each character carries 5 bits of
- * entropy. Returns IDEM_OK or IDEM_ECRYPTO. */
+/* Writes `nchars` random characters from [0-9a-v] (32 of them, 5 bits of
+ * entropy each) followed by a NUL to `out` (which holds nchars + 1 bytes).
+ * Returns IDEM_OK, or IDEM_ECRYPTO with `out` empty. */
 IDEM_WARN_UNUSED int idem_random_token(char *out, size_t nchars);
 
 /* Like idem_random_token(), but the first 10 of the `nchars` (> 10)

@@ -38,9 +38,9 @@ char *idem_payment_json(const idem_payment_t *p, const char *status,
                         const char *error);
 
 /* Turns a provider answer for `p` into a settlement: SUCCEEDED -> completed
- * 201 "succeeded"; DECLINED -> completed 402 "declined"; UNKNOWN (and, when
- * `may_fail` is 0, NOT_SENT and NOT_FOUND) -> pending 202; NOT_SENT with
- * `may_fail` -> failed 503 (nothing happened, the key may run again).
+ * 201 "succeeded"; DECLINED -> completed 402 "declined"; UNKNOWN and
+ * NOT_FOUND -> pending 202; NOT_SENT -> failed 503 with `may_fail`
+ * (nothing happened, the key may run again), else pending 202.
  * Returns IDEM_OK, or IDEM_ENOMEM (then `s` holds nothing to free). */
 int idem_payment_settle(const idem_payment_t *p, const idem_charge_result_t *r,
                         int may_fail, idem_settlement_t *s);

@@ -13,7 +13,9 @@
  * and returns NULL. */
 idem_store_t *idemd_open_store(const idemd_config_t *cfg);
 
-/* Serves HTTP until SIGTERM or SIGINT, then shuts down cleanly (0). */
+/* Serves HTTP until SIGTERM or SIGINT, then drains and stops (returns 0).
+ * Returns 1 when it cannot start; exits the process (status 0) when
+ * requests are still unfinished after --shutdown-timeout. */
 int idemd_cmd_serve(const idemd_config_t *cfg);
 
 /* `idemd tenant ACTION [NAME]`: create (prints the new API key alone on

@@ -15,7 +15,7 @@ typedef struct idemd_guard idemd_guard_t;
 /* Creates a guard: a request must arrive within `request_timeout_ms` of the
  * connection opening (or of the previous answer on it); at most
  * `max_connections` are served at once. Starts the watchdog thread.
- * Returns NULL when out of memory. */
+ * Returns NULL when out of memory or the watchdog thread cannot start. */
 idemd_guard_t *idemd_guard_new(int64_t request_timeout_ms, int max_connections);
 
 /* Stops the watchdog and frees the guard; MHD must be stopped first. */

@@ -634,11 +634,15 @@ int idemd_http_start(idemd_server_t *srv) {
   hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
   snprintf(port, sizeof port, "%d", srv->cfg.listen_port);
   if ((srv->guard = idemd_guard_new(srv->cfg.request_timeout_ms,
-                                    srv->cfg.max_connections)) == NULL)
+                                    srv->cfg.max_connections)) == NULL) {
+    fprintf(stderr, "idemd: cannot start the connection watchdog\n");
     return -1;
+  }
   rc = getaddrinfo(srv->cfg.listen_host, port, &hints, &ai);
   if (rc != 0 || ai == NULL) {
     fprintf(stderr, "idemd: cannot resolve listen address '%s'\n", srv->cfg.listen_host);
+    idemd_guard_free(srv->guard);
+    srv->guard = NULL;
     return -1;
   }
   /* A few event threads (one fewer than the cores by default) do all the

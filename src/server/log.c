@@ -178,19 +178,18 @@ void idemd_log_event(const char *level, const char *msg, ...) {
   emit(line);
 }
 
-void idemd_key_id(const idemd_request_t *r, const char *operation) {
-  idemd_request_t *w = (idemd_request_t *)r;
+void idemd_key_id(idemd_request_t *r, const char *operation) {
   unsigned char mac[IDEM_SHA256_LEN];
   char hex[IDEM_SHA256_HEX_LEN];
   char msg[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
   int n = snprintf(msg, sizeof msg, "%lld\n%s\n%s", (long long)r->tenant.id,
                    operation, r->key);
 
-  w->key_id[0] = '\0';
+  r->key_id[0] = '\0';
   if (n < 0 || idem_hmac_compute(r->srv->key_id_mac, msg, (size_t)n, mac) != IDEM_OK)
     return;
   idem_hex(mac, 8, hex);
-  memcpy(w->key_id, hex, 17);
+  memcpy(r->key_id, hex, 17);
 }
 
 /* A small bounded writer for the request line: the hot path of logging,

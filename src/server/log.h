@@ -33,6 +33,6 @@ void idemd_log_event(const char *level, const char *msg, ...)
 
 /* Sets r->key_id to the first 16 hex digits of HMAC(secret, tenant id,
  * operation, key): stable for a key, useless to recover it. */
-void idemd_key_id(const idemd_request_t *r, const char *operation);
+void idemd_key_id(idemd_request_t *r, const char *operation);
 
 #endif

@@ -116,8 +116,10 @@ typedef struct idemd_request {
 _Static_assert(sizeof(idemd_request_t) <= 1032,
                "keep idemd_request_t within malloc's per-thread cache");
 
-/* Route handlers. Each sends exactly one reply and returns the result of
- * queueing it. `body` is the validated-as-object request body. */
+/* Route handlers. Each answers `r` exactly once, now or after the request
+ * is resumed, and returns the result of queueing the answer, or MHD_YES
+ * when the request was handed on (suspended). `body` is the
+ * validated-as-object request body. */
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
 
@@ -125,8 +127,10 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
  * write, a provider call, a wait for a duplicate, or a read of a store
  * whose reads may block): suspends the connection and has a worker run
  * the request's handling again from the start, with may_block set.
- * Nothing must have been answered yet. Returns MHD_YES. The caller must
- * not touch `r` (nor its call state) afterwards: a worker owns it. */
+ * Nothing must have been answered yet. Returns MHD_YES, and the caller
+ * must not touch `r` (nor its call state) afterwards: a worker owns it.
+ * When idemd is stopping it answers 503 at once instead (nothing
+ * suspended) and returns the result of queueing that. */
 enum MHD_Result idemd_defer(idemd_request_t *r);
 
 /* Suspends `r`'s connection (from its event thread's handler): whoever
@@ -154,7 +158,9 @@ enum MHD_Result idemd_rerun(idemd_request_t *r);
  * holds (its record processing): suspends it and parks it on the store
  * until the key changes since `ticket` or r->inflight_deadline passes;
  * then its event thread handles it again from the start. Holds no thread
- * meanwhile. Returns MHD_YES; the caller must not touch `r` afterwards. */
+ * meanwhile. Returns MHD_YES; the caller must not touch `r` afterwards.
+ * When idemd is stopping it answers 503 at once instead (not parked) and
+ * returns the result of queueing that. */
 enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
                            uint64_t ticket);
 
