@@ -11,31 +11,6 @@
 
 #include "../lib/json_text.h"
 
-/* Whether no object or array in `v` sits deeper than IDEMD_MAX_DEPTH (the
- * body itself is depth 1; plain values add no level). */
-static int depth_ok(const json_t *v, int depth) {
-  const char *k;
-  json_t *child;
-  size_t i;
-
-  if (!json_is_object(v) && !json_is_array(v))
-    return 1;
-  if (depth > IDEMD_MAX_DEPTH)
-    return 0;
-  if (json_is_object(v)) {
-    json_object_foreach((json_t *)v, k, child) {
-      if (!depth_ok(child, depth + 1))
-        return 0;
-    }
-  } else {
-    json_array_foreach(v, i, child) {
-      if (!depth_ok(child, depth + 1))
-        return 0;
-    }
-  }
-  return 1;
-}
-
 /* Whether the number token `tok` (`len` bytes) is beyond what the parser
  * holds: an integer outside 64 bits, or a real that overflows a double. */
 static int number_out_of_range(const char *tok, size_t len) {
@@ -58,13 +33,20 @@ static int number_out_of_range(const char *tok, size_t len) {
   return isinf(strtod(buf, NULL));
 }
 
-/* Returns a copy of the body with out-of-range numbers replaced by the
+/* One pass over the body's text, outside its strings. Sets *too_deep when
+ * an object or array opens deeper than IDEMD_MAX_DEPTH (the body itself is
+ * depth 1), and then returns NULL at once: the parser, which recurses once
+ * per level up to its own limit (2,048 in jansson), never sees such a body,
+ * so a worker's stack holds at most 32 of its levels. Otherwise returns a
+ * copy of the body with out-of-range numbers replaced by the
  * IDEMD_OUT_OF_RANGE markers (malloc'd, `*out_len` set), or NULL when
  * there are none (or no memory: the parser then reports the body). */
-static char *mark_out_of_range(const char *body, size_t len, size_t *out_len) {
+static char *scan_body(const char *body, size_t len, size_t *out_len, int *too_deep) {
   char *out = NULL;
   size_t n = 0, copied = 0;
-  int in_string = 0;
+  int in_string = 0, depth = 0;
+
+  *too_deep = 0;
 
   for (size_t i = 0; i < len; i++) {
     char c = body[i];
@@ -78,6 +60,18 @@ static char *mark_out_of_range(const char *body, size_t len, size_t *out_len) {
     }
     if (c == '"') {
       in_string = 1;
+      continue;
+    }
+    if (c == '{' || c == '[') {
+      if (++depth > IDEMD_MAX_DEPTH) {
+        free(out);
+        *too_deep = 1;
+        return NULL;
+      }
+      continue;
+    }
+    if (c == '}' || c == ']') {
+      depth--;
       continue;
     }
     if (c != '-' && (c < '0' || c > '9'))
@@ -115,6 +109,7 @@ int idemd_parse_body(const char *body, size_t len, json_t **out,
   json_error_t err;
   json_t *v;
   size_t marked_len = 0;
+  int too_deep;
   char *marked;
 
   *out = NULL;
@@ -123,7 +118,11 @@ int idemd_parse_body(const char *body, size_t len, json_t **out,
     *msg = "request body must be a JSON object";
     return -1;
   }
-  marked = mark_out_of_range(body, len, &marked_len);
+  marked = scan_body(body, len, &marked_len, &too_deep);
+  if (too_deep) {
+    *msg = "request body nests deeper than 32 levels";
+    return -1;
+  }
   if (marked) {
     *out_of_range = 1;
     body = marked;
@@ -143,7 +142,7 @@ int idemd_parse_body(const char *body, size_t len, json_t **out,
     case json_error_null_byte_in_key:
       *msg = "request body contains a NUL character";
       break;
-    case json_error_stack_overflow:
+    case json_error_stack_overflow: /* scan_body() stops these first */
       *msg = "request body nests deeper than 32 levels";
       break;
     default:
@@ -154,11 +153,6 @@ int idemd_parse_body(const char *body, size_t len, json_t **out,
   if (!json_is_object(v)) {
     json_decref(v);
     *msg = "request body must be a JSON object";
-    return -1;
-  }
-  if (!depth_ok(v, 1)) {
-    json_decref(v);
-    *msg = "request body nests deeper than 32 levels";
     return -1;
   }
   *out = v;

@@ -20,7 +20,9 @@
 #define IDEMD_OUT_OF_RANGE_NEG "\x01-out of range"
 
 /* Parses `len` bytes at `body` as one JSON object: no duplicate keys,
- * valid UTF-8, nesting at most IDEMD_MAX_DEPTH. On success returns 0,
+ * valid UTF-8, nesting at most IDEMD_MAX_DEPTH (checked on the text
+ * first, so a deeper body is refused as such even when it is not valid
+ * JSON, and the parser never recurses deeper). On success returns 0,
  * `*out` owns the object (json_decref it) and `*out_of_range` tells
  * whether some number was replaced by IDEMD_OUT_OF_RANGE(_NEG). On failure
  * returns -1, `*out` is NULL and `*msg` is a static text fit for a 400

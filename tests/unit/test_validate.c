@@ -157,6 +157,8 @@ static const struct depth_case depth_cases[] = {
     {"33 objects with a leaf", 33, 0, "\"b\":1", MSG_DEPTH},
     {"2000 levels", 2000, 1, "", MSG_DEPTH},
     {"5000 levels (beyond the parser's own limit)", 5000, 1, "", MSG_DEPTH},
+    {"33 levels, broken within", 33, 1, "1,,", MSG_DEPTH},
+    {"32 levels, broken within", 32, 1, "1,,", MSG_JSON},
 };
 
 static void test_parse_depth(void **state) {
@@ -175,6 +177,12 @@ static void test_parse_depth_with_scalar_leaf(void **state) {
       {"32 objects, number leaf", 32, 0, "\"b\":1", NULL},
       {"32 objects, string leaf", 32, 0, "\"b\":\"x\"", NULL},
       {"object and 31 arrays, number leaf", 32, 1, "1", NULL},
+      /* Brackets within strings (after escaped quotes and backslashes
+       * too) open nothing. */
+      {"32 objects, a string of brackets", 32, 0,
+       "\"b\":\"\\\\\\\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[{{{{{{{{{{\"", NULL},
+      {"object and 31 arrays, a string of brackets", 32, 1,
+       "\"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\\\"{{{{\\\\\"", NULL},
   };
   (void)state;
   for (size_t i = 0; i < ARRAY_LEN(cases); i++) {
