@@ -232,6 +232,14 @@ static enum MHD_Result reply_key_failure(idemd_request_t *r, int rc) {
   return idemd_reply_error(r, 401, "missing or invalid API key", &h);
 }
 
+/* Sends the refusal saved in `r` by refuse(). */
+static enum MHD_Result send_refusal(idemd_request_t *r) {
+  idemd_reply_headers_t h = {.allow = r->refusal_allow,
+                             .www_authenticate = r->refusal == 401};
+  r->outcome = OUTCOME_INVALID;
+  return idemd_reply_error(r, r->refusal, r->refusal_msg, &h);
+}
+
 /* A refusal decided from the headers (404, 405, 401). With a body on its
  * way (r->drain) the answer waits until that body is read and dropped:
  * sent at once, the connection would close with the body unread, and the
@@ -240,15 +248,10 @@ static enum MHD_Result reply_key_failure(idemd_request_t *r, int rc) {
  * status). */
 static enum MHD_Result refuse(idemd_request_t *r, int status, const char *msg,
                               const char *allow) {
-  idemd_reply_headers_t h = {.allow = allow, .www_authenticate = status == 401};
-  if (!r->drain) {
-    r->outcome = OUTCOME_INVALID;
-    return idemd_reply_error(r, status, msg, &h);
-  }
   r->refusal = status;
   r->refusal_msg = msg;
   r->refusal_allow = allow;
-  return MHD_YES;
+  return r->drain ? MHD_YES : send_refusal(r);
 }
 
 /* The request is all here. Runs in an event thread first; whatever would
@@ -413,15 +416,13 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     r->body_seen += n;
     if (r->responded)
       return MHD_YES;
-    if (r->refusal) /* drop it; past the discard limit, hang up */
-      return r->body_seen > DISCARD_LIMIT ? MHD_NO : MHD_YES;
-    if (!r->body_too_large && r->body_len + n > IDEMD_MAX_BODY) {
+    if (!r->refusal && !r->body_too_large && r->body_len + n > IDEMD_MAX_BODY) {
       r->body_too_large = 1;
       free(r->body);
       r->body = NULL;
       r->body_len = r->body_cap = 0;
     }
-    if (r->body_too_large) /* drop it; past the discard limit, hang up */
+    if (r->refusal || r->body_too_large) /* drop it; past the discard limit, hang up */
       return r->body_seen > DISCARD_LIMIT ? MHD_NO : MHD_YES;
     if (r->body_len + n + 1 > r->body_cap) {
       /* Grow to what the upload needs (at least 1 KiB, doubling), not to the
@@ -445,12 +446,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
   }
   if (r->responded)
     return MHD_YES;
-  if (r->refusal) {
-    r->outcome = OUTCOME_INVALID;
-    return idemd_reply_error(r, r->refusal, r->refusal_msg,
-                             &(idemd_reply_headers_t){.allow = r->refusal_allow,
-                                                      .www_authenticate = r->refusal == 401});
-  }
+  if (r->refusal)
+    return send_refusal(r);
   /* The request is all here: from now on it may take as long as its work
    * takes (a provider call, a wait for a duplicate) without being cut. */
   idemd_guard_busy(r->srv->guard, r->conn_guard, 1);

@@ -71,8 +71,8 @@ typedef struct idemd_request {
   size_t body_seen; /* all upload bytes, kept or not */
   int body_too_large;
   int drain; /* a body follows that the client sends unasked: read it first */
-  /* An answer decided from the headers while a body follows (404, 405,
-   * 401): sent once the body is read and dropped. 0 when none. */
+  /* An answer decided from the headers (404, 405, 401): sent at once, or
+   * once the body is read and dropped when one follows. 0 when none. */
   int refusal;
   const char *refusal_msg;
   const char *refusal_allow; /* Allow, for 405 */
