@@ -5,6 +5,10 @@
 #
 # In one run, on this machine:
 #   1. nginx answering POST /payments with a fixed 201: the HTTP ceiling;
+#      then idem-floor (tools/floor): libmicrohttpd set up as idemd sets
+#      it up, answering at once, and after a payment's two group commits
+#      (a file written and fdatasynced per batch) with none of idemd's own
+#      work: what idemd's design leaves of the ceiling on this machine;
 #   2. idemd on a fresh SQLite database, default (durable) settings:
 #      new-key payments, new-key orders, replays, key reuse with another
 #      body; req/s, p50, p99, the slowest answer and the ratio to nginx;
@@ -33,6 +37,7 @@ done
 cmake -S "$repo" -B "$repo/build-bench" -DCMAKE_BUILD_TYPE=Release -DIDEM_BUILD_TESTS=OFF >/dev/null
 cmake --build "$repo/build-bench" -j"$(nproc)" >/dev/null
 idemd="$repo/build-bench/idemd"
+floor="$repo/build-bench/tools/floor/idem-floor"
 nginx=$(command -v nginx || echo /usr/sbin/nginx)
 
 run=$(mktemp -d /tmp/idem-bench.XXXXXX)
@@ -176,6 +181,24 @@ token=""
 wrk_run "nginx: fixed 201 for POST /payments" "$port_ng" new /payments "$pay" 201
 baseline=${rps:-0}
 kill "$(cat "$run/nginx.pid")"; rm -f "$run/nginx.pid"
+
+# floor_run LABEL ARGS... -> idem-floor with ARGS, measured as nginx was.
+floor_run() {
+  local label=$1 port="" fpid
+  shift
+  "$floor" --port 0 "$@" >"$run/floor.out" 2>"$run/floor.err" &
+  fpid=$!
+  for _ in $(seq 100); do
+    port=$(sed -nE 's/^listening on 127\.0\.0\.1:([0-9]+)$/\1/p' "$run/floor.out")
+    [ -n "$port" ] && break
+    sleep 0.05
+  done
+  [ -n "$port" ] || { echo "bench: idem-floor did not start:" >&2; cat "$run/floor.err" >&2; exit 1; }
+  wrk_run "$label" "$port" new /payments "$pay" 201
+  kill "$fpid"; wait "$fpid" 2>/dev/null || true
+}
+floor_run "floor: libmicrohttpd, answered at once"
+floor_run "floor: + a payment's two group commits" --commits 2 --file "$run/floor.wal"
 
 # 2. idemd on SQLite, default settings.
 bench_idemd() { # NAME DB -> runs the four cases against a fresh idemd
