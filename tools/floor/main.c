@@ -10,7 +10,10 @@
  * does so N times per request (a payment: its reservation's commit, then
  * its completion's), before the event thread answers it. --work-us U adds U
  * microseconds of the writer's CPU per request per commit, standing in for
- * the store's statements. No database, no parsing, no fingerprint.
+ * the store's statements, and --event-work-us E adds E microseconds of the
+ * event thread's per request, standing in for parsing, validation and the
+ * fingerprint: together they size how much of idemd's own work a target
+ * leaves room for. No database, no parsing, no fingerprint.
  *
  * Exit status: 0 after SIGTERM or SIGINT, 1 when it cannot start, 2 for bad
  * usage. Listens on 127.0.0.1 only; prints "listening on 127.0.0.1:PORT". */
@@ -51,6 +54,7 @@ typedef struct floor {
   int commits;
   long commit_bytes;
   long work_us;
+  long event_work_us;
   int fd;
   char *page;
   off_t offset;
@@ -63,7 +67,7 @@ typedef struct floor {
 
 static void usage(void) {
   fprintf(stderr, "usage: idem-floor --port P [--commits N --file PATH] [--commit-bytes B]"
-                  " [--work-us U]\n");
+                  " [--work-us U] [--event-work-us E]\n");
 }
 
 static bool parse_long(const char *s, long min, long max, long *out) {
@@ -182,6 +186,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if ((r = calloc(1, sizeof *r)) == NULL) return MHD_NO;
     r->conn = conn;
     *ctx = r;
+    work(f->event_work_us);
     return MHD_YES;
   }
   if (*upload_size > 0) { /* the body is not read: only its cost counts */
@@ -222,6 +227,8 @@ int main(int argc, char **argv) {
     } else if (ok && strcmp(argv[i], "--commit-bytes") == 0)
       ok = parse_long(v, 1, FLOOR_MAX_COMMIT_BYTES, &f.commit_bytes);
     else if (ok && strcmp(argv[i], "--work-us") == 0) ok = parse_long(v, 0, 1000000, &f.work_us);
+    else if (ok && strcmp(argv[i], "--event-work-us") == 0)
+      ok = parse_long(v, 0, 1000000, &f.event_work_us);
     else if (ok && strcmp(argv[i], "--file") == 0) file = v;
     else ok = false;
     if (!ok) {
