@@ -75,15 +75,16 @@ static void read_charge(const struct answer *a, idem_charge_result_t *out) {
   json_decref(v);
 }
 
-/* Whether a failed transfer certainly sent nothing: the connection was
- * refused or never made, or not one byte of the request went out. The
- * connect time says nothing here: on a reused keep-alive connection it is
- * 0 although the request was sent (and maybe charged). */
-static int nothing_sent(CURL *c, CURLcode rc) {
+/* Whether a failed transfer certainly sent nothing: not one byte of the
+ * request went out. The error code alone does not say so: a request sent
+ * on a reused keep-alive connection that closes unanswered (the provider
+ * charged, then crashed) is sent again by libcurl on a new connection, and
+ * when that one is refused the transfer fails with CURLE_COULDNT_CONNECT
+ * although the provider had the request. CURLINFO_REQUEST_SIZE counts the
+ * bytes of every attempt of the transfer, and is 0 only when none went
+ * out. The connect time says nothing either: 0 on a reused connection. */
+static int nothing_sent(CURL *c) {
   long sent = -1;
-  if (rc == CURLE_COULDNT_CONNECT || rc == CURLE_COULDNT_RESOLVE_HOST ||
-      rc == CURLE_COULDNT_RESOLVE_PROXY)
-    return 1;
   return curl_easy_getinfo(c, CURLINFO_REQUEST_SIZE, &sent) == CURLE_OK && sent == 0;
 }
 
@@ -118,7 +119,7 @@ static void http_charge(idem_provider_t *base, const idem_charge_t *ch,
 
   rc = curl_easy_perform(c);
   if (rc != CURLE_OK) {
-    out->outcome = nothing_sent(c, rc) ? IDEM_CHARGE_NOT_SENT : IDEM_CHARGE_UNKNOWN;
+    out->outcome = nothing_sent(c) ? IDEM_CHARGE_NOT_SENT : IDEM_CHARGE_UNKNOWN;
   } else {
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
     if (code == 200 || code == 201 || code == 402)

@@ -7,6 +7,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -586,6 +587,134 @@ static void test_provider_refuses(void **state) {
   p_stop(p);
 }
 
+/* A provider that dies after charging a request that came on a kept-alive
+ * connection: it answers the first POST /charges, reads the second on the
+ * same connection (the charge is made), then closes its listening socket
+ * and that connection without answering. libcurl sends a request that a
+ * reused connection dropped unanswered again on a new connection, which is
+ * refused: the transfer fails with "couldn't connect" although the request
+ * reached the provider. */
+struct dying_psp {
+  int lfd;
+  int port;
+  pthread_t thread;
+  int requests;          /* POST /charges read */
+  char charged[128];     /* the Idempotency-Key of the charge it died on */
+};
+
+/* Reads one request (headers and Content-Length body) from fd within 10 s;
+ * its Idempotency-Key into key. 0 on success. */
+static int dying_read(int fd, char *key, size_t keylen) {
+  char buf[8192];
+  size_t len = 0;
+  for (double deadline = h_now() + 10; h_now() < deadline;) {
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    if (poll(&pfd, 1, 100) <= 0)
+      continue;
+    ssize_t n = recv(fd, buf + len, sizeof buf - 1 - len, 0);
+    if (n <= 0)
+      return -1;
+    len += (size_t)n;
+    buf[len] = '\0';
+    char *end = strstr(buf, "\r\n\r\n");
+    if (end == NULL)
+      continue;
+    const char *cl = strcasestr(buf, "\r\nContent-Length:");
+    const char *k = strcasestr(buf, "\r\nIdempotency-Key:");
+    size_t body = cl ? strtoul(cl + 17, NULL, 10) : 0;
+    if ((size_t)(buf + len - (end + 4)) < body)
+      continue;
+    key[0] = '\0';
+    if (k != NULL)
+      sscanf(k + 18, " %127[^\r\n]", key);
+    (void)keylen;
+    return 0;
+  }
+  return -1;
+}
+
+static void *dying_main(void *arg) {
+  struct dying_psp *d = arg;
+  static const char answer[] = "HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                               "Content-Length: 38\r\n\r\n"
+                               "{\"id\":\"ch_first\",\"status\":\"succeeded\"}";
+  char key[128];
+  struct pollfd pfd = {.fd = d->lfd, .events = POLLIN};
+  int fd;
+
+  if (poll(&pfd, 1, 10000) != 1 || (fd = accept4(d->lfd, NULL, NULL, SOCK_CLOEXEC)) < 0)
+    return NULL;
+  for (;;) {
+    if (dying_read(fd, key, sizeof key) != 0)
+      break;
+    if (++d->requests == 1) {
+      if (send(fd, answer, sizeof answer - 1, MSG_NOSIGNAL) != (ssize_t)sizeof answer - 1)
+        break;
+      continue;
+    }
+    snprintf(d->charged, sizeof d->charged, "%s", key);
+    break;
+  }
+  /* The listening socket first, so libcurl's second try is refused. */
+  close(d->lfd);
+  d->lfd = -1;
+  close(fd);
+  return NULL;
+}
+
+/* The provider charged the second payment and died before answering. The
+ * request had gone out, so its outcome is unknown: 202, the payment and
+ * record pending for the reconciler, never failed (a failed payment is
+ * retried under a new payment id, which the provider would charge again). */
+static void test_crash_after_charge_on_kept_alive_connection(void **state) {
+  /* CLOEXEC: idemd, started after it, must not hold it open. */
+  struct dying_psp d = {.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t alen = sizeof a;
+  char url[64];
+  const char *flags[] = {"--provider", url, "--workers", "1", "--reconcile-interval", "1h",
+                         NULL};
+  h_server_t *s;
+  const char *tok;
+  h_resp_t first, second, again;
+  char *id;
+  (void)state;
+
+  assert_true(d.lfd >= 0);
+  assert_int_equal(bind(d.lfd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(d.lfd, 8), 0);
+  assert_int_equal(getsockname(d.lfd, (struct sockaddr *)&a, &alen), 0);
+  d.port = ntohs(a.sin_port);
+  snprintf(url, sizeof url, "http://127.0.0.1:%d", d.port);
+  assert_int_equal(pthread_create(&d.thread, NULL, dying_main, &d), 0);
+
+  s = h_server_start(flags);
+  tok = h_tenant(s, "acme");
+  h_post(s, "/payments", tok, "kept-1", PAYMENT, &first);
+  h_assert_first(&first, 201);
+  h_post(s, "/payments", tok, "kept-2", PAYMENT, &second);
+  pthread_join(d.thread, NULL);
+  id = pay_id_of(s, "kept-2");
+  /* The provider had the request: it charged it. */
+  assert_int_equal(d.requests, 2);
+  assert_string_equal(d.charged, id);
+  h_assert_status(&second, 202);
+  assert_string_equal(str_field(&second, "status"), "pending");
+  h_assert_db(s, 1, RECORD_IN_STATE, "kept-2", "pending");
+  h_assert_db(s, 1, "SELECT count(*) FROM payments WHERE id = ?1 AND status = 'pending'", id);
+  h_assert_db(s, 0, "SELECT count(*) FROM payments WHERE status = 'failed'");
+  /* A retry makes no new payment: the same one, still pending. */
+  h_post(s, "/payments", tok, "kept-2", PAYMENT, &again);
+  h_assert_status(&again, 202);
+  assert_string_equal(h_id(&again), id);
+  h_assert_db(s, 2, COUNT_PAYMENTS);
+  free(id);
+  h_resp_free(&first);
+  h_resp_free(&second);
+  h_resp_free(&again);
+  h_server_stop(s);
+}
+
 /* ---- 6. a decline ---------------------------------------------------------- */
 
 /* The provider declines 4040: 402 with the declined payment, stored and
@@ -641,6 +770,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_kill9_resend_same_key, p_teardown),
       cmocka_unit_test_teardown(test_answer_after_deadline, p_teardown),
       cmocka_unit_test_teardown(test_deadline_on_kept_alive_connection, p_teardown),
+      cmocka_unit_test_teardown(test_crash_after_charge_on_kept_alive_connection, p_teardown),
       cmocka_unit_test_teardown(test_provider_refuses, p_teardown),
       cmocka_unit_test_teardown(test_decline, p_teardown),
   };
