@@ -33,6 +33,14 @@
  * way. */
 #define DISCARD_LIMIT (8 * 1024 * 1024)
 
+/* libmicrohttpd builds the answer's headers in the same per-connection
+ * pool that held the request's, so the pool is --max-header-bytes plus
+ * this, and the request's own limit is checked in on_headers(). With the
+ * pool at the limit alone, headers a few hundred bytes short of it were
+ * read and run (a payment made), and then left no room for the answer:
+ * the connection closed unanswered, on every retry too. */
+#define ANSWER_ROOM 2048
+
 struct route_def {
   const char *prefix; /* exact path, or prefix of "/{id}" routes */
   int has_id;
@@ -317,6 +325,7 @@ static int body_to_drain(struct MHD_Connection *conn, const char *version,
  * now, or after the body when one follows (refuse()). */
 static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
                                   const char *version) {
+  const union MHD_ConnectionInfo *info;
   const struct route_def *d;
   uint64_t declared;
   int too_large, rc;
@@ -330,6 +339,9 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
     return idemd_reply_error(r, 503, "too many connections, retry later", &h);
   }
   r->drain = body_to_drain(r->conn, version, &declared);
+  info = MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+  if (info != NULL && info->header_size > (size_t)r->srv->cfg.max_header_bytes)
+    return refuse(r, 431, "request headers are too large", NULL);
   d = match_route(url, r->resource_id, sizeof r->resource_id);
   if (d == NULL)
     return refuse(r, 404, "not found", NULL);
@@ -677,7 +689,7 @@ int idemd_http_start(idemd_server_t *srv) {
       MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)30,
       /* Room above the cap to tell the extra clients 503. */
       MHD_OPTION_CONNECTION_LIMIT, (unsigned int)(srv->cfg.max_connections + 64),
-      MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)srv->cfg.max_header_bytes,
+      MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)srv->cfg.max_header_bytes + ANSWER_ROOM,
       MHD_OPTION_END);
   freeaddrinfo(ai);
   if (srv->daemon == NULL) {

@@ -212,6 +212,52 @@ static void test_header_limit(void **state) {
   h_server_stop(s);
 }
 
+/* Every size of headers near the limit gets an answer: 201 up to
+ * --max-header-bytes (the request line and headers, blank line included),
+ * 431 past it with nothing written. libmicrohttpd builds the answer in the
+ * pool that held the headers: when the pool was the limit alone, headers a
+ * few hundred bytes short of it made their payment, and the connection
+ * then closed with no answer, on every retry too. */
+static void test_header_limit_boundary(void **state) {
+  static const char *const flags[] = {"--max-header-bytes", "4096", NULL};
+  static const char body[] = "{\"amount\": 100, \"currency\": \"BRL\"}";
+  h_server_t *s = h_server_start(flags);
+  const char *tok = h_tenant(s, "acme");
+  char req[8192], pad[4097], key[32];
+  int made = 0;
+  h_resp_t r;
+  (void)state;
+
+  memset(pad, 'a', sizeof pad - 1);
+  pad[sizeof pad - 1] = '\0';
+  for (int padlen = 2600; padlen <= 3800; padlen += 7) {
+    snprintf(key, sizeof key, "hdr-%d", padlen);
+    int head = snprintf(req, sizeof req,
+                        "POST /payments HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                        "Authorization: Bearer %s\r\nIdempotency-Key: %s\r\n"
+                        "Content-Type: application/json\r\nX-Pad: %.*s\r\n"
+                        "Content-Length: %zu\r\n\r\n",
+                        tok, key, padlen, pad, sizeof body - 1);
+    assert_true(head > 0 && (size_t)head + sizeof body < sizeof req);
+    memcpy(req + head, body, sizeof body);
+    h_context("headers of %d bytes (limit 4096)", head);
+    h_raw(s, req, (size_t)head + sizeof body - 1, &r);
+    if (head <= 4096) {
+      h_assert_first(&r, 201);
+      made++;
+    } else {
+      h_assert_error(&r, 431, NULL);
+      h_assert_db(s, 0, "SELECT count(*) FROM idempotency_records WHERE key = ?1", key);
+    }
+    h_resp_free(&r);
+  }
+  h_context_clear();
+  assert_true(made > 100);
+  h_assert_db(s, made, "SELECT count(*) FROM payments");
+  h_assert_healthy(s);
+  h_server_stop(s);
+}
+
 /* A POST of `len` body bytes with Content-Length or chunked (in chunks of
  * at most 16 KiB), built whole. Caller frees. */
 static char *big_post(h_server_t *s, const char *token, const char *key, size_t len,
@@ -382,6 +428,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_slow_client_is_cut, h_teardown),
       cmocka_unit_test_teardown(test_connection_cap, h_teardown),
       cmocka_unit_test_teardown(test_header_limit, h_teardown),
+      cmocka_unit_test_teardown(test_header_limit_boundary, h_teardown),
       cmocka_unit_test_teardown(test_body_limit, h_teardown),
   };
   int rc;
