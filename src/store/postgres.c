@@ -124,17 +124,22 @@ static const char *const stmt_sql[ST_COUNT_] = {
     [ST_PING] = "SELECT 1",
     /* Records the reconciler must settle (see idem_store_claim), each given
      * a fresh owner token; SKIP LOCKED lets several instances reconcile
-     * side by side without taking the same record. */
+     * side by side without taking the same record. A claimed payment goes
+     * to the back of the queue (its outbox row's next_attempt_at), so one
+     * the provider cannot settle yet is not claimed again before all the
+     * others. */
     [ST_CLAIM] =
-        "UPDATE idempotency_records r SET "
-        "owner_token = replace(gen_random_uuid()::text, '-', ''), "
-        "lease_expires_at = $2, updated_at = $1 FROM ("
-        "SELECT c.tenant_id, c.operation, c.key FROM outbox o "
-        "JOIN idempotency_records c ON c.tenant_id = o.tenant_id "
+        "WITH d AS (SELECT c.tenant_id, c.operation, c.key, o.resource_id "
+        "FROM outbox o JOIN idempotency_records c ON c.tenant_id = o.tenant_id "
         "AND c.operation = o.operation AND c.key = o.key "
         "WHERE c.state IN ('pending', 'processing') "
         "AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= $1) "
-        "ORDER BY o.next_attempt_at LIMIT $3 FOR UPDATE OF c SKIP LOCKED) d "
+        "ORDER BY o.next_attempt_at LIMIT $3 FOR UPDATE OF c SKIP LOCKED), "
+        "turn AS (UPDATE outbox o SET attempts = o.attempts + 1, next_attempt_at = $1 "
+        "FROM d WHERE o.resource_id = d.resource_id) "
+        "UPDATE idempotency_records r SET "
+        "owner_token = replace(gen_random_uuid()::text, '-', ''), "
+        "lease_expires_at = $2, updated_at = $1 FROM d "
         "WHERE r.tenant_id = d.tenant_id AND r.operation = d.operation "
         "AND r.key = d.key RETURNING r.tenant_id, r.operation, r.key, "
         "r.fingerprint, r.state, r.response_status, r.response_body, "

@@ -49,6 +49,7 @@ enum stmt_id {
   ST_PING,
   ST_CLAIM_SELECT,
   ST_CLAIM_UPDATE,
+  ST_CLAIM_OUTBOX,
   ST_SAVEPOINT,
   ST_ROLLBACK_TO,
   ST_RELEASE,
@@ -164,6 +165,11 @@ static const char *const stmt_sql[ST_COUNT_] = {
     [ST_CLAIM_UPDATE] =
         "UPDATE idempotency_records SET owner_token = ?4, "
         "lease_expires_at = ?5, updated_at = ?6 WHERE " SCOPE_MATCH,
+    /* A claimed payment goes to the back of the queue: one the provider
+     * cannot settle yet must not be claimed again before all the others,
+     * which a full batch of them would otherwise keep out for good. */
+    [ST_CLAIM_OUTBOX] = "UPDATE outbox SET attempts = attempts + 1, "
+                        "next_attempt_at = ?3 WHERE resource_id = ?1 AND tenant_id = ?2",
 };
 
 /* Schema versions, applied in order; PRAGMA user_version is the count
@@ -1808,6 +1814,14 @@ static int claim_fn(struct conn *c, void *arg) {
     sqlite3_bind_int64(st, 6, a->now_ms);
     if ((rc = run(c, st, "claim update")) == IDEM_OK)
       rc = read_record(c, &sc, &a->out[i]);
+    if (rc == IDEM_OK && a->out[i].resource_id[0] != '\0') {
+      if ((st = stmt(c, ST_CLAIM_OUTBOX)) == NULL)
+        return IDEM_ESTORE;
+      bind_text(st, 1, a->out[i].resource_id);
+      sqlite3_bind_int64(st, 2, a->out[i].tenant_id);
+      sqlite3_bind_int64(st, 3, a->now_ms);
+      rc = run(c, st, "claim outbox");
+    }
   }
   return rc;
 }

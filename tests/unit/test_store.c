@@ -1108,6 +1108,53 @@ static void test_claim(void **state) {
   assert_int_equal(idem_store_claim(fx->store, t1, claim_lease, 0, ours, &n), IDEM_EINVAL);
 }
 
+/* Payments the provider cannot settle yet take turns: a claim puts each
+ * at the back of the queue, so a full batch of unsettled ones cannot keep
+ * a newer one (or a dead worker's) from ever being claimed. Three pending
+ * payments, claims of two at a time, each of ours put back unsettled: no
+ * claim takes one a second time before a claim has taken all three. */
+static void test_claim_takes_turns(void **state) {
+  fixture_t *fx = *state;
+  const int64_t t = fx->now + 2000;
+  static const char *const keys[] = {"turn-0", "turn-1", "turn-2"};
+  idem_outcome_t unknown = {.state = IDEM_STATE_PENDING, .status = 202, .body = "{}"};
+  char tokens[3][IDEM_TOKEN_MAX + 1];
+  struct payment pays[3];
+  int seen[3] = {0}, distinct = 0;
+
+  for (int i = 0; i < 3; i++) {
+    idem_reserve_t r = reserve_payment(fx, keys[i], LEASE_MS, &pays[i], tokens[i]);
+    assert_int_equal(complete(fx, &r.scope, tokens[i], fx->now, TTL_MS, &unknown), IDEM_OK);
+  }
+  for (int round = 0; round < 1000 && distinct < 3; round++) {
+    idem_record_t batch[2];
+    int n = -1;
+    memset(batch, 0, sizeof batch);
+    assert_int_equal(idem_store_claim(fx->store, t, 5000, 2, batch, &n), IDEM_OK);
+    if (n == 0)
+      break;
+    for (int i = 0; i < n; i++) {
+      if (batch[i].tenant_id == fx->tenant.id) {
+        idem_scope_t sc = {batch[i].tenant_id, batch[i].operation, batch[i].key};
+        for (int k = 0; k < 3; k++) {
+          if (strcmp(batch[i].key, keys[k]) != 0)
+            continue;
+          if (seen[k]++ == 0)
+            distinct++;
+        }
+        /* Unsettled: back to pending, claimable again at once. */
+        assert_int_equal(complete(fx, &sc, batch[i].owner_token, t, TTL_MS, &unknown),
+                         IDEM_OK);
+      }
+      idem_record_reset(&batch[i]);
+    }
+    for (int k = 0; k < 3 && distinct < 3; k++)
+      if (seen[k] > 1)
+        fail_msg("%s was claimed again before all three had a turn", keys[k]);
+  }
+  assert_int_equal(distinct, 3);
+}
+
 /* ---- concurrency ------------------------------------------------------ */
 
 struct racer {
@@ -1570,6 +1617,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_expired_record_is_taken_over),
       STORE_TEST(test_failed_record),
       STORE_TEST(test_claim),
+      STORE_TEST(test_claim_takes_turns),
       STORE_TEST(test_concurrent_same_key),
       STORE_TEST(test_failed_write_is_undone_alone),
       STORE_TEST(test_concurrent_distinct_keys),
