@@ -22,6 +22,12 @@
  *   closing it, gets the gathered bytes written first.
  * - Only contiguous writes are gathered: a write anywhere else writes what
  *   was gathered first, so the file sees writes in SQLite's order.
+ * - Nothing is gathered after a sync until the connection's write
+ *   transaction ends: without powersafe overwrite (a "psow=0" URI), SQLite
+ *   pads a commit to a sector boundary and syncs in the middle of its
+ *   last frame, writes the rest of it, and then publishes the frames; so
+ *   a write after the sync goes straight to the file, and its failure
+ *   fails the commit, as with the default VFS.
  * - Gathered bytes never outlive a lock of the connection: they are
  *   written before it gives up the WAL's write lock or its lock on the
  *   database file, as the default VFS would have written them while it
@@ -62,6 +68,7 @@ struct gather_file {
   const char *name;    /* a main database: the name SQLite opened it by */
   gather_file_t *next; /* in `open_dbs` */
   int syncs_commits;   /* a main database: synchronous is FULL or EXTRA */
+  int synced;          /* a WAL synced in this write transaction */
 };
 
 /* Main database files open through this VFS, for their WALs to find.
@@ -123,7 +130,7 @@ static int g_read(sqlite3_file *f, void *p, int n, sqlite3_int64 off) {
 
 static int g_write(sqlite3_file *f, const void *p, int n, sqlite3_int64 off) {
   gather_file_t *g = (gather_file_t *)f;
-  int gather = g->wal && g->peer && g->peer->syncs_commits && n > 0;
+  int gather = g->wal && !g->synced && g->peer && g->peer->syncs_commits && n > 0;
   int rc;
 
   if (g->len > 0 && (!gather || off != g->at + (sqlite3_int64)g->len ||
@@ -148,8 +155,11 @@ static int g_truncate(sqlite3_file *f, sqlite3_int64 size) {
 }
 
 static int g_sync(sqlite3_file *f, int flags) {
-  int rc = flush((gather_file_t *)f);
-  return rc != SQLITE_OK ? rc : RIO(f)->xSync(REAL(f), flags);
+  gather_file_t *g = (gather_file_t *)f;
+  int rc = flush(g);
+  if (rc == SQLITE_OK && (rc = RIO(f)->xSync(REAL(f), flags)) == SQLITE_OK && g->wal)
+    g->synced = 1;
+  return rc;
 }
 
 static int g_file_size(sqlite3_file *f, sqlite3_int64 *size) {
@@ -161,8 +171,11 @@ static int g_lock(sqlite3_file *f, int lock) { return RIO(f)->xLock(REAL(f), loc
 
 /* Before a connection gives up a lock (see the header comment). */
 static void settle_before_unlock(gather_file_t *db) {
-  if (db->peer && flush(db->peer) != SQLITE_OK)
+  if (db->peer == NULL)
+    return;
+  if (flush(db->peer) != SQLITE_OK)
     db->peer->len = 0;
+  db->peer->synced = 0;
 }
 
 /* On a main database file: in exclusive locking mode, where the WAL's
@@ -214,12 +227,20 @@ static int g_shm_map(sqlite3_file *f, int region, int size, int extend, void vol
   return RIO(f)->xShmMap(REAL(f), region, size, extend, p);
 }
 
-/* On a main database file. Giving up the WAL's write lock ends the
- * connection's write transaction. */
+/* On a main database file. Taking the WAL's write lock begins the
+ * connection's write transaction; giving it up ends it. */
 static int g_shm_lock(sqlite3_file *f, int offset, int n, int flags) {
-  if ((flags & SQLITE_SHM_UNLOCK) && offset <= WAL_WRITE_LOCK && WAL_WRITE_LOCK < offset + n)
-    settle_before_unlock((gather_file_t *)f);
-  return RIO(f)->xShmLock(REAL(f), offset, n, flags);
+  gather_file_t *db = (gather_file_t *)f;
+  int write_lock = offset <= WAL_WRITE_LOCK && WAL_WRITE_LOCK < offset + n, rc;
+
+  if ((flags & SQLITE_SHM_UNLOCK) && write_lock)
+    settle_before_unlock(db);
+  rc = RIO(f)->xShmLock(REAL(f), offset, n, flags);
+  /* A write transaction begins: a checkpoint's sync since the last one
+   * (checkpoints run outside the write lock) does not stop gathering. */
+  if (rc == SQLITE_OK && (flags & SQLITE_SHM_LOCK) && write_lock && db->peer)
+    db->peer->synced = 0;
+  return rc;
 }
 
 static void g_shm_barrier(sqlite3_file *f) { RIO(f)->xShmBarrier(REAL(f)); }

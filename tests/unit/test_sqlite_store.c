@@ -300,13 +300,14 @@ static void test_vfs_drops_rolled_back_writes(void **state) {
  * release_writes(): failed (a full disk) while `writes_fail`, and
  * counted in `writes_seen`. */
 static int writes_fail, writes_seen;
+static off_t writes_limit; /* > 0: writes that reach past it fail too */
 static sqlite3_syscall_ptr real_pwrite, real_pwrite64;
 
 typedef ssize_t (*pwrite_fn)(int, const void *, size_t, off_t);
 
 static ssize_t watched(pwrite_fn real, int fd, const void *p, size_t n, off_t at) {
   writes_seen++;
-  if (writes_fail) {
+  if (writes_fail || (writes_limit > 0 && at + (off_t)n > writes_limit)) {
     errno = ENOSPC;
     return -1;
   }
@@ -340,6 +341,7 @@ static void release_writes(void) {
   sqlite3_vfs *unix_vfs = sqlite3_vfs_find("unix");
 
   writes_fail = 0;
+  writes_limit = 0;
   unix_vfs->xSetSystemCall(unix_vfs, "pwrite", NULL);
   unix_vfs->xSetSystemCall(unix_vfs, "pwrite64", NULL);
 }
@@ -376,6 +378,45 @@ static void test_vfs_failed_write_is_not_lost(void **state) {
   rc = (int)number(r, "SELECT count(*) FROM t WHERE ?1 IS NULL", NULL);
   if (rc != 0 && rc != 301)
     fail_msg("%d rows: the commit kept part of its transaction", rc);
+  sqlite3_close(r);
+  sqlite3_close(w);
+  remove_sqlite_files(path);
+}
+
+/* Without powersafe overwrite (a "psow=0" URI) SQLite pads a commit to a
+ * sector boundary: it syncs the WAL in the middle of the commit's last
+ * frame, writes the rest of that frame, and then publishes the commit.
+ * That last write must reach the file before the commit returns, and its
+ * failure fail the commit. Held until the write lock was given up (as
+ * once), its failure was dropped after the commit had returned OK: the
+ * row read back as NULL, and a checkpoint then corrupted the database. */
+static void test_vfs_write_after_sync(void **state) {
+  struct fixture *fx = *state;
+  char path[320], uri[400];
+  sqlite3 *w, *r;
+  int rc;
+
+  snprintf(path, sizeof path, "%s/psow.db", fx->dir);
+  snprintf(uri, sizeof uri, "file:%s?psow=0", path);
+  w = open_with(uri, "idem-gather");
+  exec_ok(w, "CREATE TABLE t (x TEXT NOT NULL); PRAGMA wal_checkpoint(TRUNCATE)");
+  /* The WAL starts again: its header and one frame end at 4,152 bytes; the
+   * commit syncs at 8,192, in its padding frame, and writes on to 8,272. */
+  intercept_writes(0);
+  writes_limit = 8192;
+  rc = sqlite3_exec(w, "INSERT INTO t VALUES ('committed')", NULL, NULL, NULL);
+  release_writes();
+  r = open_with(path, NULL);
+  assert_int_equal(broken(r), 0);
+  assert_int_equal(number(r, "SELECT count(*) FROM t WHERE x = 'committed'", NULL),
+                   rc == SQLITE_OK ? 1 : 0);
+  sqlite3_close(r);
+  if (rc == SQLITE_OK)
+    fail_msg("the commit succeeded although its last write failed");
+  exec_ok(w, "INSERT INTO t VALUES ('after'); PRAGMA wal_checkpoint(TRUNCATE)");
+  r = open_with(path, NULL);
+  assert_int_equal(broken(r), 0);
+  assert_int_equal(number(r, "SELECT count(*) FROM t WHERE x = 'after'", NULL), 1);
   sqlite3_close(r);
   sqlite3_close(w);
   remove_sqlite_files(path);
@@ -513,6 +554,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_vfs_reads_its_own_writes, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_drops_rolled_back_writes, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_failed_write_is_not_lost, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_vfs_write_after_sync, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_gathers_a_commit, setup, teardown),
       cmocka_unit_test_setup_teardown(test_answers_are_told_first, setup, teardown),
   };
