@@ -441,6 +441,28 @@ static int exec(sqlite3 *db, const char *sql) {
   return SQLITE_OK;
 }
 
+/* Puts db in WAL mode. SQLite answers a journal_mode it cannot set with
+ * the mode it kept, not an error: checked here, because the store counts
+ * on WAL (readers beside the writer, idem_store_local_reads()). */
+static int use_wal(sqlite3 *db) {
+  sqlite3_stmt *st = NULL;
+  int rc = sqlite3_prepare_v2(db, "PRAGMA journal_mode = WAL", -1, &st, NULL);
+  const char *mode;
+
+  if (rc == SQLITE_OK && (rc = sqlite3_step(st)) == SQLITE_ROW) {
+    mode = (const char *)sqlite3_column_text(st, 0);
+    rc = mode != NULL && sqlite3_stricmp(mode, "wal") == 0 ? SQLITE_OK : SQLITE_ERROR;
+    if (rc != SQLITE_OK)
+      idem__store_set_error("sqlite: the database stays in journal mode '%s', not WAL",
+                            mode ? mode : "?");
+  } else {
+    idem__store_set_error("sqlite journal_mode: %s (%d)", sqlite3_errmsg(db), rc);
+    rc = rc == SQLITE_OK || rc == SQLITE_DONE ? SQLITE_ERROR : rc;
+  }
+  sqlite3_finalize(st);
+  return rc;
+}
+
 static int conn_new(sqlite_store_t *s, struct conn **out) {
   struct conn *c = calloc(1, sizeof *c);
   int rc;
@@ -461,7 +483,7 @@ static int conn_new(sqlite_store_t *s, struct conn **out) {
   sqlite3_busy_timeout(c->db, s->busy_timeout_ms);
   /* WAL lets readers run beside the writer; FULL syncs the WAL on every
    * commit, so an acknowledged write survives power loss. */
-  if (exec(c->db, "PRAGMA journal_mode = WAL") != SQLITE_OK ||
+  if (use_wal(c->db) != SQLITE_OK ||
       exec(c->db, "PRAGMA synchronous = FULL") != SQLITE_OK ||
       exec(c->db, "PRAGMA foreign_keys = ON") != SQLITE_OK) {
     conn_free(c);

@@ -422,6 +422,21 @@ static void test_vfs_write_after_sync(void **state) {
   remove_sqlite_files(path);
 }
 
+/* A database that cannot be put in WAL mode (here an in-memory one, named
+ * by a URI) is refused when opened: SQLite answers such a journal_mode
+ * with the mode it kept, and the store would have run in it, its reads
+ * then waiting on the writer's locks. */
+static void test_wal_or_nothing(void **state) {
+  struct fixture *fx = *state;
+  char uri[400];
+  idem_store_t *store = NULL;
+
+  snprintf(uri, sizeof uri, "file:%s/mem.db?mode=memory&cache=shared", fx->dir);
+  assert_int_equal(idem_store_open(uri, NULL, &store), IDEM_ESTORE);
+  assert_null(store);
+  assert_non_null(strstr(idem_store_last_error(), "not WAL"));
+}
+
 /* The write calls of a commit of about 30 pages. */
 static int commit_writes(sqlite3 *db) {
   int n;
@@ -555,6 +570,7 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_vfs_drops_rolled_back_writes, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_failed_write_is_not_lost, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_write_after_sync, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_wal_or_nothing, setup, teardown),
       cmocka_unit_test_setup_teardown(test_vfs_gathers_a_commit, setup, teardown),
       cmocka_unit_test_setup_teardown(test_answers_are_told_first, setup, teardown),
   };
