@@ -288,6 +288,21 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
   return ret;
 }
 
+/* Whether the flow's last write was a first answer of its key: the
+ * completion, or a reservation that was all there was to do. */
+static int wrote_first_answer(const struct idemd_async_flow *af) {
+  return af->rc == IDEM_OK &&
+         (af->stage == COMPLETING ||
+          (af->stage == RESERVING && af->result == IDEM_RESERVE_WON && !af->e->execute));
+}
+
+int idemd_flow_outcome(const idemd_request_t *r) {
+  const struct idemd_async_flow *af = r->async;
+  if (af == NULL || !wrote_first_answer(af))
+    return OUTCOME_NONE;
+  return written_answer(af).state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_NEW;
+}
+
 void idemd_flow_orphan(idemd_request_t *r) {
   /* A payment's connection stays suspended from its reservation to its
    * completion (async_written), so a closed connection is only seen after
@@ -299,9 +314,7 @@ void idemd_flow_orphan(idemd_request_t *r) {
 
   if (af == NULL)
     return;
-  if (af->rc == IDEM_OK &&
-      (af->stage == COMPLETING ||
-       (af->stage == RESERVING && af->result == IDEM_RESERVE_WON && !af->e->execute))) {
+  if (wrote_first_answer(af)) {
     struct first_answer a = written_answer(af);
     remember_new(r, &af->scope, af->e->fingerprint, a.status, a.body, a.location,
                  a.state, a.expires_at);

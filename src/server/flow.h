@@ -44,4 +44,9 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r);
  * caller's to free. */
 void idemd_flow_orphan(idemd_request_t *r);
 
+/* For the log line and count of a request whose client left before its
+ * answer: OUTCOME_NEW or OUTCOME_PENDING when its flow wrote the first
+ * answer of its key (the effect happened), else OUTCOME_NONE. */
+int idemd_flow_outcome(const idemd_request_t *r);
+
 #endif

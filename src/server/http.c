@@ -473,8 +473,17 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   (void)conn;
   if (r == NULL)
     return;
-  if (!r->responded)
-    r->outcome = r->outcome ? r->outcome : OUTCOME_ERROR;
+  if (!r->responded) {
+    /* The client left first: what its request did, not the check it had
+     * passed (serve_create presumes "invalid" until the flow decides). */
+    int done = idemd_flow_outcome(r);
+    if (done != OUTCOME_NONE)
+      r->outcome = done;
+    else if (r->parked || r->inflight_deadline != 0)
+      r->outcome = OUTCOME_IN_FLIGHT;
+    else if (r->outcome == OUTCOME_NONE)
+      r->outcome = OUTCOME_ERROR;
+  }
   /* The client left (or we closed) before the whole answer went out. */
   r->aborted = toe != MHD_REQUEST_TERMINATED_COMPLETED_OK;
   if (r->response) { /* resumed, then closed before it was sent */

@@ -441,6 +441,87 @@ static void test_sigterm_lets_request_finish(void **state) {
   h_server_stop(s);
 }
 
+static void nap_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Sends `key`'s payment on a new connection with request id `rid`, and
+ * closes the connection after `ms`, before the answer. */
+static void post_and_leave(h_server_t *s, const char *tok, const char *key, const char *rid,
+                           int ms) {
+  char req[1024];
+  int fd = h_dial(s);
+  int n = snprintf(req, sizeof req,
+                   "POST /payments HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n"
+                   "Idempotency-Key: %s\r\nX-Request-Id: %s\r\n"
+                   "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n%s",
+                   tok, key, rid, strlen(PAYMENT), PAYMENT);
+  assert_true(n > 0 && (size_t)n < sizeof req);
+  assert_int_equal(send(fd, req, (size_t)n, MSG_NOSIGNAL), n);
+  nap_ms(ms);
+  close(fd);
+}
+
+/* The log line of `rid`, waited for up to 10 s (a request's line is
+ * written when its connection is done). Caller json_decref()s `*lines`. */
+static json_t *wait_line(h_server_t *s, const char *rid, json_t **lines) {
+  for (double deadline = h_now() + 10; h_now() < deadline; nap_ms(20)) {
+    size_t i;
+    json_t *l;
+    *lines = read_log(s);
+    json_array_foreach(*lines, i, l) {
+      const char *v = json_string_value(json_object_get(l, "request_id"));
+      if (v && strcmp(v, rid) == 0)
+        return l;
+    }
+    json_decref(*lines);
+  }
+  fail_msg("no log line for request %s", rid);
+  return NULL;
+}
+
+/* A client that leaves before its answer: its payment is made all the
+ * same (a retry replays it), and its log line and count say so ("new").
+ * A duplicate that was waiting on it and left too is logged as what it
+ * was ("in_flight", or "replay" if it was answered into the closed
+ * connection), not "invalid", which the check it had passed presumed. */
+static void test_client_leaves_before_answer(void **state) {
+  static const char *const flags[] = {"--sandbox-delay", "500ms", NULL};
+  h_server_t *s = h_server_start(flags);
+  const char *tok = h_tenant(s, "acme");
+  double before[NPAY_OUTCOMES], after[NPAY_OUTCOMES];
+  json_t *lines, *l;
+  const char *outcome;
+  h_resp_t r;
+  (void)state;
+
+  read_pay_counters(s, before);
+  post_and_leave(s, tok, "left-1", "req_left_first", 100);
+  post_and_leave(s, tok, "left-1", "req_left_dup", 100);
+  if (!h_db_wait(s, 10000,
+                 "SELECT count(*) FROM idempotency_records WHERE key = ?1 AND state = ?2",
+                 "left-1", "completed"))
+    fail_msg("the payment of a client that left was not completed");
+  l = wait_line(s, "req_left_first", &lines);
+  assert_string_equal(json_string_value(json_object_get(l, "outcome")), "new");
+  json_decref(lines);
+  l = wait_line(s, "req_left_dup", &lines);
+  outcome = json_string_value(json_object_get(l, "outcome"));
+  assert_non_null(outcome);
+  if (strcmp(outcome, "in_flight") != 0 && strcmp(outcome, "replay") != 0)
+    fail_msg("the duplicate that left was logged '%s'", outcome);
+  json_decref(lines);
+  read_pay_counters(s, after);
+  assert_true(after[0] - before[0] == 1); /* new */
+  assert_true(after[3] - before[3] == 0); /* invalid */
+  h_post(s, "/payments", tok, "left-1", PAYMENT, &r);
+  h_assert_status(&r, 201);
+  assert_string_equal(r.replayed, "true");
+  h_resp_free(&r);
+  h_server_stop(s);
+}
+
 /* One request of each outcome on POST /payments moves its own counter by
  * one and no other. */
 static void test_request_counters(void **state) {
@@ -1145,6 +1226,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_request_id, h_teardown),
       cmocka_unit_test_teardown(test_health_and_metrics, h_teardown),
       cmocka_unit_test_teardown(test_request_counters, h_teardown),
+      cmocka_unit_test_teardown(test_client_leaves_before_answer, h_teardown),
       cmocka_unit_test_teardown(test_sigterm_lets_request_finish, h_teardown),
       cmocka_unit_test_teardown(test_sigterm_drains_load, h_teardown),
       cmocka_unit_test_teardown(test_sweeper_deletes_only_expired, h_teardown),
