@@ -835,6 +835,45 @@ static void test_transport_rejections(void **state) {
   h_server_stop(s);
 }
 
+/* A NUL byte in a header is refused (400), nothing stored. libmicrohttpd
+ * hands header values on as C strings, so "abc<NUL>zzz" reached idemd as
+ * "abc": two different Idempotency-Key values named one key. idem's build
+ * of the library refuses the line (scripts/mhd-header-nul.patch); the
+ * system's library, which IDEM_TEST_SYSTEM_LIBS=1 tests with, does not. */
+static void test_nul_in_header(void **state) {
+  static const char nul_key[] = "abc\0zzz";
+  const char *patched = getenv("IDEM_TEST_MHD_PATCHED");
+  h_server_t *s;
+  const char *tok;
+  char req[1024];
+  size_t n;
+  h_resp_t r;
+  (void)state;
+
+  if (patched == NULL || strcmp(patched, "1") != 0)
+    skip();
+  s = h_server_start(NULL);
+  tok = h_tenant(s, "acme");
+  n = (size_t)snprintf(req, sizeof req,
+                       "POST /payments HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n"
+                       "Authorization: Bearer %s\r\nContent-Type: application/json\r\n"
+                       "Content-Length: %zu\r\nIdempotency-Key: ",
+                       tok, strlen(PAYMENT));
+  memcpy(req + n, nul_key, sizeof nul_key - 1); /* the NUL included */
+  n += sizeof nul_key - 1;
+  n += (size_t)snprintf(req + n, sizeof req - n, "\r\n\r\n%s", PAYMENT);
+  h_raw(s, req, n, &r);
+  h_assert_status(&r, 400);
+  h_resp_free(&r);
+  h_assert_db(s, 0, ALL_ROWS);
+  /* "abc" is a key of its own: a first payment, not a replay. */
+  h_post(s, "/payments", tok, "abc", PAYMENT, &r);
+  h_assert_first(&r, 201);
+  h_resp_free(&r);
+  h_assert_healthy(s);
+  h_server_stop(s);
+}
+
 /* SQL-looking keys and values are data: stored literally, tables intact. */
 static void test_sql_looking_input(void **state) {
   static const char *const keys[] = {
@@ -925,6 +964,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_check_order, h_teardown),
       cmocka_unit_test_teardown(test_transport_rejections, h_teardown),
       cmocka_unit_test_teardown(test_refusal_after_body, h_teardown),
+      cmocka_unit_test_teardown(test_nul_in_header, h_teardown),
       cmocka_unit_test_teardown(test_sql_looking_input, h_teardown),
   };
   char id256[257];
