@@ -14,23 +14,30 @@
 /* Whether the number token `tok` (`len` bytes) is beyond what the parser
  * holds: an integer outside 64 bits, or a real that overflows a double. */
 static int number_out_of_range(const char *tok, size_t len) {
-  char buf[64];
+  char small[64], *buf = small;
   int integer = memchr(tok, '.', len) == NULL && memchr(tok, 'e', len) == NULL &&
                 memchr(tok, 'E', len) == NULL;
   size_t digits = len - (tok[0] == '-');
+  int out;
 
   if (integer && digits > 40)
     return 1;
-  if (len >= sizeof buf) /* a long real: let the parser decide */
-    return 0;
+  /* A long real (a thousand digits before its point overflow a double
+   * too) is read whole: the parser would call it invalid JSON (400). */
+  if (len >= sizeof small && (buf = malloc(len + 1)) == NULL)
+    return 0; /* the parser decides */
   memcpy(buf, tok, len);
   buf[len] = '\0';
   errno = 0;
   if (integer) {
     (void)strtoll(buf, NULL, 10);
-    return errno == ERANGE;
+    out = errno == ERANGE;
+  } else {
+    out = isinf(strtod(buf, NULL));
   }
-  return isinf(strtod(buf, NULL));
+  if (buf != small)
+    free(buf);
+  return out;
 }
 
 /* One pass over the body's text, outside its strings. Sets *too_deep when

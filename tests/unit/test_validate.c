@@ -30,6 +30,10 @@ struct parse_case {
   int lossy;
 };
 
+#define ZEROS_10 "0000000000"
+#define ZEROS_100                                                                        \
+  ZEROS_10 ZEROS_10 ZEROS_10 ZEROS_10 ZEROS_10 ZEROS_10 ZEROS_10 ZEROS_10 ZEROS_10 ZEROS_10
+
 static const struct parse_case parse_cases[] = {
     {"object", "{\"amount\":1}", BODY_STRLEN, NULL, 0},
     {"empty object", "{}", BODY_STRLEN, NULL, 0},
@@ -49,6 +53,11 @@ static const struct parse_case parse_cases[] = {
     {"trailing NUL byte", "{\"amount\":1}\0", 13, MSG_JSON, 0},
     {"byte order mark", "\xef\xbb\xbf{}", BODY_STRLEN, MSG_JSON, 0},
     {"real overflow", "{\"amount\":1e400}", BODY_STRLEN, NULL, 1},
+    /* Past 64 characters a number is read whole too: the parser would call
+     * it invalid JSON (400), not a number out of range (422). */
+    {"long real overflow", "{\"amount\":1" ZEROS_100 ZEROS_100 ZEROS_100 ZEROS_100 ".5}",
+     BODY_STRLEN, NULL, 1},
+    {"long real in range", "{\"amount\":0." ZEROS_100 "1}", BODY_STRLEN, NULL, 0},
     {"array", "[{\"amount\":1}]", BODY_STRLEN, MSG_OBJECT, 0},
     {"empty array", "[]", BODY_STRLEN, MSG_OBJECT, 0},
     {"duplicate key", "{\"amount\":1,\"amount\":2}", BODY_STRLEN, MSG_DUP, 0},
