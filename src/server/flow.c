@@ -421,8 +421,10 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
         idem_complete_t c;
         execute(e, srv, &scope, &rec, &c);
         rc = idem_store_complete(srv->store, &c);
-        if (rc == IDEM_ELOST)
-          continue; /* our lease ran out and another owner took over */
+        if (rc == IDEM_ELOST) { /* our lease ran out and another owner took over */
+          idem_record_reset(&rec);
+          continue;
+        }
         idem_record_reset(&rec);
         if (rc != IDEM_OK)
           return idemd_reply_store_error(r, rc);

@@ -66,6 +66,7 @@ static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out) {
   idem_charge_result_t res = {0};
 
   (void)rec;
+  idem_settlement_free(&pc->settled); /* a second call, after a lost lease */
   pc->srv->provider->charge(pc->srv->provider, &c, &res);
   if (idem_payment_settle(&pc->payment, &res, 1, &pc->settled) != IDEM_OK) {
     /* Out of memory after the charge: leave the record pending for the
