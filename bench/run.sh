@@ -188,6 +188,7 @@ floor_run() {
   shift
   "$floor" --port 0 "$@" >"$run/floor.out" 2>"$run/floor.err" &
   fpid=$!
+  pids+=("$fpid")
   for _ in $(seq 100); do
     port=$(sed -nE 's/^listening on 127\.0\.0\.1:([0-9]+)$/\1/p' "$run/floor.out")
     [ -n "$port" ] && break

@@ -64,8 +64,10 @@ idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts);
 /* Creates a provider that talks HTTP to `base_url` ("http://host:port"):
  * POST /charges with an Idempotency-Key, GET /charges/{key}. Each call
  * gives up after `connect_timeout_ms` to connect and `timeout_ms` in all.
- * A refused or failed connection is NOT_SENT; a timeout, a 5xx or a lost
- * connection after the request went out is UNKNOWN. Returns NULL for a URL
+ * A call of which no byte went out (a refused or failed connection) is
+ * NOT_SENT; a timeout, a 5xx or a lost connection once any of it went out
+ * is UNKNOWN, even when libcurl's second try of a request that a kept-alive
+ * connection dropped is then refused. Returns NULL for a URL
  * that is not http(s):// or when out of memory. */
 idem_provider_t *idem_http_provider_new(const char *base_url,
                                         int64_t connect_timeout_ms,

@@ -298,9 +298,22 @@ static int wrote_first_answer(const struct idemd_async_flow *af) {
 
 int idemd_flow_outcome(const idemd_request_t *r) {
   const struct idemd_async_flow *af = r->async;
-  if (af == NULL || !wrote_first_answer(af))
+  if (af == NULL)
     return OUTCOME_NONE;
-  return written_answer(af).state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_NEW;
+  if (af->rc != IDEM_OK)
+    return OUTCOME_ERROR;
+  if (wrote_first_answer(af))
+    return written_answer(af).state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_NEW;
+  if (af->stage == RESERVING && af->result != IDEM_RESERVE_WON) {
+    /* The reservation found the key's record: what the flow would have
+     * made of it. */
+    if (strcmp(af->rec.fingerprint, af->e->fingerprint) != 0)
+      return OUTCOME_MISMATCH;
+    if (af->rec.state == IDEM_STATE_PROCESSING)
+      return OUTCOME_IN_FLIGHT;
+    return af->rec.state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_REPLAY;
+  }
+  return OUTCOME_NONE;
 }
 
 void idemd_flow_orphan(idemd_request_t *r) {
@@ -360,6 +373,9 @@ enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
   int prepared = e->prepare == NULL;
   int rc;
 
+  /* Past the checks: from here the flow says what the request did
+   * (serve_create presumed "invalid" until now). */
+  r->outcome = OUTCOME_NONE;
   if (answer_from_memory(r, &scope, e->fingerprint, &ret))
     return ret;
   /* In an event thread (may_block 0) the flow goes as far as it can

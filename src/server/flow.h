@@ -46,7 +46,10 @@ void idemd_flow_orphan(idemd_request_t *r);
 
 /* For the log line and count of a request whose client left before its
  * answer: OUTCOME_NEW or OUTCOME_PENDING when its flow wrote the first
- * answer of its key (the effect happened), else OUTCOME_NONE. */
+ * answer of its key (the effect happened); what it would have answered
+ * when its reservation found the key's record (replay, pending, mismatch,
+ * in flight); OUTCOME_ERROR when its last write failed; OUTCOME_NONE when
+ * it has no flow under way. */
 int idemd_flow_outcome(const idemd_request_t *r);
 
 #endif

@@ -35,11 +35,16 @@
 
 /* libmicrohttpd builds the answer's headers in the same per-connection
  * pool that held the request's, so the pool is --max-header-bytes plus
- * this, and the request's own limit is checked in on_headers(). With the
- * pool at the limit alone, headers a few hundred bytes short of it were
- * read and run (a payment made), and then left no room for the answer:
- * the connection closed unanswered, on every retry too. */
+ * this, and what the request's headers take of it is checked against the
+ * limit in headers_fit(). With the pool at the limit alone, headers a few
+ * hundred bytes short of it were read and run (a payment made), and then
+ * left no room for the answer: the connection closed unanswered, on every
+ * retry too. */
 #define ANSWER_ROOM 2048
+
+/* libmicrohttpd's record of one header, argument or cookie in the pool:
+ * its struct MHD_HTTP_Header (56 bytes) rounded to the pool's alignment. */
+#define MHD_RECORD_BYTES 64
 
 struct route_def {
   const char *prefix; /* exact path, or prefix of "/{id}" routes */
@@ -320,12 +325,29 @@ static int body_to_drain(struct MHD_Connection *conn, const char *version,
   return unasked && *declared > 0 && *declared <= DISCARD_LIMIT;
 }
 
+/* Whether what the request's line and headers take of libmicrohttpd's
+ * pool fits --max-header-bytes: their text, a record for each header,
+ * argument and cookie, and the copy it makes of a Cookie header. */
+static int headers_fit(const idemd_request_t *r) {
+  const union MHD_ConnectionInfo *info =
+      MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
+  int records = MHD_get_connection_values(
+      r->conn, MHD_HEADER_KIND | MHD_GET_ARGUMENT_KIND | MHD_COOKIE_KIND, NULL, NULL);
+  const char *cookie = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Cookie");
+  size_t used;
+
+  if (info == NULL)
+    return 1; /* asked before the headers were in: cannot happen here */
+  used = info->header_size + (size_t)(records > 0 ? records : 0) * MHD_RECORD_BYTES +
+         (cookie ? strlen(cookie) + 1 : 0);
+  return used <= (size_t)r->srv->cfg.max_header_bytes;
+}
+
 /* First call for a request: headers only. Decides at once when the path,
  * method, credentials or declared length already do; the answer goes out
  * now, or after the body when one follows (refuse()). */
 static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
                                   const char *version) {
-  const union MHD_ConnectionInfo *info;
   const struct route_def *d;
   uint64_t declared;
   int too_large, rc;
@@ -339,8 +361,7 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
     return idemd_reply_error(r, 503, "too many connections, retry later", &h);
   }
   r->drain = body_to_drain(r->conn, version, &declared);
-  info = MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
-  if (info != NULL && info->header_size > (size_t)r->srv->cfg.max_header_bytes)
+  if (!headers_fit(r))
     return refuse(r, 431, "request headers are too large", NULL);
   d = match_route(url, r->resource_id, sizeof r->resource_id);
   if (d == NULL)
@@ -474,8 +495,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   if (r == NULL)
     return;
   if (!r->responded) {
-    /* The client left first: what its request did, not the check it had
-     * passed (serve_create presumes "invalid" until the flow decides). */
+    /* The client left first: what its request did. */
     int done = idemd_flow_outcome(r);
     if (done != OUTCOME_NONE)
       r->outcome = done;

@@ -667,8 +667,9 @@ static void *dying_main(void *arg) {
  * record pending for the reconciler, never failed (a failed payment is
  * retried under a new payment id, which the provider would charge again). */
 static void test_crash_after_charge_on_kept_alive_connection(void **state) {
-  /* CLOEXEC: idemd, started after it, must not hold it open. */
-  struct dying_psp d = {.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  /* Static: its thread may outlive a failed assertion here. CLOEXEC:
+   * idemd, started after it, must not hold it open. */
+  static struct dying_psp d;
   struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t alen = sizeof a;
   char url[64];
@@ -680,6 +681,7 @@ static void test_crash_after_charge_on_kept_alive_connection(void **state) {
   char *id;
   (void)state;
 
+  d = (struct dying_psp){.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
   assert_true(d.lfd >= 0);
   assert_int_equal(bind(d.lfd, (struct sockaddr *)&a, sizeof a), 0);
   assert_int_equal(listen(d.lfd, 8), 0);

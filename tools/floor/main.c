@@ -25,6 +25,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -63,6 +64,7 @@ typedef struct floor {
   floor_req_t *head, *tail;
   bool stopping; /* a signal came: finish what is queued, then close */
   bool closed;   /* the writer has gone; requests are answered at once */
+  atomic_int open_requests; /* begun and not yet completed */
 } floor_t;
 
 static void usage(void) {
@@ -186,6 +188,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
     if ((r = calloc(1, sizeof *r)) == NULL) return MHD_NO;
     r->conn = conn;
     *ctx = r;
+    atomic_fetch_add(&f->open_requests, 1);
     work(f->event_work_us);
     return MHD_YES;
   }
@@ -205,9 +208,11 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn, const 
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **ctx,
                          enum MHD_RequestTerminationCode toe) {
-  (void)cls;
+  floor_t *f = cls;
   (void)conn;
   (void)toe;
+  if (*ctx != NULL)
+    atomic_fetch_sub(&f->open_requests, 1);
   free(*ctx);
   *ctx = NULL;
 }
@@ -271,8 +276,10 @@ int main(int argc, char **argv) {
   struct MHD_Daemon *d = MHD_start_daemon(
       MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ITC | MHD_ALLOW_SUSPEND_RESUME, 0,
       NULL, NULL, on_request, &f, MHD_OPTION_SOCK_ADDR, (struct sockaddr *)&addr,
-      MHD_OPTION_THREAD_POOL_SIZE, 1u, MHD_OPTION_NOTIFY_COMPLETED, on_completed, NULL,
-      MHD_OPTION_CONNECTION_TIMEOUT, 30u, MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)8192,
+      MHD_OPTION_THREAD_POOL_SIZE, 1u, MHD_OPTION_NOTIFY_COMPLETED, on_completed, &f,
+      MHD_OPTION_CONNECTION_TIMEOUT, 30u,
+      /* idemd's: --max-header-bytes (8 KiB) plus 2 KiB for the answer. */
+      MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)(8192 + 2048),
       MHD_OPTION_END);
   if (d == NULL) {
     fprintf(stderr, "idem-floor: cannot listen on 127.0.0.1:%ld\n", port);
@@ -295,6 +302,10 @@ int main(int argc, char **argv) {
     pthread_mutex_unlock(&f.mu);
     pthread_join(writer, NULL);
   }
+  /* The requests the writer resumed are answered by the event thread:
+   * stopping the daemon now would close their connections first. */
+  for (int waited = 0; atomic_load(&f.open_requests) > 0 && waited < 5000; waited++)
+    usleep(1000);
   MHD_stop_daemon(d);
   if (f.fd >= 0) {
     close(f.fd);
