@@ -35,15 +35,20 @@ typedef enum idem_client_outcome {
  *                       answer to the request sent again once its Location
  *                       said the outcome is known);
  * IDEM_CLIENT_REJECTED  an answer that retrying cannot change: any 4xx but
- *                       409 (402 declined, 422 invalid, ...), or a 1xx/3xx;
+ *                       408, 409 and 429 (402 declined, 422 invalid, ...),
+ *                       or a 1xx/3xx;
  * IDEM_CLIENT_GAVE_UP   attempts or time ran out while the answers were
- *                       connection errors, timeouts, 5xx or 409;
+ *                       connection errors, timeouts, 5xx, 408, 409 or 429;
  * IDEM_CLIENT_PENDING   attempts or time ran out while the request's last
  *                       answer was 202: the outcome is not known yet; send
  *                       it again later with the same key (result.key);
  * IDEM_CLIENT_FAILED    a failure on this side that retrying cannot fix (a
- *                       URL or scheme curl refuses, an answer over
- *                       max_response_bytes, out of memory); result.error. */
+ *                       URL or scheme curl refuses, a final answer over
+ *                       max_response_bytes, out of memory); result.error.
+ *                       For an answer over the cap, result.status is its
+ *                       status (a 201 means the request took effect) and
+ *                       result.body is NULL; one whose status is retried
+ *                       (5xx, a proxy's error page) is retried. */
 
 /* Returns a static text for `outcome` ("gave up"; "unknown outcome" for a
  * code outside the list). */
@@ -88,7 +93,7 @@ typedef struct idem_client_result {
 } idem_client_result_t;
 
 /* Sends `req` and retries it, the same method, URL, body and key, on
- * connection errors, timeouts, 5xx and 409, waiting as the answer's
+ * connection errors, timeouts, 5xx, 408, 409 and 429, waiting as the answer's
  * Retry-After says (seconds or an HTTP-date) or else a full-jitter backoff
  * (idem_client_backoff_ms), until `opts->max_attempts` sends or
  * `opts->max_time_ms` in all. Each exchange gets the smaller of
@@ -98,7 +103,9 @@ typedef struct idem_client_result {
  * scheme, host and port, since it gets the token) is read with GET, with
  * the same waits, until the resource is final (a 200/201 whose "status" is
  * not "pending", or a 402); then the request is sent once more under the
- * same key, which makes the server replay its stored final answer. A 202
+ * same key (if max_attempts allows: else the call ends PENDING), which
+ * makes the server replay its stored final answer. No wait follows the
+ * last attempt. A 202
  * without a usable Location, or a Location that answers anything else, is
  * met by sending the request again. Other 4xx answers are never retried.
  * `opts` NULL means the defaults.

@@ -276,10 +276,18 @@ static void exchange(call_t *c, const char *poll_url, answer_t *a) {
     }
   }
   a->rc = curl_easy_perform(h);
-  if (a->rc != CURLE_OK)
+  /* An answer over max_response_bytes has its status and headers still:
+   * whether it is final, and what the request did, are known. */
+  if (a->rc != CURLE_OK && !(a->rc == CURLE_WRITE_ERROR && a->body.over))
     return;
   curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &a->status);
   read_headers(c, a);
+}
+
+/* Whether another try may get another answer: 409 (the request is still in
+ * flight), 408 and 429 (the server or a proxy asks for later), and 5xx. */
+static int status_is_retried(long status) {
+  return status == 408 || status == 409 || status == 429 || status >= 500;
 }
 
 /* Failures that another attempt cannot fix. */
@@ -323,19 +331,32 @@ typedef enum step {
 static step_t after_send(call_t *c, answer_t *a) {
   idem_client_result_t *out = c->out;
 
-  if (a->rc != CURLE_OK) {
+  if (a->rc != CURLE_OK && a->status == 0) {
     note_transport_error(c, a);
     if (!transport_is_final(a))
       return STEP_RETRY;
     out->outcome = IDEM_CLIENT_FAILED;
     return STEP_DONE;
   }
+  /* An answer, whole or over the cap: it is the request's last status. */
   free(out->body);
   out->status = a->status;
+  out->body = NULL;
+  out->body_len = 0;
+  out->error[0] = '\0';
+  if (a->rc != CURLE_OK) { /* over max_response_bytes: no body kept */
+    note_transport_error(c, a);
+    if (status_is_retried(a->status))
+      return STEP_RETRY;
+    if (a->status == 202 && a->location[0])
+      return STEP_POLL;
+    out->outcome = IDEM_CLIENT_FAILED;
+    return STEP_DONE;
+  }
   out->body = a->body.data;
   out->body_len = a->body.len;
   a->body.data = NULL;
-  if (a->status == 409 || a->status >= 500)
+  if (status_is_retried(a->status))
     return STEP_RETRY;
   if (a->status == 202)
     return a->location[0] ? STEP_POLL : STEP_RETRY;
@@ -355,6 +376,8 @@ static int still_pending(const answer_t *a) {
 
 /* An answer to a GET of the Location. */
 static step_t after_poll(call_t *c, const answer_t *a) {
+  if (a->rc == CURLE_WRITE_ERROR && a->body.over && status_is_retried(a->status))
+    return STEP_POLL; /* a proxy's error page, say */
   if (a->rc != CURLE_OK) {
     note_transport_error(c, a);
     if (!transport_is_final(a))
@@ -362,7 +385,7 @@ static step_t after_poll(call_t *c, const answer_t *a) {
     c->out->outcome = IDEM_CLIENT_FAILED;
     return STEP_DONE;
   }
-  if (a->status == 202 || a->status == 409 || a->status >= 500)
+  if (a->status == 202 || status_is_retried(a->status))
     return STEP_POLL;
   if (a->status == 402)
     return STEP_RESEND;
@@ -391,7 +414,7 @@ static int wait_before(call_t *c, const answer_t *a, int n) {
       rnd = UINT64_MAX; /* no randomness: some wait within bounds still */
     delay = idem_client_backoff_ms(&c->opts, n, rnd);
   }
-  if (idem_mono_ms() + delay >= c->deadline)
+  if (delay >= c->deadline - idem_mono_ms())
     return 0;
   nap_ms(delay);
   return 1;
@@ -427,6 +450,11 @@ static void run(call_t *c) {
     if (step == STEP_DONE) {
       free(a.body.data);
       return;
+    }
+    /* No wait for a send that will not come: out of attempts. */
+    if (step == STEP_RETRY && out->attempts >= c->opts.max_attempts) {
+      free(a.body.data);
+      break;
     }
     if (step != STEP_RESEND &&
         !wait_before(c, &a, polling ? out->polls : out->attempts - 1)) {
@@ -541,7 +569,9 @@ int idem_client_request(const idem_client_request_t *req, const idem_client_opts
     rc = IDEM_ENOMEM;
     memset(out, 0, sizeof *out);
   } else {
-    c.deadline = idem_mono_ms() + c.opts.max_time_ms;
+    int64_t now = idem_mono_ms();
+    /* INT64_MAX, say, for no limit: the deadline saturates. */
+    c.deadline = c.opts.max_time_ms > INT64_MAX - now ? INT64_MAX : now + c.opts.max_time_ms;
     run(&c);
   }
   curl_easy_cleanup(c.h);

@@ -43,12 +43,13 @@ static const char usage_text[] =
     "\n"
     "exit status:\n"
     "  0  a 2xx answer (202 excepted)\n"
-    "  1  a local failure: an answer over 1 MiB, out of memory, no randomness\n"
+    "  1  a local failure: a final answer over 1 MiB (STATUS is its status:\n"
+    "     a 201 took effect), out of memory, no randomness\n"
     "  2  bad usage (also a URL that is not http:// or https://, a bad key)\n"
-    "  3  an answer that retrying cannot change: a 4xx other than 409\n"
-    "     (402 declined, 422 invalid, 401, ...), or a 1xx/3xx\n"
+    "  3  an answer that retrying cannot change: a 4xx other than 408, 409\n"
+    "     and 429 (402 declined, 422 invalid, 401, ...), or a 1xx/3xx\n"
     "  4  gave up: attempts or time ran out on connection errors, timeouts,\n"
-    "     5xx or 409; the outcome is unknown: retry with the same --key\n"
+    "     5xx, 408, 409 or 429; the outcome is unknown: retry with the same --key\n"
     "  5  still pending: the last answer was 202 when the time ran out;\n"
     "     retry later with the same --key\n";
 

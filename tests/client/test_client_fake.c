@@ -4,6 +4,7 @@
  * a 202 is followed, and the `idem` command's output and exit status. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -448,6 +449,102 @@ static void test_api_answer_too_large(void **state) {
   ct_fake_stop(f);
 }
 
+/* An answer over max_response_bytes still has its status: a 5xx one (a
+ * proxy's error page, say) is retried like any 5xx, and a final one is
+ * reported with its own status, not the one an earlier attempt got (a 201
+ * over the cap says the payment was made). */
+static void test_api_large_answer_keeps_status(void **state) {
+  static char big[4096];
+  ct_reply_t retried[2], final[2];
+  ct_fake_t *f;
+  char url[128];
+  idem_client_request_t req = {.method = "POST", .body = BODY};
+  idem_client_opts_t o;
+  idem_client_result_t res;
+  (void)state;
+
+  memset(big, 'x', sizeof big - 1);
+  idem_client_opts_default(&o);
+  o.max_response_bytes = 1000;
+  o.base_delay_ms = 1;
+
+  retried[0] = (ct_reply_t){503, NULL, big, 0};
+  retried[1] = (ct_reply_t){201, NULL, PAY_OK, 0};
+  f = ct_fake_start(retried, 2);
+  url_of(f, "/payments", url, sizeof url);
+  req.url = url;
+  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
+  assert_int_equal(res.status, 201);
+  assert_int_equal(res.attempts, 2);
+  assert_string_equal(res.error, "");
+  idem_client_result_free(&res);
+  ct_fake_stop(f);
+
+  final[0] = (ct_reply_t){503, NULL, "{}", 0};
+  final[1] = (ct_reply_t){201, NULL, big, 0};
+  f = ct_fake_start(final, 2);
+  url_of(f, "/payments", url, sizeof url);
+  req.url = url;
+  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  assert_int_equal(res.outcome, IDEM_CLIENT_FAILED);
+  assert_int_equal(res.status, 201);
+  assert_null(res.body);
+  assert_int_equal(res.attempts, 2);
+  assert_non_null(strstr(res.error, "larger than 1000 bytes"));
+  idem_client_result_free(&res);
+  ct_fake_stop(f);
+}
+
+/* 429 and 408 ask for later: retried (as the answer's Retry-After says),
+ * under the same key. */
+static void test_api_429_and_408_retried(void **state) {
+  static const int statuses[] = {429, 408};
+  (void)state;
+  for (size_t i = 0; i < sizeof statuses / sizeof *statuses; i++) {
+    const ct_reply_t script[] = {
+        {statuses[i], "Retry-After: 0\r\n", "{\"error\":\"later\"}", 0},
+        {201, NULL, PAY_OK, 0},
+    };
+    ct_fake_t *f = ct_fake_start(script, 2);
+    char url[128];
+    idem_client_request_t req = {.method = "POST", .body = BODY};
+    idem_client_result_t res;
+
+    url_of(f, "/payments", url, sizeof url);
+    req.url = url;
+    assert_int_equal(idem_client_request(&req, NULL, &res), IDEM_OK);
+    assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
+    assert_int_equal(res.status, 201);
+    assert_int_equal(res.attempts, 2);
+    assert_int_equal(assert_all_with_key(f, NULL, res.key), 2);
+    idem_client_result_free(&res);
+    ct_fake_stop(f);
+  }
+}
+
+/* No time limit, said as INT64_MAX: one attempt, answered (the deadline
+ * once overflowed, and the call gave up before sending anything). */
+static void test_api_no_time_limit(void **state) {
+  static const ct_reply_t script[] = {{201, NULL, PAY_OK, 0}};
+  ct_fake_t *f = ct_fake_start(script, 1);
+  char url[128];
+  idem_client_request_t req = {.method = "POST", .body = BODY};
+  idem_client_opts_t o;
+  idem_client_result_t res;
+  (void)state;
+
+  idem_client_opts_default(&o);
+  o.max_time_ms = INT64_MAX;
+  url_of(f, "/payments", url, sizeof url);
+  req.url = url;
+  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
+  assert_int_equal(res.attempts, 1);
+  idem_client_result_free(&res);
+  ct_fake_stop(f);
+}
+
 /* --key is sent as given; the token comes from IDEM_TOKEN, and --token
  * takes precedence over it. */
 static void test_cli_key_and_token_sources(void **state) {
@@ -568,6 +665,9 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_409_retry_after_then_201),
       cmocka_unit_test(test_4xx_not_retried),
+      cmocka_unit_test(test_api_large_answer_keeps_status),
+      cmocka_unit_test(test_api_429_and_408_retried),
+      cmocka_unit_test(test_api_no_time_limit),
       cmocka_unit_test(test_202_followed_until_final),
       cmocka_unit_test(test_202_still_pending_at_time_limit),
       cmocka_unit_test(test_gives_up_after_max_attempts),
