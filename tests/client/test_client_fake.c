@@ -422,13 +422,26 @@ static void test_api_retry_after_http_date(void **state) {
   ct_fake_stop(f);
 }
 
+/* Starts the fake with `script` and makes one library call of BODY to its
+ * /payments with `o` (NULL: the defaults). Returns the fake, to check and
+ * stop; `res` is the caller's to free. */
+static ct_fake_t *api_call(const ct_reply_t *script, int n, const idem_client_opts_t *o,
+                           idem_client_result_t *res) {
+  ct_fake_t *f = ct_fake_start(script, n);
+  char url[128];
+  idem_client_request_t req = {.method = "POST", .body = BODY};
+
+  url_of(f, "/payments", url, sizeof url);
+  req.url = url;
+  assert_int_equal(idem_client_request(&req, o, res), IDEM_OK);
+  return f;
+}
+
 /* An answer over max_response_bytes is a local failure, not retried. */
 static void test_api_answer_too_large(void **state) {
   static char big[4096];
   ct_reply_t script[2];
   ct_fake_t *f;
-  char url[128];
-  idem_client_request_t req = {.method = "POST", .body = BODY};
   idem_client_opts_t o;
   idem_client_result_t res;
   (void)state;
@@ -436,12 +449,9 @@ static void test_api_answer_too_large(void **state) {
   memset(big, 'x', sizeof big - 1);
   script[0] = (ct_reply_t){201, NULL, big, 0};
   script[1] = (ct_reply_t){201, NULL, PAY_OK, 0};
-  f = ct_fake_start(script, 2);
   idem_client_opts_default(&o);
   o.max_response_bytes = 1000;
-  url_of(f, "/payments", url, sizeof url);
-  req.url = url;
-  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  f = api_call(script, 2, &o, &res);
   assert_int_equal(res.outcome, IDEM_CLIENT_FAILED);
   assert_int_equal(res.attempts, 1);
   assert_non_null(strstr(res.error, "larger than 1000 bytes"));
@@ -457,8 +467,6 @@ static void test_api_large_answer_keeps_status(void **state) {
   static char big[4096];
   ct_reply_t retried[2], final[2];
   ct_fake_t *f;
-  char url[128];
-  idem_client_request_t req = {.method = "POST", .body = BODY};
   idem_client_opts_t o;
   idem_client_result_t res;
   (void)state;
@@ -470,10 +478,7 @@ static void test_api_large_answer_keeps_status(void **state) {
 
   retried[0] = (ct_reply_t){503, NULL, big, 0};
   retried[1] = (ct_reply_t){201, NULL, PAY_OK, 0};
-  f = ct_fake_start(retried, 2);
-  url_of(f, "/payments", url, sizeof url);
-  req.url = url;
-  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  f = api_call(retried, 2, &o, &res);
   assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
   assert_int_equal(res.status, 201);
   assert_int_equal(res.attempts, 2);
@@ -483,10 +488,7 @@ static void test_api_large_answer_keeps_status(void **state) {
 
   final[0] = (ct_reply_t){503, NULL, "{}", 0};
   final[1] = (ct_reply_t){201, NULL, big, 0};
-  f = ct_fake_start(final, 2);
-  url_of(f, "/payments", url, sizeof url);
-  req.url = url;
-  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  f = api_call(final, 2, &o, &res);
   assert_int_equal(res.outcome, IDEM_CLIENT_FAILED);
   assert_int_equal(res.status, 201);
   assert_null(res.body);
@@ -506,14 +508,9 @@ static void test_api_429_and_408_retried(void **state) {
         {statuses[i], "Retry-After: 0\r\n", "{\"error\":\"later\"}", 0},
         {201, NULL, PAY_OK, 0},
     };
-    ct_fake_t *f = ct_fake_start(script, 2);
-    char url[128];
-    idem_client_request_t req = {.method = "POST", .body = BODY};
     idem_client_result_t res;
+    ct_fake_t *f = api_call(script, 2, NULL, &res);
 
-    url_of(f, "/payments", url, sizeof url);
-    req.url = url;
-    assert_int_equal(idem_client_request(&req, NULL, &res), IDEM_OK);
     assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
     assert_int_equal(res.status, 201);
     assert_int_equal(res.attempts, 2);
@@ -527,18 +524,14 @@ static void test_api_429_and_408_retried(void **state) {
  * once overflowed, and the call gave up before sending anything). */
 static void test_api_no_time_limit(void **state) {
   static const ct_reply_t script[] = {{201, NULL, PAY_OK, 0}};
-  ct_fake_t *f = ct_fake_start(script, 1);
-  char url[128];
-  idem_client_request_t req = {.method = "POST", .body = BODY};
   idem_client_opts_t o;
   idem_client_result_t res;
+  ct_fake_t *f;
   (void)state;
 
   idem_client_opts_default(&o);
   o.max_time_ms = INT64_MAX;
-  url_of(f, "/payments", url, sizeof url);
-  req.url = url;
-  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  f = api_call(script, 1, &o, &res);
   assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
   assert_int_equal(res.attempts, 1);
   idem_client_result_free(&res);
