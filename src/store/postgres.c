@@ -281,9 +281,19 @@ static int conn_new(pg_store_t *s, struct conn **out) {
   return IDEM_OK;
 }
 
+/* Whether an idle pooled connection has anything to read. It should not:
+ * pooled connections never LISTEN. A server that shut down sent each of
+ * them a FATAL message and closed it; reading that message alone left
+ * libpq's status OK (the close shows only on the next read), and the
+ * connection failed the request it was given (a 503). */
+static int idle_conn_readable(PGconn *pg) {
+  struct pollfd p = {.fd = PQsocket(pg), .events = POLLIN};
+  return p.fd < 0 || poll(&p, 1, 0) != 0;
+}
+
 /* Takes a pooled connection, or opens one. A server that restarted closed
- * our idle connections; reading what is pending (without blocking) notices
- * that, and such connections are dropped instead of failing a request. */
+ * our idle connections: a connection with anything to read (that close,
+ * or the message before it) is dropped instead of failing a request. */
 static int conn_get(pg_store_t *s, struct conn **out) {
   for (;;) {
     pthread_mutex_lock(&s->pool_lock);
@@ -293,7 +303,7 @@ static int conn_get(pg_store_t *s, struct conn **out) {
     pthread_mutex_unlock(&s->pool_lock);
     if (*out == NULL)
       return conn_new(s, out);
-    if (PQconsumeInput((*out)->pg) && PQstatus((*out)->pg) == CONNECTION_OK)
+    if (PQstatus((*out)->pg) == CONNECTION_OK && !idle_conn_readable((*out)->pg))
       return IDEM_OK;
     conn_free(*out);
   }
@@ -865,6 +875,17 @@ static void wake_from_payload(pg_store_t *s, char *payload) {
 /* The listener: LISTEN on its own connection and relay notifications.
  * After losing the connection it reconnects with backoff and wakes every
  * waiter, since notifications sent meanwhile were lost. */
+/* Closes a listening connection that failed, and waits before the next
+ * try (doubling up to 2 s), waking early when the store stops. */
+static void listen_retry_later(pg_store_t *s, PGconn *pg, int *backoff_ms) {
+  PQfinish(pg);
+  for (int waited = 0; waited < *backoff_ms && !atomic_load(&s->stopping); waited += 50) {
+    struct timespec ts = {0, 50 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  *backoff_ms = *backoff_ms < 2000 ? *backoff_ms * 2 : 2000;
+}
+
 static void *listen_loop(void *arg) {
   pg_store_t *s = arg;
   int backoff_ms = 100;
@@ -873,15 +894,18 @@ static void *listen_loop(void *arg) {
     PGconn *pg = PQconnectdb(s->url);
     PGresult *res;
     if (PQstatus(pg) != CONNECTION_OK) {
-      PQfinish(pg);
-      for (int waited = 0; waited < backoff_ms && !atomic_load(&s->stopping); waited += 50) {
-        struct timespec ts = {0, 50 * 1000000L};
-        nanosleep(&ts, NULL);
-      }
-      backoff_ms = backoff_ms < 2000 ? backoff_ms * 2 : 2000;
+      listen_retry_later(s, pg, &backoff_ms);
       continue;
     }
+    /* The server's messages (a FATAL at its shutdown) stay off stderr,
+     * which is the request log, as for the pool's connections. */
+    PQsetNoticeProcessor(pg, quiet, NULL);
     res = PQexec(pg, "LISTEN " NOTIFY_CHANNEL);
+    if (PQresultStatus(res) != PGRES_COMMAND_OK) { /* no wake-ups: try again */
+      PQclear(res);
+      listen_retry_later(s, pg, &backoff_ms);
+      continue;
+    }
     PQclear(res);
     backoff_ms = 100;
     idem__waitset_wake_all(s->base.waits);

@@ -461,6 +461,76 @@ static void test_database_restart_under_load(void **state) {
   h_server_stop(s); /* and it exits 0 */
 }
 
+/* One payment per thread, all at once, to fill idemd's pool of database
+ * connections. */
+struct warm {
+  h_server_t *s;
+  const char *tok;
+  char key[32];
+  long status;
+  pthread_t thread;
+};
+
+static void *warm_one(void *arg) {
+  struct warm *w = arg;
+  h_resp_t r;
+  h_post(w->s, "/payments", w->tok, w->key, "{\"amount\": 100, \"currency\": \"BRL\"}", &r);
+  w->status = r.status;
+  h_resp_free(&r);
+  return NULL;
+}
+
+/* The database restarts while idemd is idle: its pooled connections were
+ * closed by the server (each after a FATAL message), and none of them may
+ * fail the request it is next given. The first /healthz after the restart
+ * is 200, and a payment for each connection the pool held is 201. (Reading
+ * the FATAL message alone left libpq's status OK, and each pooled
+ * connection answered one request 503.) */
+static void test_restart_while_idle(void **state) {
+  enum { WARM = 8 };
+  h_server_t *s = h_server_start(NULL);
+  const char *tok = h_tenant(s, "acme");
+  struct warm w[WARM];
+  char key[32];
+  h_resp_t r;
+  (void)state;
+
+  for (int i = 0; i < WARM; i++) {
+    w[i] = (struct warm){.s = s, .tok = tok};
+    snprintf(w[i].key, sizeof w[i].key, "warm-%d", i);
+    assert_int_equal(pthread_create(&w[i].thread, NULL, warm_one, &w[i]), 0);
+  }
+  for (int i = 0; i < WARM; i++) {
+    pthread_join(w[i].thread, NULL);
+    assert_int_equal(w[i].status, 201);
+  }
+  pg_cluster("stop");
+  pg_cluster("start");
+  assert_health(s, 200, "first, after the restart");
+  for (int i = 0; i < WARM; i++) {
+    snprintf(key, sizeof key, "after-%d", i);
+    h_context("payment %d after the restart", i);
+    h_post(s, "/payments", tok, key, "{\"amount\": 100, \"currency\": \"BRL\"}", &r);
+    h_assert_first(&r, 201);
+    h_resp_free(&r);
+  }
+  h_context_clear();
+  h_server_stop(s);
+  /* The server's FATAL at its shutdown did not reach the log as raw text:
+   * every line is still a JSON object. */
+  {
+    char *text = h_read_file(s->log, NULL), *save = NULL;
+    assert_non_null(text);
+    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+      json_t *l = json_loads(line, 0, NULL);
+      if (!json_is_object(l))
+        fail_msg("a log line that is not JSON: %.200s", line);
+      json_decref(l);
+    }
+    free(text);
+  }
+}
+
 /* The load threads are joined on every path (a failed assertion jumps
  * here with them still running). */
 static int teardown(void **state) {
@@ -479,6 +549,7 @@ static int teardown(void **state) {
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_database_restart_under_load, teardown),
+      cmocka_unit_test_teardown(test_restart_while_idle, h_teardown),
   };
   int rc;
   h_init(argc, argv);
