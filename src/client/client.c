@@ -348,8 +348,8 @@ static step_t after_send(call_t *c, answer_t *a) {
     note_transport_error(c, a);
     if (status_is_retried(a->status))
       return STEP_RETRY;
-    if (a->status == 202 && a->location[0])
-      return STEP_POLL;
+    if (a->status == 202) /* as a 202 of any size: poll, or send again */
+      return a->location[0] ? STEP_POLL : STEP_RETRY;
     out->outcome = IDEM_CLIENT_FAILED;
     return STEP_DONE;
   }
@@ -376,8 +376,15 @@ static int still_pending(const answer_t *a) {
 
 /* An answer to a GET of the Location. */
 static step_t after_poll(call_t *c, const answer_t *a) {
-  if (a->rc == CURLE_WRITE_ERROR && a->body.over && status_is_retried(a->status))
-    return STEP_POLL; /* a proxy's error page, say */
+  if (a->rc == CURLE_WRITE_ERROR && a->body.over) {
+    /* Over the cap, its body unread: poll again while it says to wait
+     * (a proxy's error page, say), else ask the request itself, whose
+     * answer is the one reported. */
+    note_transport_error(c, a);
+    return a->status == 202 || status_is_retried(a->status) ? STEP_POLL : STEP_RETRY;
+  }
+  if (a->rc == CURLE_OK)
+    c->out->error[0] = '\0';
   if (a->rc != CURLE_OK) {
     note_transport_error(c, a);
     if (!transport_is_final(a))

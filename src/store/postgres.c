@@ -288,7 +288,7 @@ static int conn_new(pg_store_t *s, struct conn **out) {
  * connection failed the request it was given (a 503). */
 static int idle_conn_readable(PGconn *pg) {
   struct pollfd p = {.fd = PQsocket(pg), .events = POLLIN};
-  return p.fd < 0 || poll(&p, 1, 0) != 0;
+  return p.fd < 0 || poll(&p, 1, 0) > 0;
 }
 
 /* Takes a pooled connection, or opens one. A server that restarted closed

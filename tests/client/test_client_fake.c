@@ -498,6 +498,44 @@ static void test_api_large_answer_keeps_status(void **state) {
   ct_fake_stop(f);
 }
 
+/* Over the cap while following a 202: a poll answer too large to read
+ * sends the request again, whose own answer is the one reported; a 202
+ * too large to read, without a Location, is sent again as any 202 is. */
+static void test_api_large_answer_while_pending(void **state) {
+  static char big[4096];
+  ct_reply_t poll_big[3], pending_big[2];
+  idem_client_opts_t o;
+  idem_client_result_t res;
+  ct_fake_t *f;
+  (void)state;
+
+  memset(big, 'x', sizeof big - 1);
+  idem_client_opts_default(&o);
+  o.max_response_bytes = 1000;
+  o.base_delay_ms = 1;
+
+  poll_big[0] = (ct_reply_t){202, "Location: /payments/pay_1\r\n", PAY_PENDING, 0};
+  poll_big[1] = (ct_reply_t){200, NULL, big, 0};
+  poll_big[2] = (ct_reply_t){201, NULL, PAY_OK, 0};
+  f = api_call(poll_big, 3, &o, &res);
+  assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
+  assert_int_equal(res.status, 201);
+  assert_int_equal(res.attempts, 2);
+  assert_int_equal(res.polls, 1);
+  assert_string_equal(res.error, "");
+  idem_client_result_free(&res);
+  ct_fake_stop(f);
+
+  pending_big[0] = (ct_reply_t){202, NULL, big, 0};
+  pending_big[1] = (ct_reply_t){201, NULL, PAY_OK, 0};
+  f = api_call(pending_big, 2, &o, &res);
+  assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
+  assert_int_equal(res.status, 201);
+  assert_int_equal(res.attempts, 2);
+  idem_client_result_free(&res);
+  ct_fake_stop(f);
+}
+
 /* 429 and 408 ask for later: retried (as the answer's Retry-After says),
  * under the same key. */
 static void test_api_429_and_408_retried(void **state) {
@@ -659,6 +697,7 @@ int main(void) {
       cmocka_unit_test(test_409_retry_after_then_201),
       cmocka_unit_test(test_4xx_not_retried),
       cmocka_unit_test(test_api_large_answer_keeps_status),
+      cmocka_unit_test(test_api_large_answer_while_pending),
       cmocka_unit_test(test_api_429_and_408_retried),
       cmocka_unit_test(test_api_no_time_limit),
       cmocka_unit_test(test_202_followed_until_final),

@@ -500,10 +500,10 @@ static void test_restart_while_idle(void **state) {
     snprintf(w[i].key, sizeof w[i].key, "warm-%d", i);
     assert_int_equal(pthread_create(&w[i].thread, NULL, warm_one, &w[i]), 0);
   }
-  for (int i = 0; i < WARM; i++) {
+  for (int i = 0; i < WARM; i++) /* all joined before any assertion */
     pthread_join(w[i].thread, NULL);
+  for (int i = 0; i < WARM; i++)
     assert_int_equal(w[i].status, 201);
-  }
   pg_cluster("stop");
   pg_cluster("start");
   assert_health(s, 200, "first, after the restart");
