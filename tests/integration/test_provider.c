@@ -604,7 +604,7 @@ struct dying_psp {
 
 /* Reads one request (headers and Content-Length body) from fd within 10 s;
  * its Idempotency-Key into key. 0 on success. */
-static int dying_read(int fd, char *key, size_t keylen) {
+static int dying_read(int fd, char key[128]) {
   char buf[8192];
   size_t len = 0;
   for (double deadline = h_now() + 10; h_now() < deadline;) {
@@ -627,7 +627,6 @@ static int dying_read(int fd, char *key, size_t keylen) {
     key[0] = '\0';
     if (k != NULL)
       sscanf(k + 18, " %127[^\r\n]", key);
-    (void)keylen;
     return 0;
   }
   return -1;
@@ -645,7 +644,7 @@ static void *dying_main(void *arg) {
   if (poll(&pfd, 1, 10000) != 1 || (fd = accept4(d->lfd, NULL, NULL, SOCK_CLOEXEC)) < 0)
     return NULL;
   for (;;) {
-    if (dying_read(fd, key, sizeof key) != 0)
+    if (dying_read(fd, key) != 0)
       break;
     if (++d->requests == 1) {
       if (send(fd, answer, sizeof answer - 1, MSG_NOSIGNAL) != (ssize_t)sizeof answer - 1)

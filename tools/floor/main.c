@@ -90,16 +90,21 @@ static void work(long us) {
   } while ((b.tv_sec - a.tv_sec) * 1000000L + (b.tv_nsec - a.tv_nsec) / 1000 < us);
 }
 
+/* Puts r at the end of the writer's queue; f->mu held. */
+static void append(floor_t *f, floor_req_t *r) {
+  r->next = NULL;
+  if (f->tail) f->tail->next = r;
+  else f->head = r;
+  f->tail = r;
+}
+
 /* Queues r for the writer. False when the writer has gone (stopping). */
 static bool enqueue(floor_t *f, floor_req_t *r) {
   bool ok;
   pthread_mutex_lock(&f->mu);
   ok = !f->closed;
   if (ok) {
-    r->next = NULL;
-    if (f->tail) f->tail->next = r;
-    else f->head = r;
-    f->tail = r;
+    append(f, r);
     pthread_cond_signal(&f->cv);
   }
   pthread_mutex_unlock(&f->mu);
@@ -146,10 +151,7 @@ static void *writer_main(void *arg) {
         /* Its next commit: the one after this (as a payment's completion
          * joins the commit after its reservation's). */
         pthread_mutex_lock(&f->mu);
-        r->next = NULL;
-        if (f->tail) f->tail->next = r;
-        else f->head = r;
-        f->tail = r;
+        append(f, r);
         pthread_mutex_unlock(&f->mu);
       } else {
         MHD_resume_connection(r->conn);
