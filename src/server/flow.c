@@ -1,4 +1,7 @@
-/* The idempotent request flow (SPEC section 2). */
+/* The idempotent request flow: libidem's engine decides (idem_decide(),
+ * idem_engine_begin()); this file maps its decisions to HTTP answers, and
+ * runs a request in an event thread without a waiting thread where the
+ * store allows it. */
 #include "server/flow.h"
 
 #include <stddef.h>
@@ -6,6 +9,7 @@
 #include <string.h>
 
 #include "idem/clock.h"
+#include "idem/engine.h"
 #include "server/replay_cache.h"
 #include "server/reply.h"
 
@@ -86,20 +90,79 @@ static int answer_from_memory(idemd_request_t *r, const idem_scope_t *scope,
 }
 
 /* Step 2 of a multi-step operation, once its key is won: the effect's
- * call, outside any transaction. `c` gets the completion that records its
- * outcome as the owner of `rec`. */
-static void execute(const idemd_effect_t *e, idemd_server_t *srv,
-                    const idem_scope_t *scope, const idem_record_t *rec,
-                    idem_complete_t *c) {
-  idem_outcome_t out = {0};
+ * call, outside any transaction, with `out` the outcome it gives. */
+static void execute(const idemd_effect_t *e, const idem_record_t *rec,
+                    idem_outcome_t *out) {
+  memset(out, 0, sizeof *out);
   if (!e->execute_never_waits) /* a provider call: a worker waits on it */
     idemd_workers_wait_begin();
-  e->execute(e->ctx, rec, &out);
+  e->execute(e->ctx, rec, out);
   if (!e->execute_never_waits)
     idemd_workers_wait_end();
-  *c = (idem_complete_t){.scope = *scope, .owner_token = rec->owner_token,
-                         .now_ms = idem_now_ms(), .ttl_ms = srv->cfg.key_ttl_ms,
-                         .outcome = out, .row = rec->row};
+}
+
+/* The completion of the won record `rec` with `out`, for the store's
+ * asynchronous form (the engine makes the same one in
+ * idem_engine_complete()). */
+static idem_complete_t completion(const idemd_server_t *srv, const idem_scope_t *scope,
+                                  const idem_record_t *rec, const idem_outcome_t *out) {
+  return (idem_complete_t){.scope = *scope, .owner_token = rec->owner_token,
+                           .now_ms = idem_now_ms(), .ttl_ms = srv->cfg.key_ttl_ms,
+                           .outcome = *out, .row = rec->row};
+}
+
+/* The answer of a request refused because its original is still in
+ * flight at the bound of its wait. */
+static enum MHD_Result in_flight(idemd_request_t *r) {
+  idemd_reply_headers_t h = {.retry_after = 1};
+  atomic_fetch_add_explicit(&r->srv->metrics.inflight_timeouts, 1, memory_order_relaxed);
+  r->outcome = OUTCOME_IN_FLIGHT;
+  return idemd_reply_error(
+      r, 409, "a request with this Idempotency-Key is still being processed", &h);
+}
+
+/* The engine's decision as an HTTP answer, for a decision that ends the
+ * request: REPLAY and PENDING answer the stored response of `rec`,
+ * EXECUTE the first answer a single step wrote with its reservation. */
+static enum MHD_Result answer(idemd_request_t *r, const idem_scope_t *scope,
+                              const idemd_effect_t *e, idem_decision_t d,
+                              const idem_record_t *rec) {
+  switch (d) {
+  case IDEM_DECIDE_EXECUTE:
+    return answer_new(r, scope, e->fingerprint, rec->response_status, rec->response_body,
+                      rec->location, rec->state, rec->expires_at);
+  case IDEM_DECIDE_REPLAY:
+    return replay(r, scope, rec, OUTCOME_REPLAY);
+  case IDEM_DECIDE_PENDING:
+    return replay(r, scope, rec, OUTCOME_PENDING);
+  case IDEM_DECIDE_MISMATCH:
+    return mismatch(r);
+  case IDEM_DECIDE_IN_FLIGHT:
+    return in_flight(r);
+  case IDEM_DECIDE_RESERVE:
+    break;
+  }
+  return idemd_reply_store_error(r, IDEM_ETIMEDOUT);
+}
+
+/* What the log says of a request whose reservation found the key's record
+ * (`d` decided on it), when the client left before its answer. */
+static idemd_outcome_t outcome_of(idem_decision_t d) {
+  switch (d) {
+  case IDEM_DECIDE_EXECUTE:
+    return OUTCOME_NEW;
+  case IDEM_DECIDE_REPLAY:
+    return OUTCOME_REPLAY;
+  case IDEM_DECIDE_PENDING:
+    return OUTCOME_PENDING;
+  case IDEM_DECIDE_MISMATCH:
+    return OUTCOME_MISMATCH;
+  case IDEM_DECIDE_IN_FLIGHT:
+    return OUTCOME_IN_FLIGHT;
+  case IDEM_DECIDE_RESERVE:
+    break;
+  }
+  return OUTCOME_NONE;
 }
 
 /* The reservation of `scope` for request `r`, now. */
@@ -224,7 +287,10 @@ static void execute_then_complete(struct idemd_async_flow *af) {
   idemd_request_t *r = af->r;
   int rc;
 
-  execute(af->e, r->srv, &af->scope, &af->rec, &af->done);
+  idem_outcome_t out;
+
+  execute(af->e, &af->rec, &out);
+  af->done = completion(r->srv, &af->scope, &af->rec, &out);
   af->stage = COMPLETING;
   rc = idem_store_complete_async(r->srv->store, &af->done, async_written, af);
   if (rc != IDEM_OK)
@@ -235,6 +301,9 @@ static void async_execute(idemd_work_t *w) {
   idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
   execute_then_complete(r->async);
 }
+
+static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effect_t *e,
+                                           const idem_scope_t *scope);
 
 enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
   struct idemd_async_flow *af = r->async;
@@ -253,27 +322,38 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
       async_end(af);
     return MHD_YES;
   }
-  if (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON &&
-      r->reruns < 3) {
-    /* Another request won the key first: the flow again from the start,
-     * here, finds its record (a replay, a 422, or a wait parked on it).
-     * Bounded, in case reads and the reservation keep disagreeing. */
+  if (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON) {
+    /* Another request holds the key: the reservation reported its
+     * record, and the engine's table says what to answer. A record in
+     * flight needs a wait from a fresh read (its ticket taken first), and
+     * one freed in between (expired, failed) another reservation: the
+     * flow goes on from the read, here, a bounded number of times. */
+    idem_decision_t d = idem_decide(&af->rec, e->fingerprint, af->req.now_ms);
+    idem_scope_t scope = af->scope;
     idemd_server_t *srv = r->srv;
-    r->reruns++;
-    /* Counted through the rerun, which may suspend it again: the stop
-     * must not see 0 in between (af still counts here, so it cannot). */
-    atomic_fetch_add(&srv->async_pending, 1);
-    async_end(af);
-    ret = idemd_rerun(r);
-    idemd_pending_leave(srv);
-    return ret;
+
+    if (d != IDEM_DECIDE_IN_FLIGHT && d != IDEM_DECIDE_RESERVE) {
+      ret = answer(r, &scope, e, d, &af->rec);
+      async_end(af);
+      return ret;
+    }
+    if (r->reruns++ < 3) {
+      /* Counted through what follows, which may suspend it again: the
+       * stop must not see 0 in between (af still counts here, so it
+       * cannot). */
+      atomic_fetch_add(&srv->async_pending, 1);
+      async_end(af);
+      ret = run_in_event_thread(r, e, &scope);
+      idemd_pending_leave(srv);
+      return ret;
+    }
   }
   if (af->rc == IDEM_ELOST || af->rc == IDEM_ENOTSUP ||
       (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON)) {
     /* Our lease ran out and another request took the key over (or the
-     * store has no asynchronous writes, or the reruns above did not
-     * settle): the whole flow, which waits, replays or reports, in a
-     * worker. */
+     * store has no asynchronous writes, or the reads and reservations
+     * above did not settle): the whole flow, which waits, replays or
+     * reports, in a worker. */
     async_end(af);
     return idemd_defer(r);
   }
@@ -304,15 +384,8 @@ int idemd_flow_outcome(const idemd_request_t *r) {
     return OUTCOME_ERROR;
   if (wrote_first_answer(af))
     return written_answer(af).state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_NEW;
-  if (af->stage == RESERVING && af->result != IDEM_RESERVE_WON) {
-    /* The reservation found the key's record: what the flow would have
-     * made of it. */
-    if (strcmp(af->rec.fingerprint, af->e->fingerprint) != 0)
-      return OUTCOME_MISMATCH;
-    if (af->rec.state == IDEM_STATE_PROCESSING)
-      return OUTCOME_IN_FLIGHT;
-    return af->rec.state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_REPLAY;
-  }
+  if (af->stage == RESERVING && af->result != IDEM_RESERVE_WON)
+    return outcome_of(idem_decide(&af->rec, af->e->fingerprint, af->req.now_ms));
   return OUTCOME_NONE;
 }
 
@@ -365,137 +438,141 @@ static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
   return 0;
 }
 
-enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
+/* In an event thread, which must not wait: the flow as far as it goes
+ * without waiting, on a store whose reads are local (else all of it in a
+ * worker). A key that memory does not know, seen here for the first time,
+ * is most likely new: its reservation is queued without a read (the read
+ * cost a new key 13 us of CPU, docs/performance.md, "No read before a new
+ * key's reservation (SQLite)"); the reservation reports any record there
+ * is, changing nothing, and idemd_flow_resumed() answers from it. Later
+ * passes read the record first (r->looked_up). A duplicate in flight is
+ * parked on its key, holding no thread. */
+static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effect_t *e,
+                                           const idem_scope_t *scope) {
   idemd_server_t *srv = r->srv;
-  idem_scope_t scope = {r->tenant.id, e->operation, r->key};
+  idem_record_t rec = {0};
+  idem_decision_t d = IDEM_DECIDE_RESERVE;
+  uint64_t ticket;
+  enum MHD_Result ret;
+  int rc;
+
+  if (!idem_store_local_reads(srv->store))
+    return idemd_defer(r);
+  /* Taken before the read, so a completion just after it wakes the park. */
+  ticket = idem_store_watch(srv->store, scope);
+  if (r->looked_up) {
+    int64_t now = idem_now_ms();
+    rc = idem_store_lookup(srv->store, scope, now, &rec);
+    if (rc == IDEM_OK)
+      d = idem_decide(&rec, e->fingerprint, now);
+    else if (rc != IDEM_ENOTFOUND)
+      return idemd_reply_store_error(r, rc);
+  }
+  r->looked_up = 1;
+  switch (d) {
+  case IDEM_DECIDE_RESERVE: /* a write, and maybe a provider call, follow */
+    idem_record_reset(&rec);
+    if (e->prepare && (rc = e->prepare(e->ctx)) != IDEM_OK)
+      return idemd_reply_store_error(r, rc);
+    if (reserve_async(r, e, scope) == 0)
+      return MHD_YES;
+    return idemd_defer(r);
+  case IDEM_DECIDE_IN_FLIGHT:
+    idem_record_reset(&rec);
+    /* The wait is bounded from the first time this request found the
+     * key held, across parks and hand-overs. */
+    if (r->inflight_deadline == 0)
+      r->inflight_deadline = idem_mono_ms() + srv->cfg.inflight_wait_ms;
+    if (r->inflight_deadline - idem_mono_ms() <= 0 || atomic_load(&srv->draining))
+      return in_flight(r);
+    return idemd_park(r, scope, ticket); /* until it changes, or the bound */
+  default:
+    ret = answer(r, scope, e, d, &rec);
+    idem_record_reset(&rec);
+    return ret;
+  }
+}
+
+static void on_wait(void *arg, int waiting) {
+  (void)arg;
+  if (waiting)
+    idemd_workers_wait_begin();
+  else
+    idemd_workers_wait_end();
+}
+
+idem_engine_t *idemd_flow_engine(idemd_server_t *srv) {
+  idem_engine_config_t cfg = {.lease_ms = srv->cfg.lease_ms,
+                              .ttl_ms = srv->cfg.key_ttl_ms,
+                              .inflight_wait_ms = srv->cfg.inflight_wait_ms > 0
+                                                      ? srv->cfg.inflight_wait_ms
+                                                      : -1,
+                              .on_wait = on_wait};
+  idem_engine_t *engine = NULL;
+  return idem_engine_new(srv->store, &cfg, &engine) == IDEM_OK ? engine : NULL;
+}
+
+/* In a worker, which may wait: the engine decides, waiting for a
+ * duplicate in flight; a won key is executed and completed here. */
+static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e,
+                                     const idem_scope_t *scope) {
+  idemd_server_t *srv = r->srv;
+  idem_begin_t b = {.scope = *scope,
+                    .fingerprint = e->fingerprint,
+                    .correlation_id = r->request_id,
+                    .resource = e->resource,
+                    .enqueue_outbox = e->enqueue_outbox,
+                    .outcome = e->outcome,
+                    .prepare = e->prepare,
+                    .arg = e->ctx,
+                    .wait_until_ms = r->inflight_deadline};
   idem_record_t rec = {0};
   enum MHD_Result ret;
-  int prepared = e->prepare == NULL;
-  int rc;
+
+  /* Bounded: a completion loses its lease only when the execution outlived
+   * it and another owner took the record over; decided again, it is
+   * answered from that owner's work. */
+  for (int pass = 0; pass < 1000; pass++) {
+    idem_decision_t d;
+    idem_outcome_t out;
+    int64_t expires_at;
+    int rc = idem_engine_begin(srv->engine, &b, &rec, &d);
+
+    r->inflight_deadline = b.wait_until_ms;
+    if (rc != IDEM_OK) {
+      idem_record_reset(&rec);
+      return idemd_reply_store_error(r, rc);
+    }
+    b.prepare = NULL; /* prepared once, whatever follows */
+    if (d != IDEM_DECIDE_EXECUTE || !e->execute) {
+      ret = answer(r, scope, e, d, &rec);
+      idem_record_reset(&rec);
+      return ret;
+    }
+    execute(e, &rec, &out);
+    /* Not later than the store's: memory must not replay a record the
+     * store has let expire. */
+    expires_at = idem_now_ms() + srv->cfg.key_ttl_ms;
+    rc = idem_engine_complete(srv->engine, &rec, &out);
+    idem_record_reset(&rec);
+    if (rc == IDEM_ELOST) /* our lease ran out and another owner took over */
+      continue;
+    if (rc != IDEM_OK)
+      return idemd_reply_store_error(r, rc);
+    return answer_new(r, scope, e->fingerprint, out.status, out.body, out.location,
+                      out.state, expires_at);
+  }
+  return idemd_reply_store_error(r, IDEM_ETIMEDOUT);
+}
+
+enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
+  idem_scope_t scope = {r->tenant.id, e->operation, r->key};
+  enum MHD_Result ret;
 
   /* Past the checks: from here the flow says what the request did
    * (serve_create presumed "invalid" until now). */
   r->outcome = OUTCOME_NONE;
   if (answer_from_memory(r, &scope, e->fingerprint, &ret))
     return ret;
-  /* In an event thread (may_block 0) the flow goes as far as it can
-   * without waiting: memory, then local reads. Anything that waits is
-   * deferred to a worker, which runs the request again from the start. */
-  if (!r->may_block && !idem_store_local_reads(srv->store))
-    return idemd_defer(r);
-
-  /* Bounded: each pass either answers, waits for a change, or follows a
-   * record that changed hands; a handful of passes is plenty. */
-  for (int pass = 0; pass < 1000; pass++) {
-    uint64_t ticket = idem_store_watch(srv->store, &scope);
-    idem_reserve_result_t result = IDEM_RESERVE_EXISTS;
-
-    /* Fast path: a completed key is answered from a read, without taking
-     * the write lock. The reservation below is still the only way in.
-     * A key that memory does not know, seen here for the first time by an
-     * event thread, is most likely new: its reservation is queued without
-     * that read. The reservation finds any record there is (and reports
-     * it, changing nothing), and the flow then runs again and reads it
-     * (looked_up is set). The read cost a new key 13 us of CPU (77 -> 64
-     * us per payment, docs/performance.md); a replay that memory misses,
-     * a duplicate in flight or a mismatch pays a trip through the writer
-     * instead, without a sync, as nothing is written. */
-    if (!r->may_block && !r->looked_up) {
-      r->looked_up = 1;
-      rc = IDEM_ENOTFOUND;
-    } else {
-      rc = idem_store_lookup(srv->store, &scope, idem_now_ms(), &rec);
-    }
-    if (rc == IDEM_ENOTFOUND ||
-        (rc == IDEM_OK && rec.state == IDEM_STATE_FAILED &&
-         strcmp(rec.fingerprint, e->fingerprint) == 0)) {
-      if (!r->may_block) { /* a write, and maybe a provider call, follow */
-        idem_record_reset(&rec);
-        if (!prepared && (rc = e->prepare(e->ctx)) != IDEM_OK)
-          return idemd_reply_store_error(r, rc);
-        if (reserve_async(r, e, &scope) == 0)
-          return MHD_YES;
-        return idemd_defer(r);
-      }
-      if (!prepared) {
-        if ((rc = e->prepare(e->ctx)) != IDEM_OK) {
-          idem_record_reset(&rec);
-          return idemd_reply_store_error(r, rc);
-        }
-        prepared = 1;
-      }
-      idem_reserve_t req = reserve_request(r, e, &scope);
-      rc = idem_store_reserve(srv->store, &req, &rec, &result);
-    }
-    if (rc != IDEM_OK) {
-      idem_record_reset(&rec);
-      return idemd_reply_store_error(r, rc);
-    }
-
-    if (result == IDEM_RESERVE_WON) {
-      if (e->execute) {
-        idem_complete_t c;
-        execute(e, srv, &scope, &rec, &c);
-        rc = idem_store_complete(srv->store, &c);
-        if (rc == IDEM_ELOST) { /* our lease ran out and another owner took over */
-          idem_record_reset(&rec);
-          continue;
-        }
-        idem_record_reset(&rec);
-        if (rc != IDEM_OK)
-          return idemd_reply_store_error(r, rc);
-        return answer_new(r, &scope, e->fingerprint, c.outcome.status, c.outcome.body,
-                          c.outcome.location, c.outcome.state, c.now_ms + c.ttl_ms);
-      }
-      ret = answer_new(r, &scope, e->fingerprint, rec.response_status,
-                       rec.response_body, rec.location, rec.state, rec.expires_at);
-      idem_record_reset(&rec);
-      return ret;
-    }
-
-    /* The key is held by an earlier request. */
-    if (strcmp(rec.fingerprint, e->fingerprint) != 0) {
-      idem_record_reset(&rec);
-      return mismatch(r);
-    }
-    switch (rec.state) {
-    case IDEM_STATE_COMPLETED:
-      ret = replay(r, &scope, &rec, OUTCOME_REPLAY);
-      idem_record_reset(&rec);
-      return ret;
-    case IDEM_STATE_PENDING:
-      ret = replay(r, &scope, &rec, OUTCOME_PENDING);
-      idem_record_reset(&rec);
-      return ret;
-    case IDEM_STATE_PROCESSING: {
-      int64_t left;
-      idem_record_reset(&rec);
-      /* The wait is bounded from the first time this request found the
-       * key held, across parks and hand-overs. */
-      if (r->inflight_deadline == 0)
-        r->inflight_deadline = idem_mono_ms() + srv->cfg.inflight_wait_ms;
-      left = r->inflight_deadline - idem_mono_ms();
-      if (left <= 0 || (!r->may_block && atomic_load(&srv->draining))) {
-        idemd_reply_headers_t h = {.retry_after = 1};
-        atomic_fetch_add_explicit(&srv->metrics.inflight_timeouts, 1,
-                                  memory_order_relaxed);
-        r->outcome = OUTCOME_IN_FLIGHT;
-        return idemd_reply_error(
-            r, 409, "a request with this Idempotency-Key is still being processed",
-            &h);
-      }
-      if (!r->may_block) /* no thread waits: parked until it changes */
-        return idemd_park(r, &scope, ticket);
-      idemd_workers_wait_begin();
-      (void)idem_store_wait(srv->store, &scope, ticket, left);
-      idemd_workers_wait_end();
-      continue;
-    }
-    default:
-      /* failed with our fingerprint: the next pass takes it over */
-      idem_record_reset(&rec);
-      continue;
-    }
-  }
-  return idemd_reply_store_error(r, IDEM_ETIMEDOUT);
+  return r->may_block ? run_in_worker(r, e, &scope) : run_in_event_thread(r, e, &scope);
 }

@@ -1,10 +1,12 @@
-/* The idempotent request flow shared by every creating route: find or
- * reserve the key, execute once, complete, and answer; or replay, report a
- * mismatch, wait (bounded) for an in-flight original, or report pending.
- * The rows of the SPEC section 2 table live here and nowhere else. */
+/* The idempotent request flow shared by every creating route: libidem's
+ * engine decides (include/idem/engine.h: execute once, replay, mismatch,
+ * wait for an in-flight original, pending) and this maps each decision
+ * to its HTTP answer. The rows of the table live in idem_decide() and
+ * nowhere else. */
 #ifndef IDEMD_FLOW_H
 #define IDEMD_FLOW_H
 
+#include "idem/engine.h"
 #include "server/server.h"
 
 typedef struct idemd_effect {
@@ -29,6 +31,10 @@ typedef struct idemd_effect {
   int execute_never_waits;
   void *ctx;
 } idemd_effect_t;
+
+/* The engine idemd's workers decide with, over srv->store with srv->cfg's
+ * lease, TTL and in-flight wait. NULL when out of memory. */
+idem_engine_t *idemd_flow_engine(idemd_server_t *srv);
 
 /* Runs `e` for request `r` (authenticated, key parsed) and sends the
  * answer. Exactly one of `e->outcome` and `e->execute` is set. */

@@ -32,7 +32,8 @@ static void order_call_free(void *call) {
 }
 
 /* Gives the order its id and body: only when the key is to be reserved,
- * so replays skip it. */
+ * so replays skip it. Called again when a reservation lost its race and
+ * the key was free again by the next one: a new id and body. */
 static int prepare(void *ctx) {
   order_call_t *oc = ctx;
   char token[25], created_at[32];
@@ -48,6 +49,7 @@ static int prepare(void *ctx) {
   memcpy(oc->location, "/orders/", 8);
   memcpy(oc->location + 8, oc->id, 4 + sizeof token);
   idem_format_time(now, created_at, sizeof created_at);
+  free(oc->text);
   oc->text = idemd_order_json(oc->cmd, oc->id, oc->total, created_at);
   if (oc->text == NULL)
     return IDEM_ENOMEM;

@@ -37,7 +37,8 @@ static void payment_call_free(void *call) {
 }
 
 /* Gives the payment its id and its pending body: only when the key is to
- * be reserved, so replays skip it. */
+ * be reserved, so replays skip it. Called again when a reservation lost
+ * its race and the key was free again by the next one: a new id and body. */
 static int prepare(void *ctx) {
   payment_call_t *pc = ctx;
   idem_payment_t *p = &pc->payment;
@@ -50,6 +51,7 @@ static int prepare(void *ctx) {
   memcpy(p->id, "pay_", 4);
   memcpy(p->id + 4, token, sizeof token); /* 24 characters and the NUL */
   idem_format_time(now, p->created_at, sizeof p->created_at);
+  free(pc->pending_body);
   if ((pc->pending_body = idem_payment_json(p, "pending", NULL)) == NULL)
     return IDEM_ENOMEM;
   pc->resource = (idem_resource_t){.kind = "payment", .id = p->id,

@@ -7,6 +7,7 @@
 
 #include "idem/crypto.h"
 #include "server/commands.h"
+#include "server/flow.h"
 #include "server/log.h"
 #include "server/replay_cache.h"
 #include "server/server.h"
@@ -89,6 +90,10 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
     fprintf(stderr, "idemd: cannot prepare the key-id HMAC\n");
     goto close_store;
   }
+  if ((srv->engine = idemd_flow_engine(srv)) == NULL) {
+    fprintf(stderr, "idemd: out of memory\n");
+    goto close_store;
+  }
   /* NULL when sized 0: every replay then reads the store. */
   srv->replays = idemd_replay_cache_new((size_t)cfg->replay_cache_bytes);
   if ((srv->provider = open_provider(cfg)) == NULL) {
@@ -132,6 +137,7 @@ stop_http:
 close_provider:
   srv->provider->close(srv->provider);
 close_store:
+  idem_engine_free(srv->engine);
   idemd_replay_cache_free(srv->replays);
   idem_hmac_free(srv->key_id_mac);
   idem_store_close(srv->store);
@@ -147,6 +153,7 @@ void idemd_server_stop(idemd_server_t *srv) {
   idemd_sweeper_stop(srv);
   idem_reconciler_stop(srv->reconciler);
   srv->provider->close(srv->provider);
+  idem_engine_free(srv->engine);
   idemd_replay_cache_free(srv->replays);
   idem_hmac_free(srv->key_id_mac);
   idem_store_close(srv->store);

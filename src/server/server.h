@@ -22,6 +22,7 @@
 typedef struct idemd_server {
   idemd_config_t cfg;
   idem_store_t *store;
+  struct idem_engine *engine; /* decides keyed requests over `store` */
   idem_provider_t *provider;
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
   idem_hmac_t *key_id_mac;      /* that key, prepared */
