@@ -183,13 +183,13 @@ static idem_reserve_t reserve_request(const idemd_request_t *r, const idemd_effe
  * asynchronous writes (SQLite). The event thread queues the reservation
  * and suspends the request. The store's writer calls back
  * (async_written): a won single-step operation is resumed and answered
- * by its event thread (idemd_flow_resumed); a won payment goes on to its
+ * by its event thread (resumed()); a won payment goes on to its
  * provider call, made on the writer for a provider that never waits or
  * by a worker otherwise, and its completion is queued the same way; the
- * request is resumed once that is written. Anything else (the key held
- * by another request, a lease lost) is resumed at once and its event
- * thread reruns the flow, or hands it to a worker, which runs it again
- * from the start through idemd_flow_run(). */
+ * request is resumed once that is written. Anything else is resumed at
+ * once: a key another request finished is answered from the record the
+ * reservation reported; one in flight is read again and parked; a lease
+ * lost goes to a worker, which decides again (go_on()). */
 enum async_stage { RESERVING, EXECUTING, COMPLETING };
 
 struct idemd_async_flow {
@@ -226,6 +226,8 @@ static void async_end(struct idemd_async_flow *af) {
   idem_record_reset(&af->rec);
   free(af->detail);
   r->async = NULL;
+  r->resume = NULL;
+  r->on_close = NULL;
   free(af);
   idemd_pending_leave(srv);
 }
@@ -258,7 +260,7 @@ static void async_execute(idemd_work_t *w);
  * handed to a worker. Either way the event thread is not woken between
  * the two writes: a payment costs it one suspend and resume, not two
  * (docs/performance.md). When the workers are stopping, the request goes
- * back to its event thread, which answers it (idemd_flow_resumed). */
+ * back to its event thread, which answers it (resumed()). */
 static void async_written(void *arg, int rc) {
   struct idemd_async_flow *af = arg;
   idemd_request_t *r = af->r;
@@ -304,8 +306,11 @@ static void async_execute(idemd_work_t *w) {
 
 static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effect_t *e,
                                            const idem_scope_t *scope);
+static enum MHD_Result go_on(idemd_request_t *r);
 
-enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
+/* The step after an asynchronous write, in the event thread, once the
+ * request is resumed (r->resume). */
+static enum MHD_Result resumed(idemd_request_t *r) {
   struct idemd_async_flow *af = r->async;
   const idemd_effect_t *e = af->e;
   enum MHD_Result ret;
@@ -355,7 +360,7 @@ enum MHD_Result idemd_flow_resumed(idemd_request_t *r) {
      * above did not settle): the whole flow, which waits, replays or
      * reports, in a worker. */
     async_end(af);
-    return idemd_defer(r);
+    return idemd_defer(r, go_on);
   }
   if (af->rc != IDEM_OK) {
     ret = idemd_reply_store_failure(r, af->rc, af->detail);
@@ -376,10 +381,12 @@ static int wrote_first_answer(const struct idemd_async_flow *af) {
           (af->stage == RESERVING && af->result == IDEM_RESERVE_WON && !af->e->execute));
 }
 
-int idemd_flow_outcome(const idemd_request_t *r) {
-  const struct idemd_async_flow *af = r->async;
-  if (af == NULL)
-    return OUTCOME_NONE;
+/* What a request whose client left before its answer did: OUTCOME_NEW
+ * or OUTCOME_PENDING when its flow wrote the first answer of its key
+ * (the effect happened); what it would have answered when its
+ * reservation found the key's record (replay, pending, mismatch, in
+ * flight); OUTCOME_ERROR when its last write failed. */
+static int outcome_so_far(const struct idemd_async_flow *af) {
   if (af->rc != IDEM_OK)
     return OUTCOME_ERROR;
   if (wrote_first_answer(af))
@@ -389,23 +396,28 @@ int idemd_flow_outcome(const idemd_request_t *r) {
   return OUTCOME_NONE;
 }
 
-void idemd_flow_orphan(idemd_request_t *r) {
-  /* A payment's connection stays suspended from its reservation to its
-   * completion (async_written), so a closed connection is only seen after
-   * the last write, or after a reservation whose call no worker would
-   * take (idemd is stopping: the reconciler takes the record over when
-   * its lease ends). What was written stays; a completed first answer is
-   * still remembered, for the client's retry. */
+/* r->on_close, for a request whose connection closed while its flow was
+ * between two steps (resumed, before its event thread went on: the client
+ * left). A payment's connection stays suspended from its reservation to
+ * its completion (async_written), so a closed connection is only seen
+ * after the last write, or after a reservation whose call no worker would
+ * take (idemd is stopping: the reconciler takes the record over when its
+ * lease ends). What was written stays; a completed first answer is still
+ * remembered, for the client's retry. */
+static int closed(idemd_request_t *r) {
   struct idemd_async_flow *af = r->async;
+  int outcome;
 
   if (af == NULL)
-    return;
+    return OUTCOME_NONE;
+  outcome = outcome_so_far(af);
   if (wrote_first_answer(af)) {
     struct first_answer a = written_answer(af);
     remember_new(r, &af->scope, af->e->fingerprint, a.status, a.body, a.location,
                  a.state, a.expires_at);
   }
   async_end(af);
+  return outcome;
 }
 
 /* From the event thread, for a key to be reserved (prepared already):
@@ -430,6 +442,8 @@ static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
   af->scope = *scope;
   af->req = reserve_request(r, e, &af->scope);
   r->async = af;
+  r->resume = resumed;
+  r->on_close = closed;
   idemd_suspend(r);
   rc = idem_store_reserve_async(srv->store, &af->req, &af->rec, &af->result,
                                 async_written, af);
@@ -444,7 +458,7 @@ static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
  * is most likely new: its reservation is queued without a read (the read
  * cost a new key 13 us of CPU, docs/performance.md, "No read before a new
  * key's reservation (SQLite)"); the reservation reports any record there
- * is, changing nothing, and idemd_flow_resumed() answers from it. Later
+ * is, changing nothing, and resumed() answers from it. Later
  * passes read the record first (r->looked_up). A duplicate in flight is
  * parked on its key, holding no thread. */
 static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effect_t *e,
@@ -457,7 +471,7 @@ static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effec
   int rc;
 
   if (!idem_store_local_reads(srv->store))
-    return idemd_defer(r);
+    return idemd_defer(r, go_on);
   /* Taken before the read, so a completion just after it wakes the park. */
   ticket = idem_store_watch(srv->store, scope);
   if (r->looked_up) {
@@ -476,7 +490,7 @@ static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effec
       return idemd_reply_store_error(r, rc);
     if (reserve_async(r, e, scope) == 0)
       return MHD_YES;
-    return idemd_defer(r);
+    return idemd_defer(r, go_on);
   case IDEM_DECIDE_IN_FLIGHT:
     idem_record_reset(&rec);
     /* The wait is bounded from the first time this request found the
@@ -485,7 +499,7 @@ static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effec
       r->inflight_deadline = idem_mono_ms() + srv->cfg.inflight_wait_ms;
     if (r->inflight_deadline - idem_mono_ms() <= 0 || atomic_load(&srv->draining))
       return in_flight(r);
-    return idemd_park(r, scope, ticket); /* until it changes, or the bound */
+    return idemd_park(r, scope, ticket, go_on); /* until it changes, or the bound */
   default:
     ret = answer(r, scope, e, d, &rec);
     idem_record_reset(&rec);
@@ -565,14 +579,23 @@ static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e
   return idemd_reply_store_error(r, IDEM_ETIMEDOUT);
 }
 
-enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
+/* The flow from memory on: where idemd_flow_run() starts, and where a
+ * request parked on a duplicate, or handed to a worker, goes on
+ * (r->resume), with no second parse, validation or fingerprint. */
+static enum MHD_Result go_on(idemd_request_t *r) {
+  const idemd_effect_t *e = r->effect;
   idem_scope_t scope = {r->tenant.id, e->operation, r->key};
   enum MHD_Result ret;
 
-  /* Past the checks: from here the flow says what the request did
-   * (serve_create presumed "invalid" until now). */
-  r->outcome = OUTCOME_NONE;
   if (answer_from_memory(r, &scope, e->fingerprint, &ret))
     return ret;
   return r->may_block ? run_in_worker(r, e, &scope) : run_in_event_thread(r, e, &scope);
+}
+
+enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e) {
+  /* Past the checks: from here the flow says what the request did
+   * (serve_create presumed "invalid" until now). */
+  r->outcome = OUTCOME_NONE;
+  r->effect = e;
+  return go_on(r);
 }

@@ -37,25 +37,10 @@ typedef struct idemd_effect {
 idem_engine_t *idemd_flow_engine(idemd_server_t *srv);
 
 /* Runs `e` for request `r` (authenticated, key parsed) and sends the
- * answer. Exactly one of `e->outcome` and `e->execute` is set. */
+ * answer, now or after the request is suspended: its later steps are
+ * recorded on it (r->resume, r->on_close), and `e` must stay valid until
+ * `r` is freed (the route's call state). Exactly one of `e->outcome` and
+ * `e->execute` is set. */
 enum MHD_Result idemd_flow_run(idemd_request_t *r, const idemd_effect_t *e);
-
-/* Goes on with a flow whose asynchronous write (see flow.c) is over, in
- * the event thread, when the request is resumed (r->async is set). */
-enum MHD_Result idemd_flow_resumed(idemd_request_t *r);
-
-/* For a request whose connection closed while its flow was between two
- * steps (resumed, before its event thread went on: the client left).
- * Ends the flow's part (what was written stays); `r` is still the
- * caller's to free. */
-void idemd_flow_orphan(idemd_request_t *r);
-
-/* For the log line and count of a request whose client left before its
- * answer: OUTCOME_NEW or OUTCOME_PENDING when its flow wrote the first
- * answer of its key (the effect happened); what it would have answered
- * when its reservation found the key's record (replay, pending, mismatch,
- * in flight); OUTCOME_ERROR when its last write failed; OUTCOME_NONE when
- * it has no flow under way. */
-int idemd_flow_outcome(const idemd_request_t *r);
 
 #endif

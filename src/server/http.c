@@ -21,7 +21,6 @@
 #include "idem/crypto.h"
 #include "idem/key.h"
 #include "server/auth.h"
-#include "server/flow.h"
 #include "server/log.h"
 #include "server/replay_cache.h"
 #include "server/reply.h"
@@ -276,7 +275,7 @@ static enum MHD_Result dispatch(idemd_request_t *r) {
   /* Where reads may block (PostgreSQL), even the key check waits on the
    * network: all of it runs in a worker. */
   if (!r->may_block && !local)
-    return idemd_defer(r);
+    return idemd_defer(r, NULL);
   if (r->needs_auth && !r->authenticated && (rc = check_key(r)) != IDEM_OK)
     return reply_key_failure(r, rc);
   switch (r->route) {
@@ -295,8 +294,6 @@ static enum MHD_Result dispatch(idemd_request_t *r) {
     return idemd_reply_error(r, 404, "not found", NULL);
   }
 }
-
-enum MHD_Result idemd_rerun(idemd_request_t *r) { return dispatch(r); }
 
 /* Reads how the body is framed as libmicrohttpd does: by
  * Transfer-Encoding when there is one (then Content-Length is not looked
@@ -419,23 +416,27 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     return on_headers(r, url, version);
   }
   if (r->deferred) {
-    /* Resumed: look again after a parked wait, go on with the flow after
-     * an asynchronous write, or queue the answer a worker left (none: it
-     * failed, hang up). */
+    /* Resumed: go on at the step recorded on it (after a parked wait, or
+     * an asynchronous write), or queue the answer a worker left (none:
+     * it failed, hang up). */
     struct MHD_Response *resp = r->response;
+    enum MHD_Result (*step)(idemd_request_t *) = r->resume;
     enum MHD_Result ret = MHD_NO;
     r->deferred = 0;
     if (r->parked) {
-      /* Still counted while it runs again (it may be suspended again):
-       * the stop must not see 0 in between. */
+      /* Still counted while it goes on (it may be suspended again): the
+       * stop must not see 0 in between. */
       r->parked = 0;
       atomic_fetch_sub(&srv->parked, 1);
-      ret = dispatch(r);
+      r->resume = NULL;
+      ret = step ? step(r) : dispatch(r);
       idemd_pending_leave(srv);
       return ret;
     }
-    if (r->async && resp == NULL)
-      return idemd_flow_resumed(r);
+    if (step && resp == NULL) {
+      r->resume = NULL;
+      return step(r);
+    }
     r->response = NULL;
     if (resp) {
       ret = MHD_queue_response(conn, (unsigned)r->status, resp);
@@ -494,9 +495,10 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   (void)conn;
   if (r == NULL)
     return;
+  /* Ends the work under way (the flow's), which says what the request
+   * did if its client left first. */
+  int done = r->on_close ? r->on_close(r) : OUTCOME_NONE;
   if (!r->responded) {
-    /* The client left first: what its request did. */
-    int done = idemd_flow_outcome(r);
     if (done != OUTCOME_NONE)
       r->outcome = done;
     else if (r->parked || r->inflight_deadline != 0)
@@ -521,7 +523,6 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   idemd_log_request(r);
   *con_cls = NULL;
   atomic_fetch_sub(&srv->inflight, 1);
-  idemd_flow_orphan(r);
   idemd_request_free(r);
 }
 
@@ -532,13 +533,16 @@ void idemd_request_free(idemd_request_t *r) {
   free(r);
 }
 
-/* A worker's turn at a deferred request: handle it again, allowed to
- * wait this time, then hand the connection back to its event thread. */
+/* A worker's turn at a deferred request: its recorded step (else the
+ * request from the start), allowed to wait this time, then the
+ * connection back to its event thread. */
 static void run_deferred(idemd_work_t *w) {
   idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
+  enum MHD_Result (*step)(idemd_request_t *) = r->resume;
 
   r->may_block = 1;
-  if (dispatch(r) != MHD_YES && r->response) {
+  r->resume = NULL;
+  if ((step ? step(r) : dispatch(r)) != MHD_YES && r->response) {
     MHD_destroy_response(r->response);
     r->response = NULL; /* the event thread hangs up */
   }
@@ -599,11 +603,12 @@ void idemd_pending_leave(idemd_server_t *srv) {
 }
 
 enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
-                           uint64_t ticket) {
+                           uint64_t ticket, enum MHD_Result (*step)(idemd_request_t *r)) {
   idemd_server_t *srv = r->srv;
 
   if (idemd_pending_enter(srv) != 0)
     return reply_stopping(r);
+  r->resume = step;
   r->waiter.wake = parked_wake;
   r->waiter.deadline_ms = r->inflight_deadline;
   r->parked = 1;
@@ -624,9 +629,10 @@ static void expire_parked(void *ctx) {
   (void)idem_store_expire_waiters(srv->store, draining ? INT64_MAX : idem_mono_ms());
 }
 
-enum MHD_Result idemd_defer(idemd_request_t *r) {
+enum MHD_Result idemd_defer(idemd_request_t *r, enum MHD_Result (*step)(idemd_request_t *r)) {
   if (atomic_load(&r->srv->stopping))
     return reply_stopping(r); /* no worker would take it: not suspended */
+  r->resume = step;
   idemd_suspend(r);
   (void)idemd_run_in_worker(r, run_deferred);
   return MHD_YES;

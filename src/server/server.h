@@ -97,12 +97,24 @@ typedef struct idemd_request {
    * thread's call when the request goes on elsewhere; freed with `r`. */
   void *call;
   void (*call_free)(void *call);
-  struct idemd_async_flow *async; /* the flow, while a write is queued */
+  /* The step a suspended request goes on with, as nginx's phase handlers
+   * do: set by whoever suspended it, and cleared before it runs. Once the
+   * request is resumed without an answer left in `response`, its event
+   * thread runs it; a request handed to a worker (idemd_defer) has the
+   * worker run it. NULL: handle the request from the start (dispatch). */
+  enum MHD_Result (*resume)(struct idemd_request *r);
+  /* Set by a module with work under way on the request (the flow, while
+   * a write is queued): called once when the connection closes, before
+   * the log line, to end that work. Returns what the request did when
+   * its client left before the answer (OUTCOME_NONE: it cannot say). */
+  int (*on_close)(struct idemd_request *r);
+  void *async; /* the flow's state, while a write is queued */
+  const struct idemd_effect *effect; /* the flow's, for its later steps */
   /* Waiting for a duplicate in flight without a thread (idemd_park). */
   idem_store_waiter_t waiter;
   int parked;
   int64_t inflight_deadline; /* idem_mono_ms(); 0 until it first waits */
-  int reruns; /* idemd_rerun() calls after a lost race for the key */
+  int reruns; /* reads again after a lost race for the key (flow.c) */
   int looked_up; /* the flow has gone to the store for this key once */
 
   /* What the log line and metrics report. */
@@ -126,13 +138,13 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
 
 /* Called by a handler in an event thread whose next step would wait (a
  * write, a provider call, a wait for a duplicate, or a read of a store
- * whose reads may block): suspends the connection and has a worker run
- * the request's handling again from the start, with may_block set.
- * Nothing must have been answered yet. Returns MHD_YES, and the caller
- * must not touch `r` (nor its call state) afterwards: a worker owns it.
- * When idemd is stopping it answers 503 at once instead (nothing
- * suspended) and returns the result of queueing that. */
-enum MHD_Result idemd_defer(idemd_request_t *r);
+ * whose reads may block): suspends the connection and has a worker go on
+ * with `step` (NULL: the request's handling from the start), with
+ * may_block set. Nothing must have been answered yet. Returns MHD_YES,
+ * and the caller must not touch `r` (nor its call state) afterwards: a
+ * worker owns it. When idemd is stopping it answers 503 at once instead
+ * (nothing suspended) and returns the result of queueing that. */
+enum MHD_Result idemd_defer(idemd_request_t *r, enum MHD_Result (*step)(idemd_request_t *r));
 
 /* Suspends `r`'s connection (from its event thread's handler): whoever
  * answers it next leaves the answer (r->stash) and calls idemd_resume(). */
@@ -151,19 +163,15 @@ int idemd_pending_enter(idemd_server_t *srv);
 /* Ends what idemd_pending_enter() counted. */
 void idemd_pending_leave(idemd_server_t *srv);
 
-/* From an event thread's handler, on a resumed request that has not been
- * answered: handles it again from the start, as when it first arrived. */
-enum MHD_Result idemd_rerun(idemd_request_t *r);
-
 /* From an event thread's handler, for a request whose key another request
  * holds (its record processing): suspends it and parks it on the store
  * until the key changes since `ticket` or r->inflight_deadline passes;
- * then its event thread handles it again from the start. Holds no thread
- * meanwhile. Returns MHD_YES; the caller must not touch `r` afterwards.
- * When idemd is stopping it answers 503 at once instead (not parked) and
- * returns the result of queueing that. */
+ * then its event thread goes on with `step`. Holds no thread meanwhile.
+ * Returns MHD_YES; the caller must not touch `r` afterwards. When idemd
+ * is stopping it answers 503 at once instead (not parked) and returns the
+ * result of queueing that. */
 enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
-                           uint64_t ticket);
+                           uint64_t ticket, enum MHD_Result (*step)(idemd_request_t *r));
 
 /* Gives a suspended request, answered (or not: the connection is then
  * closed), back to its event thread. `r` must not be touched afterwards. */
