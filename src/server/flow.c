@@ -12,6 +12,7 @@
 #include "idem/engine.h"
 #include "server/replay_cache.h"
 #include "server/reply.h"
+#include "server/suspend.h"
 
 static enum MHD_Result mismatch(idemd_request_t *r) {
   r->outcome = OUTCOME_MISMATCH;

@@ -1,7 +1,8 @@
-/* The HTTP layer of idemd on libmicrohttpd: routing and the checks of SPEC
- * section 3 in their order (404, 405, 401, 413, 415, 400 key, 400 body,
- * then the route's own 422), body reading under a cap, and the log line
- * and metrics once each answer is sent. */
+/* The HTTP layer of idemd on libmicrohttpd: its callbacks. The checks
+ * the headers decide (docs/idempotency.md, section 3: 404, 405, 401, and
+ * a declared 413), body reading under a cap, the hand-over of a whole
+ * request to its route (routes.c) or to the step it was suspended at
+ * (suspend.c), and the log line and metrics once each answer is sent. */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <arpa/inet.h>
 #include <sched.h>
@@ -22,9 +23,9 @@
 #include "idem/key.h"
 #include "server/auth.h"
 #include "server/log.h"
-#include "server/replay_cache.h"
 #include "server/reply.h"
-#include "server/validate.h"
+#include "server/routes.h"
+#include "server/suspend.h"
 
 /* A body we will not use (past the 64 KiB cap, or refused from the headers)
  * is read and dropped up to this much before the answer, so the client can
@@ -44,55 +45,6 @@
 /* libmicrohttpd's record of one header, argument or cookie in the pool:
  * its struct MHD_HTTP_Header (56 bytes) rounded to the pool's alignment. */
 #define MHD_RECORD_BYTES 64
-
-struct route_def {
-  const char *prefix; /* exact path, or prefix of "/{id}" routes */
-  int has_id;
-  const char *method;
-  const char *allow;
-  idemd_route_t route;
-  idemd_op_t op;
-  int needs_auth;
-};
-
-static const struct route_def routes[] = {
-    {"/payments", 0, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT, 1},
-    {"/payments/", 1, "GET", "GET, HEAD", ROUTE_PAYMENT, OP_GET_PAYMENT, 1},
-    {"/orders", 0, "POST", "POST", ROUTE_ORDERS, OP_CREATE_ORDER, 1},
-    {"/orders/", 1, "GET", "GET, HEAD", ROUTE_ORDER, OP_GET_ORDER, 1},
-    {"/healthz", 0, "GET", "GET, HEAD", ROUTE_HEALTHZ, OP_HEALTHZ, 0},
-    {"/metrics", 0, "GET", "GET, HEAD", ROUTE_METRICS, OP_METRICS, 0},
-};
-
-static const struct route_def *match_route(const char *url, char *id, size_t idcap) {
-  for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
-    const struct route_def *d = &routes[i];
-    size_t n = strlen(d->prefix);
-    if (!d->has_id) {
-      if (strcmp(url, d->prefix) == 0)
-        return d;
-      continue;
-    }
-    if (strncmp(url, d->prefix, n) == 0) {
-      const char *rest = url + n;
-      size_t len = strlen(rest);
-      /* An id is 1 to 63 of [A-Za-z0-9_]; anything else names nothing. */
-      if (len == 0 || len >= idcap ||
-          strspn(rest, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                       "0123456789_") != len)
-        return NULL;
-      memcpy(id, rest, len + 1);
-      return d;
-    }
-  }
-  return NULL;
-}
-
-static int method_allowed(const struct route_def *d, const char *method) {
-  if (strcmp(method, d->method) == 0)
-    return 1;
-  return strcmp(d->method, "GET") == 0 && strcmp(method, "HEAD") == 0;
-}
 
 static void set_request_id(idemd_request_t *r) {
   const char *given = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "X-Request-Id");
@@ -120,130 +72,6 @@ static void set_path(idemd_request_t *r, const char *url) {
   r->path[i] = '\0';
 }
 
-static int is_json_media_type(const char *ct) {
-  size_t n = strlen("application/json");
-  if (ct == NULL)
-    return 0;
-  while (*ct == ' ' || *ct == '\t')
-    ct++;
-  if (strncasecmp(ct, "application/json", n) != 0)
-    return 0;
-  ct += n;
-  while (*ct == ' ' || *ct == '\t')
-    ct++;
-  return *ct == '\0' || *ct == ';';
-}
-
-static enum MHD_Result serve_healthz(idemd_request_t *r) {
-  r->outcome = OUTCOME_READ;
-  if (idem_store_ping(r->srv->store) != IDEM_OK) {
-    atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
-    r->outcome = OUTCOME_ERROR;
-    return idemd_reply_error(r, 503, "the store is unreachable", NULL);
-  }
-  return idemd_reply(r, 200, "{\"status\":\"ok\"}", 15, NULL);
-}
-
-static enum MHD_Result serve_metrics(idemd_request_t *r) {
-  idemd_reply_headers_t h = {.content_type = "text/plain; version=0.0.4; charset=utf-8"};
-  idemd_store_gauges_t g = {.pending = -1,
-                           .processing = -1,
-                           .connections_cut = idemd_guard_cut(r->srv->guard),
-                           .connections_refused = idemd_guard_refused(r->srv->guard),
-                           .parked = atomic_load(&r->srv->parked)};
-  int64_t oldest = 0;
-  enum MHD_Result ret;
-  char *text;
-
-  if (idem_store_count(r->srv->store, "pending", 0, &g.pending) != IDEM_OK ||
-      idem_store_count(r->srv->store, "processing", 0, &g.processing) != IDEM_OK ||
-      idem_store_count(r->srv->store, "oldest_pending", 0, &oldest) != IDEM_OK)
-    atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
-  if (oldest > 0)
-    g.oldest_pending_seconds = (double)(idem_now_ms() - oldest) / 1000.0;
-  idem_store_stats_t st;
-  idem_store_stats(r->srv->store, &st);
-  g.store_commits = st.commits;
-  g.store_writes = st.writes;
-  g.store_batch_reruns = st.batch_reruns;
-  g.replay_cache_hits = idemd_replay_cache_hits(r->srv->replays);
-  text = idemd_metrics_render(&r->srv->metrics, &g);
-  if (text == NULL)
-    return idemd_reply_error(r, 500, "internal error", NULL);
-  r->outcome = OUTCOME_READ;
-  ret = idemd_reply(r, 200, text, strlen(text), &h);
-  free(text);
-  return ret;
-}
-
-/* GET /payments/{id}, GET /orders/{id}: the tenant's own resource. */
-static enum MHD_Result serve_resource(idemd_request_t *r, const char *kind,
-                                      const char *not_found) {
-  char *body = NULL;
-  enum MHD_Result ret;
-  int rc = idem_store_resource_get(r->srv->store, r->tenant.id, kind,
-                                   r->resource_id, &body);
-  if (rc == IDEM_ENOTFOUND) {
-    r->outcome = OUTCOME_INVALID;
-    return idemd_reply_error(r, 404, not_found, NULL);
-  }
-  if (rc != IDEM_OK)
-    return idemd_reply_store_error(r, rc);
-  r->outcome = OUTCOME_READ;
-  ret = idemd_reply(r, 200, body, strlen(body), NULL);
-  free(body);
-  return ret;
-}
-
-/* The checks that need the whole body, then the route's handler. */
-static enum MHD_Result serve_create(idemd_request_t *r) {
-  const char *ct, *raw;
-  json_t *body = NULL;
-  const char *msg = NULL;
-  int out_of_range = 0, rc;
-  enum MHD_Result ret;
-
-  r->outcome = OUTCOME_INVALID;
-  if (r->body_too_large)
-    return idemd_reply_error(r, 413, "request body is larger than 64 KiB", NULL);
-  ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
-  if (!is_json_media_type(ct))
-    return idemd_reply_error(r, 415, "Content-Type must be application/json", NULL);
-  raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
-  rc = idem_key_parse(raw, raw ? strlen(raw) : 0, r->key, NULL);
-  if (rc != IDEM_OK)
-    return idemd_reply_error(r, 400, idem_strerror(rc), NULL);
-  idemd_key_id(r, idemd_op_name(r->op));
-  if (idemd_parse_body(r->body, r->body_len, &body, &out_of_range, &msg) != 0)
-    return idemd_reply_error(r, 400, msg, NULL);
-  ret = r->route == ROUTE_PAYMENTS ? idemd_payments_create(r, body)
-                                   : idemd_orders_create(r, body);
-  json_decref(body);
-  return ret;
-}
-
-/* Checks the API key against the store: IDEM_OK (and r->authenticated),
- * IDEM_ENOTFOUND when it names no tenant, or the store's error. Answers
- * nothing. */
-static int check_key(idemd_request_t *r) {
-  int rc = idemd_authenticate(r->srv->store,
-                              MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
-                                                          MHD_HTTP_HEADER_AUTHORIZATION),
-                              &r->tenant);
-  if (rc == IDEM_OK)
-    r->authenticated = 1;
-  return rc;
-}
-
-/* The answer to a failed check_key(): 401, or 503 when the store failed. */
-static enum MHD_Result reply_key_failure(idemd_request_t *r, int rc) {
-  idemd_reply_headers_t h = {.www_authenticate = 1};
-  if (rc != IDEM_ENOTFOUND)
-    return idemd_reply_store_error(r, rc);
-  r->outcome = OUTCOME_INVALID;
-  return idemd_reply_error(r, 401, "missing or invalid API key", &h);
-}
-
 /* Sends the refusal saved in `r` by refuse(). */
 static enum MHD_Result send_refusal(idemd_request_t *r) {
   idemd_reply_headers_t h = {.allow = r->refusal_allow,
@@ -264,35 +92,6 @@ static enum MHD_Result refuse(idemd_request_t *r, int status, const char *msg,
   r->refusal_msg = msg;
   r->refusal_allow = allow;
   return r->drain ? MHD_YES : send_refusal(r);
-}
-
-/* The request is all here. Runs in an event thread first; whatever would
- * wait there is deferred to a worker, which runs this again. */
-static enum MHD_Result dispatch(idemd_request_t *r) {
-  int local = idem_store_local_reads(r->srv->store);
-  int rc;
-
-  /* Where reads may block (PostgreSQL), even the key check waits on the
-   * network: all of it runs in a worker. */
-  if (!r->may_block && !local)
-    return idemd_defer(r, NULL);
-  if (r->needs_auth && !r->authenticated && (rc = check_key(r)) != IDEM_OK)
-    return reply_key_failure(r, rc);
-  switch (r->route) {
-  case ROUTE_HEALTHZ:
-    return serve_healthz(r);
-  case ROUTE_METRICS:
-    return serve_metrics(r);
-  case ROUTE_PAYMENT:
-    return serve_resource(r, "payment", "payment not found");
-  case ROUTE_ORDER:
-    return serve_resource(r, "order", "order not found");
-  case ROUTE_PAYMENTS:
-  case ROUTE_ORDERS:
-    return serve_create(r);
-  default:
-    return idemd_reply_error(r, 404, "not found", NULL);
-  }
 }
 
 /* Reads how the body is framed as libmicrohttpd does: by
@@ -345,7 +144,7 @@ static int headers_fit(const idemd_request_t *r) {
  * now, or after the body when one follows (refuse()). */
 static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
                                   const char *version) {
-  const struct route_def *d;
+  const idemd_route_def_t *d;
   uint64_t declared;
   int too_large, rc;
 
@@ -360,12 +159,12 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
   r->drain = body_to_drain(r->conn, version, &declared);
   if (!headers_fit(r))
     return refuse(r, 431, "request headers are too large", NULL);
-  d = match_route(url, r->resource_id, sizeof r->resource_id);
+  d = idemd_route_match(url, r->resource_id, sizeof r->resource_id);
   if (d == NULL)
     return refuse(r, 404, "not found", NULL);
   r->route = d->route;
   r->op = d->op;
-  if (!method_allowed(d, r->method))
+  if (!idemd_route_allows(d, r->method))
     return refuse(r, 405, "method not allowed", d->allow);
   r->needs_auth = d->needs_auth;
   too_large = declared > IDEMD_MAX_BODY &&
@@ -382,11 +181,11 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
    * store read in the event thread. A store failure here, with a body
    * following, is left to the check after the body, which answers it. */
   if (d->needs_auth && (idem_store_local_reads(r->srv->store) || too_large) &&
-      (rc = check_key(r)) != IDEM_OK) {
+      (rc = idemd_check_key(r)) != IDEM_OK) {
     if (rc == IDEM_ENOTFOUND)
       return refuse(r, 401, "missing or invalid API key", NULL);
     if (!r->drain)
-      return reply_key_failure(r, rc);
+      return idemd_reply_key_failure(r, rc);
   }
   if (too_large) {
     r->outcome = OUTCOME_INVALID;
@@ -429,7 +228,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
       r->parked = 0;
       atomic_fetch_sub(&srv->parked, 1);
       r->resume = NULL;
-      ret = step ? step(r) : dispatch(r);
+      ret = step(r);
       idemd_pending_leave(srv);
       return ret;
     }
@@ -485,7 +284,7 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
   /* The request is all here: from now on it may take as long as its work
    * takes (a provider call, a wait for a duplicate) without being cut. */
   idemd_guard_busy(r->srv->guard, r->conn_guard, 1);
-  return dispatch(r);
+  return idemd_dispatch(r);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -531,111 +330,6 @@ void idemd_request_free(idemd_request_t *r) {
     r->call_free(r->call);
   free(r->body);
   free(r);
-}
-
-/* A worker's turn at a deferred request: its recorded step (else the
- * request from the start), allowed to wait this time, then the
- * connection back to its event thread. */
-static void run_deferred(idemd_work_t *w) {
-  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, work));
-  enum MHD_Result (*step)(idemd_request_t *) = r->resume;
-
-  r->may_block = 1;
-  r->resume = NULL;
-  if ((step ? step(r) : dispatch(r)) != MHD_YES && r->response) {
-    MHD_destroy_response(r->response);
-    r->response = NULL; /* the event thread hangs up */
-  }
-  idemd_resume(r);
-}
-
-void idemd_suspend(idemd_request_t *r) {
-  MHD_suspend_connection(r->conn);
-  r->deferred = 1;
-}
-
-void idemd_resume(idemd_request_t *r) {
-  MHD_resume_connection(r->conn); /* `r` may be gone from here on */
-}
-
-/* The answer to a request idemd is stopping too soon to handle. */
-static enum MHD_Result reply_stopping(idemd_request_t *r) {
-  idemd_reply_headers_t h = {.retry_after = 1, .close = 1};
-  r->outcome = OUTCOME_ERROR;
-  return idemd_reply_error(r, 503, "shutting down, retry later", &h);
-}
-
-int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w)) {
-  r->work.run = run;
-  if (idemd_workers_submit(r->srv->workers, &r->work) == 0)
-    return 0;
-  /* Stopping: no worker will take it. Answer 503 from here instead. */
-  r->stash = 1; /* so the answer waits for the resume below */
-  (void)reply_stopping(r);
-  idemd_resume(r);
-  return -1;
-}
-
-/* How often parked requests are checked for their deadline: a wait may
- * last this much longer than --inflight-wait. */
-#define PARK_TICK_MS 20
-
-/* From whichever thread changed the key or expired the wait. */
-static void parked_wake(idem_store_waiter_t *w, int timed_out) {
-  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, waiter));
-  (void)timed_out; /* the flow finds its deadline passed (or draining) */
-  idemd_resume(r);
-}
-
-int idemd_pending_enter(idemd_server_t *srv) {
-  /* Counted first, then checked: idemd_http_stop() sets `stopping` first,
-   * then reads the count, so one of the two sees the other. */
-  atomic_fetch_add(&srv->async_pending, 1);
-  if (atomic_load(&srv->stopping)) {
-    atomic_fetch_sub(&srv->async_pending, 1);
-    return -1;
-  }
-  return 0;
-}
-
-void idemd_pending_leave(idemd_server_t *srv) {
-  atomic_fetch_sub(&srv->async_pending, 1);
-}
-
-enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
-                           uint64_t ticket, enum MHD_Result (*step)(idemd_request_t *r)) {
-  idemd_server_t *srv = r->srv;
-
-  if (idemd_pending_enter(srv) != 0)
-    return reply_stopping(r);
-  r->resume = step;
-  r->waiter.wake = parked_wake;
-  r->waiter.deadline_ms = r->inflight_deadline;
-  r->parked = 1;
-  atomic_fetch_add(&srv->parked, 1);
-  idemd_suspend(r); /* before parking: a wake-up resumes it */
-  if (idem_store_park(srv->store, scope, ticket, &r->waiter) != 0)
-    idemd_resume(r); /* it changed meanwhile: look again now */
-  return MHD_YES;
-}
-
-/* Times out parked requests: those past their deadline, or all of them
- * once idemd drains (each then answers 409 and closes). */
-static void expire_parked(void *ctx) {
-  idemd_server_t *srv = ctx;
-  int draining = atomic_load(&srv->draining);
-  if (atomic_load(&srv->parked) == 0 && !draining)
-    return; /* nothing to look at (one parking now is seen next tick) */
-  (void)idem_store_expire_waiters(srv->store, draining ? INT64_MAX : idem_mono_ms());
-}
-
-enum MHD_Result idemd_defer(idemd_request_t *r, enum MHD_Result (*step)(idemd_request_t *r)) {
-  if (atomic_load(&r->srv->stopping))
-    return reply_stopping(r); /* no worker would take it: not suspended */
-  r->resume = step;
-  idemd_suspend(r);
-  (void)idemd_run_in_worker(r, run_deferred);
-  return MHD_YES;
 }
 
 /* The cores this process may run on. */
@@ -701,7 +395,7 @@ int idemd_http_start(idemd_server_t *srv) {
   int active = srv->cfg.active_workers > 0 ? srv->cfg.active_workers
                                              : default_active_workers();
   if ((srv->workers = idemd_workers_start(srv->cfg.workers, active)) == NULL ||
-      (srv->wait_timer = idem__ticker_start(PARK_TICK_MS, expire_parked, srv)) == NULL) {
+      (srv->wait_timer = idem__ticker_start(IDEMD_PARK_TICK_MS, idemd_expire_parked, srv)) == NULL) {
     fprintf(stderr, "idemd: cannot start worker threads\n");
     freeaddrinfo(ai);
     if (srv->workers) {

@@ -101,7 +101,7 @@ typedef struct idemd_request {
    * do: set by whoever suspended it, and cleared before it runs. Once the
    * request is resumed without an answer left in `response`, its event
    * thread runs it; a request handed to a worker (idemd_defer) has the
-   * worker run it. NULL: handle the request from the start (dispatch). */
+   * worker run it. */
   enum MHD_Result (*resume)(struct idemd_request *r);
   /* Set by a module with work under way on the request (the flow, while
    * a write is queued): called once when the connection closes, before
@@ -135,47 +135,6 @@ _Static_assert(sizeof(idemd_request_t) <= 1032,
  * validated-as-object request body. */
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
-
-/* Called by a handler in an event thread whose next step would wait (a
- * write, a provider call, a wait for a duplicate, or a read of a store
- * whose reads may block): suspends the connection and has a worker go on
- * with `step` (NULL: the request's handling from the start), with
- * may_block set. Nothing must have been answered yet. Returns MHD_YES,
- * and the caller must not touch `r` (nor its call state) afterwards: a
- * worker owns it. When idemd is stopping it answers 503 at once instead
- * (nothing suspended) and returns the result of queueing that. */
-enum MHD_Result idemd_defer(idemd_request_t *r, enum MHD_Result (*step)(idemd_request_t *r));
-
-/* Suspends `r`'s connection (from its event thread's handler): whoever
- * answers it next leaves the answer (r->stash) and calls idemd_resume(). */
-void idemd_suspend(idemd_request_t *r);
-
-/* For a suspended request: a worker runs `run` (0), or, when the workers
- * are stopping, the request is answered 503 and resumed (-1). */
-int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w));
-
-/* Counts a request about to be suspended for an asynchronous step (a
- * queued write, a parked wait) in srv->async_pending, which idemd's stop
- * waits to see at 0 before it stops the daemon. Returns 0, or -1 when
- * idemd is stopping (nothing counted: answer the request instead). */
-int idemd_pending_enter(idemd_server_t *srv);
-
-/* Ends what idemd_pending_enter() counted. */
-void idemd_pending_leave(idemd_server_t *srv);
-
-/* From an event thread's handler, for a request whose key another request
- * holds (its record processing): suspends it and parks it on the store
- * until the key changes since `ticket` or r->inflight_deadline passes;
- * then its event thread goes on with `step`. Holds no thread meanwhile.
- * Returns MHD_YES; the caller must not touch `r` afterwards. When idemd
- * is stopping it answers 503 at once instead (not parked) and returns the
- * result of queueing that. */
-enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
-                           uint64_t ticket, enum MHD_Result (*step)(idemd_request_t *r));
-
-/* Gives a suspended request, answered (or not: the connection is then
- * closed), back to its event thread. `r` must not be touched afterwards. */
-void idemd_resume(idemd_request_t *r);
 
 /* Frees a request and what it owns. */
 void idemd_request_free(idemd_request_t *r);

@@ -1,0 +1,205 @@
+/* idemd's routes: the table the HTTP layer matches paths and methods
+ * against, and the handlers a whole request goes to (docs/api.md): the
+ * reads, /healthz, /metrics, and the creating routes' checks that need the
+ * body (docs/idempotency.md, section 3: 413, 415, the key's 400, the
+ * body's 400) before payments.c or orders.c. */
+#include "server/routes.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "idem/clock.h"
+#include "idem/key.h"
+#include "server/auth.h"
+#include "server/log.h"
+#include "server/replay_cache.h"
+#include "server/reply.h"
+#include "server/suspend.h"
+#include "server/validate.h"
+
+static const idemd_route_def_t routes[] = {
+    {"/payments", 0, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT, 1},
+    {"/payments/", 1, "GET", "GET, HEAD", ROUTE_PAYMENT, OP_GET_PAYMENT, 1},
+    {"/orders", 0, "POST", "POST", ROUTE_ORDERS, OP_CREATE_ORDER, 1},
+    {"/orders/", 1, "GET", "GET, HEAD", ROUTE_ORDER, OP_GET_ORDER, 1},
+    {"/healthz", 0, "GET", "GET, HEAD", ROUTE_HEALTHZ, OP_HEALTHZ, 0},
+    {"/metrics", 0, "GET", "GET, HEAD", ROUTE_METRICS, OP_METRICS, 0},
+};
+
+const idemd_route_def_t *idemd_route_match(const char *url, char *id, size_t idcap) {
+  for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
+    const idemd_route_def_t *d = &routes[i];
+    size_t n = strlen(d->prefix);
+    if (!d->has_id) {
+      if (strcmp(url, d->prefix) == 0)
+        return d;
+      continue;
+    }
+    if (strncmp(url, d->prefix, n) == 0) {
+      const char *rest = url + n;
+      size_t len = strlen(rest);
+      /* An id is 1 to 63 of [A-Za-z0-9_]; anything else names nothing. */
+      if (len == 0 || len >= idcap ||
+          strspn(rest, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                       "0123456789_") != len)
+        return NULL;
+      memcpy(id, rest, len + 1);
+      return d;
+    }
+  }
+  return NULL;
+}
+
+int idemd_route_allows(const idemd_route_def_t *d, const char *method) {
+  if (strcmp(method, d->method) == 0)
+    return 1;
+  return strcmp(d->method, "GET") == 0 && strcmp(method, "HEAD") == 0;
+}
+
+static int is_json_media_type(const char *ct) {
+  size_t n = strlen("application/json");
+  if (ct == NULL)
+    return 0;
+  while (*ct == ' ' || *ct == '\t')
+    ct++;
+  if (strncasecmp(ct, "application/json", n) != 0)
+    return 0;
+  ct += n;
+  while (*ct == ' ' || *ct == '\t')
+    ct++;
+  return *ct == '\0' || *ct == ';';
+}
+
+static enum MHD_Result serve_healthz(idemd_request_t *r) {
+  r->outcome = OUTCOME_READ;
+  if (idem_store_ping(r->srv->store) != IDEM_OK) {
+    atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
+    r->outcome = OUTCOME_ERROR;
+    return idemd_reply_error(r, 503, "the store is unreachable", NULL);
+  }
+  return idemd_reply(r, 200, "{\"status\":\"ok\"}", 15, NULL);
+}
+
+static enum MHD_Result serve_metrics(idemd_request_t *r) {
+  idemd_reply_headers_t h = {.content_type = "text/plain; version=0.0.4; charset=utf-8"};
+  idemd_store_gauges_t g = {.pending = -1,
+                           .processing = -1,
+                           .connections_cut = idemd_guard_cut(r->srv->guard),
+                           .connections_refused = idemd_guard_refused(r->srv->guard),
+                           .parked = atomic_load(&r->srv->parked)};
+  int64_t oldest = 0;
+  enum MHD_Result ret;
+  char *text;
+
+  if (idem_store_count(r->srv->store, "pending", 0, &g.pending) != IDEM_OK ||
+      idem_store_count(r->srv->store, "processing", 0, &g.processing) != IDEM_OK ||
+      idem_store_count(r->srv->store, "oldest_pending", 0, &oldest) != IDEM_OK)
+    atomic_fetch_add_explicit(&r->srv->metrics.store_errors, 1, memory_order_relaxed);
+  if (oldest > 0)
+    g.oldest_pending_seconds = (double)(idem_now_ms() - oldest) / 1000.0;
+  idem_store_stats_t st;
+  idem_store_stats(r->srv->store, &st);
+  g.store_commits = st.commits;
+  g.store_writes = st.writes;
+  g.store_batch_reruns = st.batch_reruns;
+  g.replay_cache_hits = idemd_replay_cache_hits(r->srv->replays);
+  text = idemd_metrics_render(&r->srv->metrics, &g);
+  if (text == NULL)
+    return idemd_reply_error(r, 500, "internal error", NULL);
+  r->outcome = OUTCOME_READ;
+  ret = idemd_reply(r, 200, text, strlen(text), &h);
+  free(text);
+  return ret;
+}
+
+/* GET /payments/{id}, GET /orders/{id}: the tenant's own resource. */
+static enum MHD_Result serve_resource(idemd_request_t *r, const char *kind,
+                                      const char *not_found) {
+  char *body = NULL;
+  enum MHD_Result ret;
+  int rc = idem_store_resource_get(r->srv->store, r->tenant.id, kind,
+                                   r->resource_id, &body);
+  if (rc == IDEM_ENOTFOUND) {
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_error(r, 404, not_found, NULL);
+  }
+  if (rc != IDEM_OK)
+    return idemd_reply_store_error(r, rc);
+  r->outcome = OUTCOME_READ;
+  ret = idemd_reply(r, 200, body, strlen(body), NULL);
+  free(body);
+  return ret;
+}
+
+/* The checks that need the whole body, then the route's handler. */
+static enum MHD_Result serve_create(idemd_request_t *r) {
+  const char *ct, *raw;
+  json_t *body = NULL;
+  const char *msg = NULL;
+  int out_of_range = 0, rc;
+  enum MHD_Result ret;
+
+  r->outcome = OUTCOME_INVALID;
+  if (r->body_too_large)
+    return idemd_reply_error(r, 413, "request body is larger than 64 KiB", NULL);
+  ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
+  if (!is_json_media_type(ct))
+    return idemd_reply_error(r, 415, "Content-Type must be application/json", NULL);
+  raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
+  rc = idem_key_parse(raw, raw ? strlen(raw) : 0, r->key, NULL);
+  if (rc != IDEM_OK)
+    return idemd_reply_error(r, 400, idem_strerror(rc), NULL);
+  idemd_key_id(r, idemd_op_name(r->op));
+  if (idemd_parse_body(r->body, r->body_len, &body, &out_of_range, &msg) != 0)
+    return idemd_reply_error(r, 400, msg, NULL);
+  ret = r->route == ROUTE_PAYMENTS ? idemd_payments_create(r, body)
+                                   : idemd_orders_create(r, body);
+  json_decref(body);
+  return ret;
+}
+
+int idemd_check_key(idemd_request_t *r) {
+  int rc = idemd_authenticate(r->srv->store,
+                              MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                                          MHD_HTTP_HEADER_AUTHORIZATION),
+                              &r->tenant);
+  if (rc == IDEM_OK)
+    r->authenticated = 1;
+  return rc;
+}
+
+enum MHD_Result idemd_reply_key_failure(idemd_request_t *r, int rc) {
+  idemd_reply_headers_t h = {.www_authenticate = 1};
+  if (rc != IDEM_ENOTFOUND)
+    return idemd_reply_store_error(r, rc);
+  r->outcome = OUTCOME_INVALID;
+  return idemd_reply_error(r, 401, "missing or invalid API key", &h);
+}
+
+enum MHD_Result idemd_dispatch(idemd_request_t *r) {
+  int local = idem_store_local_reads(r->srv->store);
+  int rc;
+
+  /* Where reads may block (PostgreSQL), even the key check waits on the
+   * network: all of it runs in a worker. */
+  if (!r->may_block && !local)
+    return idemd_defer(r, idemd_dispatch);
+  if (r->needs_auth && !r->authenticated && (rc = idemd_check_key(r)) != IDEM_OK)
+    return idemd_reply_key_failure(r, rc);
+  switch (r->route) {
+  case ROUTE_HEALTHZ:
+    return serve_healthz(r);
+  case ROUTE_METRICS:
+    return serve_metrics(r);
+  case ROUTE_PAYMENT:
+    return serve_resource(r, "payment", "payment not found");
+  case ROUTE_ORDER:
+    return serve_resource(r, "order", "order not found");
+  case ROUTE_PAYMENTS:
+  case ROUTE_ORDERS:
+    return serve_create(r);
+  default:
+    return idemd_reply_error(r, 404, "not found", NULL);
+  }
+}
