@@ -3,26 +3,53 @@
 
 #include <string.h>
 
-size_t idem__json_string(char *out, const char *s) {
+/* Writes to `out` (room for 6 bytes) the escape of `c`, a byte that is
+ * not written as itself, and returns its length. */
+static size_t escape(char *out, unsigned char c) {
   static const char hex[] = "0123456789abcdef";
+
+  if (c == '"' || c == '\\') {
+    out[0] = '\\';
+    out[1] = (char)c;
+    return 2;
+  }
+  memcpy(out, "\\u00", 4);
+  out[4] = hex[c >> 4];
+  out[5] = hex[c & 15];
+  return 6;
+}
+
+size_t idem__json_string(char *out, const char *s) {
   size_t n = 0;
 
   out[n++] = '"';
   for (; *s; s++) {
     unsigned char c = (unsigned char)*s;
-    if (c == '"' || c == '\\') {
-      out[n++] = '\\';
+    if (c == '"' || c == '\\' || c < 0x20)
+      n += escape(out + n, c);
+    else
       out[n++] = (char)c;
-    } else if (c < 0x20) {
-      memcpy(out + n, "\\u00", 4);
-      out[n + 4] = hex[c >> 4];
-      out[n + 5] = hex[c & 15];
-      n += 6;
+  }
+  out[n++] = '"';
+  return n;
+}
+
+size_t idem__json_escape_ascii(char *out, size_t cap, const char *s) {
+  size_t n = 0;
+
+  for (; *s && n < cap; s++) {
+    unsigned char c = (unsigned char)*s;
+    if (c == '"' || c == '\\' || c < 0x20 || c > 0x7e) {
+      char esc[6];
+      size_t k = escape(esc, c);
+      if (k > cap - n)
+        k = cap - n;
+      memcpy(out + n, esc, k);
+      n += k;
     } else {
       out[n++] = (char)c;
     }
   }
-  out[n++] = '"';
   return n;
 }
 

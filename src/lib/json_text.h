@@ -24,6 +24,16 @@
  * room for IDEM_JSON_STRING_MAX(strlen(s)) bytes. */
 size_t idem__json_string(char *out, const char *s);
 
+/* Writes `s` escaped as the inside of a JSON string (no quotes), at most
+ * `cap` bytes of it, and returns the bytes written (no NUL). `"` and `\`
+ * are escaped with a backslash, and every byte outside 0x20-0x7E as
+ * \u00XX (a byte above 0x7E as the code point of its value, not as part
+ * of a UTF-8 character): the text is ASCII, and a valid JSON string
+ * between quotes, whatever `s` holds. When the escaped text is longer
+ * than `cap`, what is written is its first `cap` bytes, which may end
+ * inside an escape. For text bounded in place (the request log line). */
+size_t idem__json_escape_ascii(char *out, size_t cap, const char *s);
+
 /* The most bytes idem__json_int() writes: 19 digits and a sign. */
 #define IDEM_JSON_INT_MAX 20
 

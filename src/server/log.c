@@ -199,9 +199,12 @@ struct line {
   size_t len;
 };
 
+/* The bytes `l` has left for text, keeping room for '}' and '\n'. */
+static size_t room(const struct line *l) { return sizeof l->buf - 2 - l->len; }
+
 static void put(struct line *l, const char *s, size_t n) {
-  if (n > sizeof l->buf - 2 - l->len) /* keep room for '}' and '\n' */
-    n = sizeof l->buf - 2 - l->len;
+  if (n > room(l))
+    n = room(l);
   memcpy(l->buf + l->len, s, n);
   l->len += n;
 }
@@ -211,23 +214,10 @@ static void put(struct line *l, const char *s, size_t n) {
 /* Appends ,"name":"value" with the value escaped as JSON (bytes outside
  * printable ASCII as \u00XX, so the line is valid whatever came in). */
 static void put_str(struct line *l, const char *name, const char *v) {
-  static const char hex[] = "0123456789abcdef";
-  char esc[6] = {'\\', 'u', '0', '0', 0, 0};
   PUT_LIT(l, ",\"");
   put(l, name, strlen(name));
   PUT_LIT(l, "\":\"");
-  for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
-    if (*p == '"' || *p == '\\') {
-      char two[2] = {'\\', (char)*p};
-      put(l, two, 2);
-    } else if (*p < 0x20 || *p > 0x7e) {
-      esc[4] = hex[*p >> 4];
-      esc[5] = hex[*p & 15];
-      put(l, esc, 6);
-    } else {
-      put(l, (const char *)p, 1);
-    }
-  }
+  l->len += idem__json_escape_ascii(l->buf + l->len, room(l), v);
   PUT_LIT(l, "\"");
 }
 
