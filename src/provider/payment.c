@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../lib/json_text.h"
+#include "util/json_text.h"
 
 int idem_payment_parse(const char *body, idem_payment_t *p) {
   json_t *v = json_loads(body ? body : "", 0, NULL);

@@ -5,8 +5,8 @@
 #include <string.h>
 
 #include "idem/clock.h"
-#include "../lib/ticker.h"
 #include "provider/payment.h"
+#include "util/ticker.h"
 
 struct idem_reconciler {
   idem_store_t *store;

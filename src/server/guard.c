@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <sys/socket.h>
 
-#include "../lib/ticker.h"
 #include "idem/clock.h"
+#include "util/ticker.h"
 
 struct tracked {
   int fd;

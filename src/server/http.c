@@ -17,7 +17,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../lib/ticker.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "idem/key.h"
@@ -26,6 +25,7 @@
 #include "server/reply.h"
 #include "server/routes.h"
 #include "server/suspend.h"
+#include "util/ticker.h"
 
 /* A body we will not use (past the 64 KiB cap, or refused from the headers)
  * is read and dropped up to this much before the answer, so the client can

@@ -12,10 +12,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "../lib/json_text.h"
-#include "../lib/ticker.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
+#include "util/json_text.h"
+#include "util/ticker.h"
 
 static int min_level = 1;
 

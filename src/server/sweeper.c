@@ -3,9 +3,9 @@
 
 #include <stdio.h>
 
-#include "../lib/ticker.h"
 #include "idem/clock.h"
 #include "server/log.h"
+#include "util/ticker.h"
 
 int idemd_sweep_now(idem_store_t *store, int batch, int max_batches,
                     long long *deleted) {

@@ -9,7 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../lib/json_text.h"
+#include "util/json_text.h"
 
 /* Whether the number token `tok` (`len` bytes) is beyond what the parser
  * holds: an integer outside 64 bits, or a real that overflows a double. */

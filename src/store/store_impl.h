@@ -4,7 +4,7 @@
 #define IDEM_STORE_IMPL_H
 
 #include "idem/store.h"
-#include "../lib/waitset.h"
+#include "lib/waitset.h"
 
 struct idem_store {
   const idem_store_methods_t *methods;

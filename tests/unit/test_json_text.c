@@ -1,4 +1,4 @@
-/* Tests lib/json_text.c's numbers against printf's "%lld", and the
+/* Tests util/json_text.c's numbers against printf's "%lld", and the
  * escaping for the log line, whole and cut at every length. (Its JSON
  * strings are checked against jansson through the payment's and the
  * order's text, in test_payment and test_validate.) */
@@ -7,7 +7,7 @@
 #include <limits.h>
 #include <stdlib.h>
 
-#include "../../src/lib/json_text.h"
+#include "util/json_text.h"
 
 static void check(long long v) {
   char got[IDEM_JSON_INT_MAX + 1], want[32];

@@ -9,8 +9,8 @@
 #include <stdlib.h>
 #include <unistd.h>
 
-#include "../../src/store/store_impl.h"
 #include "idem/store.h"
+#include "store/store_impl.h"
 
 struct fixture {
   char dir[256], path[300];

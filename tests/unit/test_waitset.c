@@ -4,7 +4,7 @@
 
 #include <stdio.h>
 
-#include "../../src/lib/waitset.h"
+#include "lib/waitset.h"
 
 struct probe {
   idem_store_waiter_t w; /* first: the wake-up gets it back */

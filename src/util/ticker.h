@@ -1,8 +1,8 @@
 /* Internal: a background thread that calls a function every interval until
  * stopped. idemd's reconciler, sweeper, connection watchdog, parked-request
  * timer and log flusher each run on one. */
-#ifndef IDEM_LIB_TICKER_H
-#define IDEM_LIB_TICKER_H
+#ifndef IDEM_UTIL_TICKER_H
+#define IDEM_UTIL_TICKER_H
 
 #include <stdint.h>
 

@@ -4,8 +4,8 @@
  * instructions and a ninth of a new order's (docs/performance.md); unit
  * tests compare what is written here with json_dumps(JSON_COMPACT) for
  * the same values, and numbers with printf's. */
-#ifndef IDEM_LIB_JSON_TEXT_H
-#define IDEM_LIB_JSON_TEXT_H
+#ifndef IDEM_UTIL_JSON_TEXT_H
+#define IDEM_UTIL_JSON_TEXT_H
 
 #include <stddef.h>
 #include <string.h>
