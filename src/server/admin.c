@@ -8,6 +8,7 @@
 #include "idem/clock.h"
 #include "server/auth.h"
 #include "server/commands.h"
+#include "server/server.h"
 
 #define MAX_LIST 1000
 

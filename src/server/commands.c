@@ -1,5 +1,5 @@
-/* idemd's commands: opening the store the same way for each, serving with
- * a clean shutdown on SIGTERM/SIGINT, and the administrative commands. */
+/* idemd's commands: serving with a clean shutdown on SIGTERM/SIGINT,
+ * migrating and sweeping (the tenant and record tools are in admin.c). */
 #include "server/commands.h"
 
 #include <malloc.h>
@@ -15,26 +15,6 @@
 #include "server/log.h"
 #include "server/server.h"
 #include "server/sweeper.h"
-
-/* Opens and migrates the store named by the configuration. Store messages
- * go to stderr here: this is the operator's terminal, not an HTTP body. */
-idem_store_t *idemd_open_store(const idemd_config_t *cfg) {
-  idem_store_t *store = NULL;
-  int rc = idem_store_open(cfg->db, NULL, &store);
-  if (rc != IDEM_OK) {
-    fprintf(stderr, "idemd: cannot open database: %s (%s)\n", idem_strerror(rc),
-            idem_store_last_error());
-    return NULL;
-  }
-  rc = idem_store_migrate(store);
-  if (rc != IDEM_OK) {
-    fprintf(stderr, "idemd: cannot migrate database: %s (%s)\n",
-            idem_strerror(rc), idem_store_last_error());
-    idem_store_close(store);
-    return NULL;
-  }
-  return store;
-}
 
 int idemd_cmd_serve(const idemd_config_t *cfg) {
   static idemd_server_t srv; /* big (metrics), lives for the process */

@@ -9,10 +9,6 @@
 #include "idem/store.h"
 #include "server/config.h"
 
-/* Opens and migrates the configured store, or prints why not (to stderr)
- * and returns NULL. */
-idem_store_t *idemd_open_store(const idemd_config_t *cfg);
-
 /* Serves HTTP until SIGTERM or SIGINT, then drains and stops (returns 0).
  * Returns 1 when it cannot start; exits the process (status 0) when
  * requests are still unfinished after --shutdown-timeout. */

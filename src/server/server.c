@@ -1,17 +1,37 @@
 /* Bringing a whole idemd up and down: store, log secret, provider, HTTP,
  * reconciler and sweeper, in that order, and back in reverse. Used by
- * `idemd serve` and by anything that runs idemd in process (fuzzers). */
+ * `idemd serve` and by anything that runs idemd in process (fuzzers); the
+ * store is opened here for every other command too. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "idem/crypto.h"
-#include "server/commands.h"
 #include "server/flow.h"
 #include "server/log.h"
 #include "server/replay_cache.h"
 #include "server/server.h"
 #include "server/sweeper.h"
+
+/* Opens and migrates the store named by the configuration. Store messages
+ * go to stderr here: this is the operator's terminal, not an HTTP body. */
+idem_store_t *idemd_open_store(const idemd_config_t *cfg) {
+  idem_store_t *store = NULL;
+  int rc = idem_store_open(cfg->db, NULL, &store);
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: cannot open database: %s (%s)\n", idem_strerror(rc),
+            idem_store_last_error());
+    return NULL;
+  }
+  rc = idem_store_migrate(store);
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: cannot migrate database: %s (%s)\n",
+            idem_strerror(rc), idem_store_last_error());
+    idem_store_close(store);
+    return NULL;
+  }
+  return store;
+}
 
 /* The HMAC key for key ids in logs: from --log-key-secret, or generated on
  * first start and kept in the database, so every instance and restart

@@ -139,6 +139,11 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
 /* Frees a request and what it owns. */
 void idemd_request_free(idemd_request_t *r);
 
+/* Opens and migrates the configured store, or prints why not (to stderr)
+ * and returns NULL. The caller owns the store; close it with
+ * idem_store_close(). Every command that uses the store opens it here. */
+idem_store_t *idemd_open_store(const idemd_config_t *cfg);
+
 /* Brings up a whole idemd from `cfg` into `srv` (zeroed): opens and
  * migrates the store, loads the log secret, sets up the provider, starts
  * HTTP (srv->port is the port bound, useful with port 0), the reconciler
