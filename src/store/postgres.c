@@ -215,6 +215,16 @@ static const char *const migrations[] = {
      * every payment two more index writes (inserted pending, moved on
      * completion). */
     "DROP INDEX resources_by_status;",
+    /* 3: a record's tenant_id is the caller's number, no longer a
+     * reference to tenants: tenants are idemd's, and a program that embeds
+     * libidem scopes its keys by a value of its own, with no tenant row to
+     * make first. The constraint has the name PostgreSQL gave version 1's
+     * REFERENCES. Nothing is rewritten, but both tables are locked
+     * (ACCESS EXCLUSIVE) until the migration commits. resources keep their
+     * reference (payments and orders are idemd's), and the outbox its
+     * reference to resources. */
+    "ALTER TABLE idempotency_records DROP CONSTRAINT IF EXISTS "
+    "idempotency_records_tenant_id_fkey;",
 };
 
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
@@ -818,8 +828,7 @@ static int pg_ping(idem_store_t *base) {
   return rc;
 }
 
-static int pg_migrate(idem_store_t *base) {
-  pg_store_t *s = (pg_store_t *)base;
+static int migrate_to(pg_store_t *s, int target) {
   struct conn *c;
   PGresult *res;
   int rc, version = 0;
@@ -844,7 +853,7 @@ static int pg_migrate(idem_store_t *base) {
                           version, SCHEMA_VERSION);
     rc = IDEM_ESCHEMA;
   }
-  for (int v = version; rc == IDEM_OK && v < SCHEMA_VERSION; v++) {
+  for (int v = version; rc == IDEM_OK && v < target; v++) {
     char sql[96];
     rc = simple(c, migrations[v]);
     snprintf(sql, sizeof sql, "DELETE FROM idem_schema; INSERT INTO idem_schema VALUES (%d)", v + 1);
@@ -856,6 +865,16 @@ static int pg_migrate(idem_store_t *base) {
     rc = end;
   conn_put(s, c);
   return rc;
+}
+
+static int pg_migrate(idem_store_t *base) {
+  return migrate_to((pg_store_t *)base, SCHEMA_VERSION);
+}
+
+int idem__postgres_migrate_to(idem_store_t *store, int version) {
+  if (version < 0 || version > SCHEMA_VERSION)
+    return IDEM_EINVAL;
+  return migrate_to((pg_store_t *)store, version);
 }
 
 /* Parses a NOTIFY payload back into a scope and wakes its waiters. */

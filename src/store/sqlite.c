@@ -332,12 +332,55 @@ static const char *const migrations[] = {
     " json_extract(body, '$.total') AS total,"
     " json_extract(body, '$.currency') AS currency,"
     " created_at, updated_at FROM resources WHERE kind = 'order';",
+    /* 4: a record's tenant_id is the caller's number, no longer a
+     * reference to tenants: tenants are idemd's, and a program that embeds
+     * libidem scopes its keys by a value of its own, with no tenant row
+     * to make first. SQLite cannot drop a constraint, so the table is
+     * copied as in version 3, its rowids kept (a reservation's `row`,
+     * which a completion may name, stays right), and its two indexes are
+     * made again as version 3 has them. resources keep their reference to
+     * tenants (payments and orders are idemd's) and the outbox its
+     * reference to resources; none of idem's views reads the records. */
+    "CREATE TABLE records_v4 ("
+    " tenant_id INTEGER NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " fingerprint TEXT NOT NULL,"
+    " state TEXT NOT NULL CHECK (state = 'processing' OR state = 'completed'"
+    " OR state = 'failed' OR state = 'pending'),"
+    " response_status INTEGER,"
+    " response_body TEXT,"
+    " location TEXT,"
+    " resource_id TEXT,"
+    " provider_ref TEXT,"
+    " correlation_id TEXT NOT NULL,"
+    " owner_token TEXT,"
+    " lease_expires_at INTEGER,"
+    " created_at INTEGER NOT NULL,"
+    " updated_at INTEGER NOT NULL,"
+    " expires_at INTEGER,"
+    " UNIQUE (tenant_id, operation, key));"
+    "INSERT INTO records_v4 (rowid, tenant_id, operation, key, fingerprint,"
+    " state, response_status, response_body, location, resource_id,"
+    " provider_ref, correlation_id, owner_token, lease_expires_at,"
+    " created_at, updated_at, expires_at) SELECT rowid, tenant_id,"
+    " operation, key, fingerprint, state, response_status, response_body,"
+    " location, resource_id, provider_ref, correlation_id, owner_token,"
+    " lease_expires_at, created_at, updated_at, expires_at"
+    " FROM idempotency_records;"
+    "DROP TABLE idempotency_records;"
+    "ALTER TABLE records_v4 RENAME TO idempotency_records;"
+    "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
+    "WHERE expires_at IS NOT NULL;"
+    "CREATE INDEX records_unsettled ON idempotency_records (state, created_at) "
+    "WHERE state = 'processing' OR state = 'pending';",
 };
 
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
 
-/* Schema objects of idem's own that version 3 may drop and make again. */
-#define V3_OWN_OBJECTS                                                        \
+/* Schema objects of idem's own that versions 3 and 4 may drop and make
+ * again. */
+#define OWN_OBJECTS                                                           \
   "'payments', 'orders', 'records_expiry', 'records_open', "                  \
   "'records_unsettled'"
 
@@ -1612,29 +1655,49 @@ static int sq_ping(idem_store_t *base) {
   return rc;
 }
 
-/* Version 3 copies idempotency_records, resources and outbox into new
- * tables: an index of an operator's on them would silently go, and a view
- * or trigger of theirs would make the renames fail. Such objects stop the
- * migration here, by name, before anything changes. */
-static int v3_check_foreign_objects(sqlite3 *db) {
-  static const char sql[] =
-      "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
-      "WHERE type IN ('view', 'trigger', 'index') "
-      "AND name NOT LIKE 'sqlite_autoindex_%' AND name NOT IN (" V3_OWN_OBJECTS ") "
-      "AND (type <> 'index' OR tbl_name IN ('idempotency_records', "
-      "'resources', 'outbox'))";
+/* Versions 3 and 4 copy tables into new ones (3: idempotency_records,
+ * resources and outbox; 4: idempotency_records): an index or trigger of
+ * an operator's on them would silently go, and a view or trigger of theirs
+ * that names them would make the renames fail. Such objects stop the
+ * migration to `version` here, by name, before anything changes (IDEM_OK
+ * at once for a version that copies nothing). */
+static int check_foreign_objects(sqlite3 *db, int version) {
+  static const struct {
+    int version;
+    const char *tables; /* for the message */
+    const char *sql;
+  } checks[] = {
+      {3, "the tables idempotency_records, resources and outbox",
+       "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
+       "WHERE type IN ('view', 'trigger', 'index') "
+       "AND name NOT LIKE 'sqlite_autoindex_%' AND name NOT IN (" OWN_OBJECTS ") "
+       "AND (type <> 'index' OR tbl_name IN ('idempotency_records', "
+       "'resources', 'outbox'))"},
+      /* Any view, and a trigger on any table, that names the records:
+       * the rename checks them all. */
+      {4, "the table idempotency_records",
+       "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
+       "WHERE type IN ('view', 'trigger', 'index') "
+       "AND name NOT LIKE 'sqlite_autoindex_%' AND name NOT IN (" OWN_OBJECTS ") "
+       "AND (tbl_name = 'idempotency_records' OR (type <> 'index' "
+       "AND sql LIKE '%idempotency_records%'))"},
+  };
   sqlite3_stmt *st = NULL;
   int rc = IDEM_OK;
+  size_t i = 0;
 
-  if (sqlite3_prepare_v2(db, sql, -1, &st, NULL) != SQLITE_OK ||
+  while (i < sizeof checks / sizeof *checks && checks[i].version != version)
+    i++;
+  if (i == sizeof checks / sizeof *checks)
+    return IDEM_OK;
+  if (sqlite3_prepare_v2(db, checks[i].sql, -1, &st, NULL) != SQLITE_OK ||
       sqlite3_step(st) != SQLITE_ROW) {
     rc = fail(db, sqlite3_errcode(db), "read schema");
   } else if (sqlite3_column_type(st, 0) != SQLITE_NULL) {
     idem__store_set_error(
-        "schema version 3 rebuilds the tables idempotency_records, resources and "
-        "outbox; drop these objects first and make them again after the "
-        "migration: %s",
-        (const char *)sqlite3_column_text(st, 0));
+        "schema version %d rebuilds %s; drop these objects first and make "
+        "them again after the migration: %s",
+        version, checks[i].tables, (const char *)sqlite3_column_text(st, 0));
     rc = IDEM_ESCHEMA;
   }
   sqlite3_finalize(st);
@@ -1667,7 +1730,7 @@ static int migrate_to(sqlite_store_t *s, int target) {
   for (int v = version; rc == IDEM_OK && v < target; v++) {
     char pragma[64];
     snprintf(pragma, sizeof pragma, "PRAGMA user_version = %d", v + 1);
-    if (v + 1 == 3 && (rc = v3_check_foreign_objects(c->db)) != IDEM_OK)
+    if ((rc = check_foreign_objects(c->db, v + 1)) != IDEM_OK)
       break;
     if (exec(c->db, migrations[v]) != SQLITE_OK || exec(c->db, pragma) != SQLITE_OK)
       rc = IDEM_ESTORE;

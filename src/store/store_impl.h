@@ -31,4 +31,8 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
  * a SQLite store. IDEM_EINVAL for a version this program does not have. */
 int idem__sqlite_migrate_to(idem_store_t *store, int version);
 
+/* Tests only: the same for the PostgreSQL schema; `store` must be a
+ * PostgreSQL store. */
+int idem__postgres_migrate_to(idem_store_t *store, int version);
+
 #endif

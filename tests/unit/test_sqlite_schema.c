@@ -1,8 +1,10 @@
 /* The SQLite schema's migrations on a database that holds data: each
  * step keeps every row, and what the store reads and enforces afterwards
  * still holds. The rows are written with SQL as an older idemd wrote
- * them, then the store migrates to the current version. */
+ * them, or through the store at the version deployed today, then the
+ * store migrates to the current version. */
 #include "support.h"
+#include "upgrade.h"
 
 #include <sqlite3.h>
 #include <stdio.h>
@@ -11,6 +13,11 @@
 
 #include "idem/store.h"
 #include "store/store_impl.h"
+
+/* The schema version this program migrates to, and the one the current
+ * release deployed. */
+#define CURRENT_VERSION 4
+#define RELEASED_VERSION 3
 
 struct fixture {
   char dir[256], path[300];
@@ -58,6 +65,27 @@ static long long number(sqlite3 *db, const char *query) {
   return v;
 }
 
+/* The single text `query` returns, malloc'd ("" for NULL); the caller
+ * frees it. */
+static char *text(sqlite3 *db, const char *query) {
+  sqlite3_stmt *st;
+  char *v;
+  assert_int_equal(sqlite3_prepare_v2(db, query, -1, &st, NULL), SQLITE_OK);
+  assert_int_equal(sqlite3_step(st), SQLITE_ROW);
+  v = strdup(sqlite3_column_text(st, 0) ? (const char *)sqlite3_column_text(st, 0) : "");
+  assert_non_null(v);
+  sqlite3_finalize(st);
+  return v;
+}
+
+/* `s` with the first `cut` taken out, in place; returns `s`. */
+static char *without(char *s, const char *cut) {
+  char *at = strstr(s, cut);
+  if (at)
+    memmove(at, at + strlen(cut), strlen(at + strlen(cut)) + 1);
+  return s;
+}
+
 /* The statements behind idem_store_count("pending" | "processing" |
  * "oldest_pending"), as src/store/sqlite.c has them. */
 static const char *const unsettled_queries[] = {
@@ -88,7 +116,8 @@ static void query_plan(sqlite3 *db, const char *query, char *out, size_t len) {
 
 /* Version 2 -> current: the records table is copied (rowids and every
  * column kept), resources and outbox move into their primary keys, the
- * views come back, and constraints still hold. */
+ * views come back, and constraints still hold (but the records' tenant,
+ * which no longer references tenants, version 4). */
 static void test_from_version_2(void **state) {
   struct fixture *fx = *state;
   idem_store_t *store;
@@ -123,7 +152,7 @@ static void test_from_version_2(void **state) {
       "NULL, 6, 6, 4102444800000);");
 
   assert_int_equal(idem_store_migrate(store), IDEM_OK);
-  assert_int_equal(number(db, "PRAGMA user_version"), 3);
+  assert_int_equal(number(db, "PRAGMA user_version"), CURRENT_VERSION);
 
   /* Every row, as it was. */
   assert_int_equal(number(db, "SELECT count(*) FROM idempotency_records"), 2);
@@ -150,10 +179,11 @@ static void test_from_version_2(void **state) {
   assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
                               "'records_expiry'"),
                    1);
-  /* Foreign keys: records and resources to tenants, outbox to resources. */
+  /* Foreign keys: resources to tenants, outbox to resources; records to
+   * nothing (version 4). */
   assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list("
-                              "'idempotency_records') WHERE \"table\" = 'tenants'"),
-                   1);
+                              "'idempotency_records')"),
+                   0);
   assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('resources') "
                               "WHERE \"table\" = 'tenants'"),
                    1);
@@ -204,7 +234,112 @@ static void test_from_version_2(void **state) {
 
   /* Migrating again changes nothing. */
   assert_int_equal(idem_store_migrate(store), IDEM_OK);
-  assert_int_equal(number(db, "PRAGMA user_version"), 3);
+  assert_int_equal(number(db, "PRAGMA user_version"), CURRENT_VERSION);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
+/* The schema deployed today (version 3) -> current, on a database the
+ * current release filled: every record keeps every field and its rowid
+ * (the row its reservation returned, which a completion may name), the
+ * table and its indexes keep every constraint but the reference to
+ * tenants, and afterwards a key of a tenant with no row is reserved and
+ * completed, which version 3 refused. */
+static void test_from_released_version(void **state) {
+  struct fixture *fx = *state;
+  idem_store_t *store;
+  sqlite3 *db;
+  struct old_data d;
+  long long rowids[OLD_N];
+  char *table, *indexes, *after;
+
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem__sqlite_migrate_to(store, RELEASED_VERSION), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  assert_int_equal(number(db, "PRAGMA user_version"), RELEASED_VERSION);
+  old_fill(store, &d);
+  /* The released schema holds each record to a tenant row. */
+  assert_int_not_equal(reserve_tenantless(store, d.tenant.id + 1000, "key-free", d.now),
+                       IDEM_OK);
+  for (int i = 0; i < OLD_N; i++) {
+    char q[160];
+    snprintf(q, sizeof q, "SELECT rowid FROM idempotency_records WHERE key = '%s'",
+             old_keys[i]);
+    rowids[i] = number(db, q);
+  }
+  /* The rows the reservations returned are the rowids (0: unknown). */
+  assert_true(d.rows[OLD_PROCESSING] > 0);
+  for (int i = 0; i < OLD_N; i++)
+    if (d.rows[i] != 0)
+      assert_int_equal(d.rows[i], rowids[i]);
+  table = text(db, "SELECT sql FROM sqlite_schema WHERE name = 'idempotency_records'");
+  indexes = text(db, "SELECT group_concat(sql, '; ') FROM (SELECT sql FROM sqlite_schema "
+                     "WHERE type = 'index' AND tbl_name = 'idempotency_records' "
+                     "ORDER BY name)");
+  assert_contains(table, " REFERENCES tenants (id)");
+  assert_contains(indexes, "records_unsettled");
+
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(number(db, "PRAGMA user_version"), CURRENT_VERSION);
+
+  old_check_kept(store, &d);
+  for (int i = 0; i < OLD_N; i++) {
+    char q[160];
+    snprintf(q, sizeof q, "SELECT rowid FROM idempotency_records WHERE key = '%s'",
+             old_keys[i]);
+    assert_int_equal(number(db, q), rowids[i]);
+  }
+  /* The same table but for the reference, the same indexes (the unique
+   * constraint's among them), nothing left of the copy. */
+  after = text(db, "SELECT sql FROM sqlite_schema WHERE name = 'idempotency_records'");
+  assert_string_equal(after, without(table, " REFERENCES tenants (id)"));
+  free(after);
+  after = text(db, "SELECT group_concat(sql, '; ') FROM (SELECT sql FROM sqlite_schema "
+                   "WHERE type = 'index' AND tbl_name = 'idempotency_records' "
+                   "ORDER BY name)");
+  assert_string_equal(after, indexes);
+  free(after);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE type = 'index' "
+                              "AND tbl_name = 'idempotency_records' AND name LIKE "
+                              "'sqlite_autoindex_%'"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name LIKE "
+                              "'%_v4%'"),
+                   0);
+  /* References: records to nothing, resources to tenants, outbox to
+   * resources; the views still read the resources. */
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list("
+                              "'idempotency_records')"),
+                   0);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('resources') "
+                              "WHERE \"table\" = 'tenants'"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('outbox') "
+                              "WHERE \"table\" = 'resources'"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_check"), 0);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_integrity_check WHERE "
+                              "integrity_check <> 'ok'"),
+                   0);
+  assert_int_equal(number(db, "SELECT amount FROM payments WHERE id = 'pay_3'"), 1003);
+  assert_int_equal(number(db, "SELECT total FROM orders WHERE id = 'ord_4'"), 1004);
+  for (size_t i = 0; i < ARRAY_LEN(unsettled_queries); i++) {
+    char plan[512];
+    query_plan(db, unsettled_queries[i], plan, sizeof plan);
+    if (strstr(plan, "records_unsettled") == NULL)
+      fail_msg("%s: plan %s", unsettled_queries[i], plan);
+  }
+
+  old_check_usable(store, &d);
+  /* The key of a tenant with no row made none. */
+  assert_int_equal(number(db, "SELECT count(*) FROM tenants"), 1);
+  assert_int_equal(number(db, "SELECT count(*) FROM idempotency_records WHERE "
+                              "tenant_id NOT IN (SELECT id FROM tenants)"),
+                   1);
+
+  free(table);
+  free(indexes);
+  old_free(&d);
   sqlite3_close(db);
   idem_store_close(store);
 }
@@ -237,9 +372,55 @@ static void test_version_3_refuses_foreign_objects(void **state) {
 
   sql(db, "DROP VIEW my_open; DROP INDEX my_by_kind;");
   assert_int_equal(idem_store_migrate(store), IDEM_OK);
-  assert_int_equal(number(db, "PRAGMA user_version"), 3);
+  assert_int_equal(number(db, "PRAGMA user_version"), CURRENT_VERSION);
   assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
                               "'my_tenant_names'"),
+                   1);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
+/* Version 4 rebuilds the records alone: an operator's index or trigger on
+ * them, and a view or trigger elsewhere that names them, stop it before
+ * anything changes, by name; an index on a table it leaves alone does not.
+ * Once they are dropped it goes through. */
+static void test_version_4_refuses_foreign_objects(void **state) {
+  struct fixture *fx = *state;
+  idem_store_t *store;
+  sqlite3 *db;
+
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem__sqlite_migrate_to(store, 3), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  sql(db, "INSERT INTO tenants (id, name, key_lookup, key_hash, created_at) "
+          "VALUES (1, 'acme', 'lookup', x'00', 1);"
+          "CREATE VIEW my_open AS SELECT key FROM idempotency_records "
+          "WHERE state = 'pending';"
+          "CREATE INDEX my_by_state ON idempotency_records (state);"
+          "CREATE TRIGGER my_stamp AFTER UPDATE ON idempotency_records "
+          "BEGIN SELECT 1; END;"
+          "CREATE TRIGGER my_cleanup AFTER DELETE ON tenants BEGIN "
+          "DELETE FROM idempotency_records WHERE tenant_id = old.id; END;"
+          "CREATE INDEX my_by_kind ON resources (kind);");
+
+  assert_int_equal(idem_store_migrate(store), IDEM_ESCHEMA);
+  assert_contains(idem_store_last_error(), "schema version 4");
+  assert_contains(idem_store_last_error(), "view my_open");
+  assert_contains(idem_store_last_error(), "index my_by_state");
+  assert_contains(idem_store_last_error(), "trigger my_stamp");
+  assert_contains(idem_store_last_error(), "trigger my_cleanup");
+  assert_null(strstr(idem_store_last_error(), "my_by_kind"));
+  assert_int_equal(number(db, "PRAGMA user_version"), 3);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list("
+                              "'idempotency_records')"),
+                   1);
+
+  sql(db, "DROP VIEW my_open; DROP INDEX my_by_state; DROP TRIGGER my_stamp;"
+          "DROP TRIGGER my_cleanup;");
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(number(db, "PRAGMA user_version"), CURRENT_VERSION);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
+                              "'my_by_kind'"),
                    1);
   sqlite3_close(db);
   idem_store_close(store);
@@ -249,6 +430,9 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_from_version_2, setup, teardown),
       cmocka_unit_test_setup_teardown(test_version_3_refuses_foreign_objects, setup,
+                                      teardown),
+      cmocka_unit_test_setup_teardown(test_from_released_version, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_version_4_refuses_foreign_objects, setup,
                                       teardown),
   };
   return cmocka_run_group_tests_name("sqlite schema migrations", tests, NULL, NULL);

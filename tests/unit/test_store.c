@@ -297,6 +297,54 @@ static void test_tenant_change_seen_at_once(void **state) {
 
 /* ---- reservations ----------------------------------------------------- */
 
+/* A scope's tenant is a number the caller gives: a program that embeds
+ * libidem reserves, completes and replays keys under a tenant that has no
+ * row in tenants (those are idemd's). The number is far above any tenant
+ * id the store hands out, and random, so a shared database is fine. */
+static void test_tenant_is_the_callers(void **state) {
+  static const char body[] = "{\"ok\":true}";
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN], token[IDEM_TOKEN_MAX + 1];
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 200, .body = body};
+  uint64_t bits;
+  int64_t tenant, n = -1;
+  idem_complete_t c;
+
+  assert_int_equal(idem_random_bytes(&bits, sizeof bits), IDEM_OK);
+  tenant = (int64_t)((bits >> 2) | ((uint64_t)1 << 61));
+  make_fp(fp, 1);
+  req = request(fx, OP_PAY, "key-1", fp);
+  req.scope.tenant_id = tenant;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_int_equal(rec.tenant_id, tenant);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  idem_copy(token, sizeof token, rec.owner_token);
+  c = (idem_complete_t){.scope = req.scope,
+                        .owner_token = token,
+                        .now_ms = fx->now,
+                        .ttl_ms = TTL_MS,
+                        .outcome = out,
+                        .row = rec.row};
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_OK);
+
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
+  assert_int_equal(rec.tenant_id, tenant);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_int_equal(rec.response_status, 200);
+  assert_same_json(rec.response_body, body);
+  idem_record_reset(&rec);
+  /* A replay, and the same key under the fixture's tenant is another. */
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_EXISTS);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_count(fx->store, "records", tenant, &n), IDEM_OK);
+  assert_int_equal(n, 1);
+  assert_int_equal(count(fx, "records"), 0);
+}
+
 static void test_reserve_won_then_exists(void **state) {
   fixture_t *fx = *state;
   char fp_a[IDEM_FINGERPRINT_LEN], fp_b[IDEM_FINGERPRINT_LEN];
@@ -1604,6 +1652,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_migrate_is_idempotent),
       STORE_TEST(test_tenant_change_seen_at_once),
       STORE_TEST(test_tenants),
+      STORE_TEST(test_tenant_is_the_callers),
       STORE_TEST(test_reserve_won_then_exists),
       STORE_TEST(test_scope_isolation),
       STORE_TEST(test_key_bytes_round_trip),

@@ -1,0 +1,313 @@
+/* A database of the schema deployed today, filled through the store's own
+ * calls (what the current release writes), and the checks that a
+ * migration kept every row and field of it and that the store still works
+ * on it. Shared by test_sqlite_schema and test_pg_schema; each adds the
+ * checks of its backend's schema. */
+#ifndef IDEM_TEST_UPGRADE_H
+#define IDEM_TEST_UPGRADE_H
+
+#include "support.h"
+
+#include <stdlib.h>
+
+#include "idem/clock.h"
+#include "idem/crypto.h"
+#include "idem/store.h"
+
+/* One record in each state, the order completed with its reservation,
+ * reserved in this order. The failed one comes first: on SQLite the first
+ * record's row is unknown (its rowid equals the tenant's, the connection's
+ * previous insert), and the processing one's is wanted. */
+enum { OLD_FAILED, OLD_PROCESSING, OLD_PENDING, OLD_COMPLETED, OLD_ORDER, OLD_N };
+
+static const char *const old_keys[OLD_N] = {"key-failed", "key-processing", "key-pending",
+                                            "key-completed", "key-order"};
+
+/* The counts idem_store_count() reads for the tenant. */
+static const char *const old_counted[] = {"records", "processing", "pending",
+                                          "outbox",  "payments",   "orders"};
+
+#define OLD_LEASE_MS 60000
+#define OLD_TTL_MS 86400000
+
+/* What old_fill() wrote, as the store read it back before the migration. */
+struct old_data {
+  idem_tenant_t tenant;
+  int64_t now;
+  idem_scope_t scopes[OLD_N];
+  idem_record_t before[OLD_N];
+  int64_t rows[OLD_N];            /* each reservation's `row` */
+  char token[IDEM_TOKEN_MAX + 1]; /* the processing record's owner */
+  char ids[OLD_N][40];            /* resource ids; "" for none */
+  char *bodies[OLD_N];            /* the resources' bodies, as read */
+  int64_t counts[ARRAY_LEN(old_counted)];
+};
+
+/* Writes, in a tenant of its own: a payment in flight (resource and
+ * outbox row, a lease), one whose outcome is unknown (pending, its outbox
+ * row kept), one completed (resource settled, provider reference), a
+ * failed request, and an order completed in its reservation. */
+static void old_fill(idem_store_t *store, struct old_data *d) {
+  memset(d, 0, sizeof *d);
+  d->now = idem_now_ms();
+  snprintf(d->tenant.name, sizeof d->tenant.name, "acme");
+  assert_int_equal(
+      idem_random_token(d->tenant.key_lookup, sizeof d->tenant.key_lookup - 1), IDEM_OK);
+  assert_int_equal(idem_random_bytes(d->tenant.key_hash, sizeof d->tenant.key_hash),
+                   IDEM_OK);
+  d->tenant.created_at = d->now;
+  assert_int_equal(idem_store_tenant_create(store, &d->tenant), IDEM_OK);
+
+  for (int i = 0; i < OLD_N; i++) {
+    const int order = i == OLD_ORDER;
+    char fp[IDEM_FINGERPRINT_LEN], body[160], done[160], reply[160], location[160];
+    char correlation[16];
+    idem_record_t rec = {0};
+    idem_reserve_result_t result = 0;
+    idem_resource_t res;
+    idem_outcome_t out = {0};
+    idem_reserve_t req = {
+        .scope = {d->tenant.id, order ? "create_order" : "create_payment", old_keys[i]},
+        .fingerprint = fp,
+        .correlation_id = correlation,
+        .now_ms = d->now + i,
+        .lease_ms = OLD_LEASE_MS,
+        .ttl_ms = OLD_TTL_MS,
+    };
+
+    d->scopes[i] = req.scope;
+    snprintf(fp, sizeof fp, "%064d", 100 + i);
+    snprintf(correlation, sizeof correlation, "req_%d", i);
+    if (i != OLD_FAILED)
+      snprintf(d->ids[i], sizeof d->ids[i], "%s_%d", order ? "ord" : "pay", i);
+    snprintf(body, sizeof body, "{\"id\":\"%s\",\"%s\":%d,\"status\":\"%s\"}", d->ids[i],
+             order ? "total" : "amount", 1000 + i, order ? "created" : "pending");
+    snprintf(done, sizeof done, "{\"id\":\"%s\",\"amount\":%d,\"status\":\"succeeded\"}",
+             d->ids[i], 1000 + i);
+    snprintf(reply, sizeof reply, "{\"id\":\"%s\",\"n\":%d}", d->ids[i], i);
+    snprintf(location, sizeof location, "/%s/%s", order ? "orders" : "payments",
+             d->ids[i]);
+    res = (idem_resource_t){.kind = order ? "order" : "payment",
+                            .id = d->ids[i],
+                            .status = order ? "created" : "pending",
+                            .body = body};
+    if (i != OLD_FAILED) {
+      req.resource = &res;
+      req.enqueue_outbox = !order;
+    }
+    switch (i) {
+    case OLD_PENDING:
+      out = (idem_outcome_t){.state = IDEM_STATE_PENDING,
+                             .status = 202,
+                             .body = reply,
+                             .location = location,
+                             .resource_status = "pending",
+                             .provider_ref = "ref_pending"};
+      break;
+    case OLD_COMPLETED:
+      out = (idem_outcome_t){.state = IDEM_STATE_COMPLETED,
+                             .status = 201,
+                             .body = reply,
+                             .location = location,
+                             .resource_status = "succeeded",
+                             .resource_body = done,
+                             .provider_ref = "ch_completed"};
+      break;
+    case OLD_FAILED:
+      out = (idem_outcome_t){.state = IDEM_STATE_FAILED,
+                             .status = 503,
+                             .body = "{\"error\":\"provider unavailable\"}"};
+      break;
+    case OLD_ORDER:
+      out = (idem_outcome_t){.state = IDEM_STATE_COMPLETED,
+                             .status = 201,
+                             .body = body,
+                             .location = location};
+      req.outcome = &out;
+      break;
+    }
+    if (idem_store_reserve(store, &req, &rec, &result) != IDEM_OK)
+      fail_msg("reserve %s: %s", old_keys[i], idem_store_last_error());
+    assert_int_equal(result, IDEM_RESERVE_WON);
+    d->rows[i] = rec.row;
+    if (i == OLD_PROCESSING)
+      idem_copy(d->token, sizeof d->token, rec.owner_token);
+    if (i != OLD_PROCESSING && i != OLD_ORDER) {
+      idem_complete_t c = {.scope = req.scope,
+                           .owner_token = rec.owner_token,
+                           .now_ms = d->now + 10 + i,
+                           .ttl_ms = OLD_TTL_MS,
+                           .outcome = out,
+                           .row = rec.row};
+      assert_int_equal(idem_store_complete(store, &c), IDEM_OK);
+    }
+    idem_record_reset(&rec);
+  }
+
+  for (int i = 0; i < OLD_N; i++) {
+    assert_int_equal(idem_store_lookup(store, &d->scopes[i], d->now + 20, &d->before[i]),
+                     IDEM_OK);
+    if (d->ids[i][0])
+      assert_int_equal(idem_store_resource_get(store, d->tenant.id,
+                                               i == OLD_ORDER ? "order" : "payment",
+                                               d->ids[i], &d->bodies[i]),
+                       IDEM_OK);
+  }
+  for (size_t i = 0; i < ARRAY_LEN(old_counted); i++)
+    assert_int_equal(idem_store_count(store, old_counted[i], d->tenant.id, &d->counts[i]),
+                     IDEM_OK);
+  /* What was written is what each state looks like. */
+  assert_int_equal(d->before[OLD_PROCESSING].state, IDEM_STATE_PROCESSING);
+  assert_int_equal(d->before[OLD_PENDING].state, IDEM_STATE_PENDING);
+  assert_int_equal(d->before[OLD_COMPLETED].state, IDEM_STATE_COMPLETED);
+  assert_int_equal(d->before[OLD_FAILED].state, IDEM_STATE_FAILED);
+  assert_int_equal(d->before[OLD_ORDER].state, IDEM_STATE_COMPLETED);
+  assert_int_equal(d->counts[3], 2); /* outbox: the processing and pending payments */
+}
+
+static void old_free(struct old_data *d) {
+  for (int i = 0; i < OLD_N; i++) {
+    idem_record_reset(&d->before[i]);
+    free(d->bodies[i]);
+    d->bodies[i] = NULL;
+  }
+}
+
+static void assert_same_record(const idem_record_t *got, const idem_record_t *want) {
+  assert_int_equal(got->tenant_id, want->tenant_id);
+  assert_string_equal(got->operation, want->operation);
+  assert_string_equal(got->key, want->key);
+  assert_string_equal(got->fingerprint, want->fingerprint);
+  assert_int_equal(got->state, want->state);
+  assert_int_equal(got->response_status, want->response_status);
+  if (want->response_body == NULL)
+    assert_null(got->response_body);
+  else
+    assert_string_equal(got->response_body, want->response_body);
+  assert_string_equal(got->location, want->location);
+  assert_string_equal(got->resource_id, want->resource_id);
+  assert_string_equal(got->provider_ref, want->provider_ref);
+  assert_string_equal(got->correlation_id, want->correlation_id);
+  assert_string_equal(got->owner_token, want->owner_token);
+  assert_int_equal(got->lease_expires_at, want->lease_expires_at);
+  assert_int_equal(got->created_at, want->created_at);
+  assert_int_equal(got->updated_at, want->updated_at);
+  assert_int_equal(got->expires_at, want->expires_at);
+}
+
+/* After the migration: every record, field by field, every resource and
+ * count, and the tenant are as they were. */
+static void old_check_kept(idem_store_t *store, const struct old_data *d) {
+  idem_tenant_t found;
+
+  for (int i = 0; i < OLD_N; i++) {
+    idem_record_t rec = {0};
+    char *body = NULL;
+    assert_int_equal(idem_store_lookup(store, &d->scopes[i], d->now + 20, &rec), IDEM_OK);
+    assert_same_record(&rec, &d->before[i]);
+    idem_record_reset(&rec);
+    if (d->ids[i][0] == '\0')
+      continue;
+    assert_int_equal(idem_store_resource_get(store, d->tenant.id,
+                                             i == OLD_ORDER ? "order" : "payment",
+                                             d->ids[i], &body),
+                     IDEM_OK);
+    assert_string_equal(body, d->bodies[i]);
+    free(body);
+  }
+  for (size_t i = 0; i < ARRAY_LEN(old_counted); i++) {
+    int64_t n = -1;
+    assert_int_equal(idem_store_count(store, old_counted[i], d->tenant.id, &n), IDEM_OK);
+    if (n != d->counts[i])
+      fail_msg("%s: %lld after the migration, %lld before", old_counted[i], (long long)n,
+               (long long)d->counts[i]);
+  }
+  assert_int_equal(idem_store_tenant_find(store, d->tenant.key_lookup, &found), IDEM_OK);
+  assert_int_equal(found.id, d->tenant.id);
+  assert_string_equal(found.name, d->tenant.name);
+  assert_memory_equal(found.key_hash, d->tenant.key_hash, sizeof found.key_hash);
+}
+
+/* Reserves `key` under `tenant_id` (a tenant with no row anywhere), then
+ * completes it; returns the reservation's result, having completed and
+ * looked the record up only when it was IDEM_OK. */
+static int reserve_tenantless(idem_store_t *store, int64_t tenant_id, const char *key,
+                              int64_t now) {
+  static const char fp[] =
+      "00000000000000000000000000000000000000000000000000000000000000ee";
+  static const char reply[] = "{\"ok\":true}";
+  idem_record_t rec = {0};
+  idem_reserve_result_t result = 0;
+  idem_reserve_t req = {.scope = {tenant_id, "embedded_op", key},
+                        .fingerprint = fp,
+                        .correlation_id = "req_free",
+                        .now_ms = now,
+                        .lease_ms = OLD_LEASE_MS,
+                        .ttl_ms = OLD_TTL_MS};
+  int rc = idem_store_reserve(store, &req, &rec, &result);
+
+  if (rc != IDEM_OK) {
+    assert_int_equal(idem_store_lookup(store, &req.scope, now, &rec), IDEM_ENOTFOUND);
+    return rc;
+  }
+  assert_int_equal(result, IDEM_RESERVE_WON);
+  idem_complete_t c = {
+      .scope = req.scope,
+      .owner_token = rec.owner_token,
+      .now_ms = now,
+      .ttl_ms = OLD_TTL_MS,
+      .row = rec.row,
+      .outcome = {.state = IDEM_STATE_COMPLETED, .status = 200, .body = reply}};
+  assert_int_equal(idem_store_complete(store, &c), IDEM_OK);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_lookup(store, &req.scope, now, &rec), IDEM_OK);
+  assert_int_equal(rec.tenant_id, tenant_id);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_int_equal(rec.response_status, 200);
+  assert_string_equal(rec.response_body, reply);
+  idem_record_reset(&rec);
+  return IDEM_OK;
+}
+
+/* After the migration the records are used as before: the payment in
+ * flight is completed by its owner (with its reservation's row), the
+ * pending one is claimed and settled, and a key of a tenant that has no
+ * row is reserved and completed. */
+static void old_check_usable(idem_store_t *store, const struct old_data *d) {
+  const int64_t t = d->now + 100;
+  idem_record_t claimed[4] = {{0}}, rec = {0};
+  idem_complete_t c = {.now_ms = t,
+                       .ttl_ms = OLD_TTL_MS,
+                       .outcome = {.state = IDEM_STATE_COMPLETED,
+                                   .status = 201,
+                                   .body = "{\"n\":1}",
+                                   .resource_status = "succeeded"}};
+  int n = -1;
+  int64_t left = -1;
+
+  c.scope = d->scopes[OLD_PROCESSING];
+  c.owner_token = d->token;
+  c.row = d->rows[OLD_PROCESSING];
+  assert_int_equal(idem_store_complete(store, &c), IDEM_OK);
+  assert_int_equal(idem_store_lookup(store, &c.scope, t, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  assert_string_equal(rec.fingerprint, d->before[OLD_PROCESSING].fingerprint);
+  idem_record_reset(&rec);
+
+  assert_int_equal(idem_store_claim(store, t, 5000, (int)ARRAY_LEN(claimed), claimed, &n),
+                   IDEM_OK);
+  assert_int_equal(n, 1);
+  assert_string_equal(claimed[0].key, old_keys[OLD_PENDING]);
+  c.scope = d->scopes[OLD_PENDING];
+  c.owner_token = claimed[0].owner_token;
+  c.row = 0;
+  assert_int_equal(idem_store_complete(store, &c), IDEM_OK);
+  idem_record_reset(&claimed[0]);
+  assert_int_equal(idem_store_count(store, "outbox", d->tenant.id, &left), IDEM_OK);
+  assert_int_equal(left, 0);
+
+  assert_int_equal(reserve_tenantless(store, d->tenant.id + 1000, "key-free", t),
+                   IDEM_OK);
+}
+
+#endif
