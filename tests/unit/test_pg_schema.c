@@ -11,7 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "../../src/store/store_impl.h"
+#include "store/store_impl.h"
 #include "idem/store.h"
 
 /* The schema version this program migrates to, and the one the current
