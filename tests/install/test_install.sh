@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Installs the build in $1 (source in $2, compiler $3) into a temporary
+# prefix, builds examples/embed against that prefix only, checks that
+# idem.pc and idem-client.pc link a program each, then starts the example
+# on 127.0.0.1 and runs conformance.py against it. Fails on any step;
+# removes everything it made, and stops the server, either way.
+set -euo pipefail
+build=$1 src=$2 cc=${3:-cc}
+here=$(cd "$(dirname "$0")" && pwd)
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/idem-install-XXXXXX")
+server=
+cleanup() {
+  if [[ -n $server ]]; then
+    kill "$server" 2>/dev/null || true
+    wait "$server" 2>/dev/null || true
+  fi
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+fail() { echo "test_install: $*" >&2; exit 1; }
+
+prefix=$tmp/prefix
+cmake --install "$build" --prefix "$prefix" >"$tmp/install.log" || { cat "$tmp/install.log"; fail "cmake --install failed"; }
+for f in bin/idemd bin/idem bin/idem-psp include/idem/engine.h include/idem/client.h \
+         lib/libidem.a lib/libidem_client.a lib/cmake/idem/idemConfig.cmake \
+         lib/cmake/idem/idemConfigVersion.cmake lib/pkgconfig/idem.pc lib/pkgconfig/idem-client.pc; do
+  [[ -e $prefix/$f ]] || fail "not installed: $f"
+done
+
+# The example, from the prefix alone: nothing of the build or source tree.
+cmake -S "$src/examples/embed" -B "$tmp/embed" -DCMAKE_C_COMPILER="$cc" \
+      -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_C_FLAGS=-Werror >"$tmp/embed.log" 2>&1 ||
+  { cat "$tmp/embed.log"; fail "examples/embed does not configure against $prefix"; }
+grep -qx "idem_DIR:PATH=$prefix/lib/cmake/idem" "$tmp/embed/CMakeCache.txt" ||
+  fail "examples/embed found another idem: $(grep '^idem_DIR' "$tmp/embed/CMakeCache.txt")"
+cmake --build "$tmp/embed" >>"$tmp/embed.log" 2>&1 ||
+  { cat "$tmp/embed.log"; fail "examples/embed does not build against $prefix"; }
+
+# pkg-config: a program against each .pc file, the client's without the
+# stores (no libpq, no SQLite on its link line).
+export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
+cat >"$tmp/engine.c" <<'C'
+#include <idem/engine.h>
+#include <stdio.h>
+int main(void) { printf("%s\n", idem_decision_name(idem_decide(NULL, "f", 0))); return 0; }
+C
+cat >"$tmp/client.c" <<'C'
+#include <idem/client.h>
+#include <stdio.h>
+int main(void) { printf("%s\n", idem_client_outcome_str(IDEM_CLIENT_DONE)); return 0; }
+C
+# shellcheck disable=SC2046 # word splitting of pkg-config's flags is meant
+"$cc" -Werror -o "$tmp/engine" "$tmp/engine.c" $(pkg-config --cflags --libs --static idem) ||
+  fail "a program does not link with pkg-config --static idem"
+[[ $("$tmp/engine") == reserve ]] || fail "the program linked with idem.pc does not run"
+client_libs=$(pkg-config --cflags --libs --static idem-client)
+for word in $client_libs; do
+  case $word in
+    -lidem | -lidem_sqlite | -lsqlite3 | -lpq) fail "idem-client.pc drags in the stores: $client_libs" ;;
+  esac
+done
+# shellcheck disable=SC2086
+"$cc" -Werror -o "$tmp/client" "$tmp/client.c" $client_libs ||
+  fail "a program does not link with pkg-config --static idem-client"
+[[ $("$tmp/client") == "final answer" ]] || fail "the program linked with idem-client.pc does not run"
+# The example again, with pkg-config instead of CMake (as its README says).
+# shellcheck disable=SC2046
+"$cc" -Werror -o "$tmp/embed-pc" "$src/examples/embed/notes.c" \
+  $(pkg-config --cflags --libs --static idem) $(pkg-config --cflags --libs libmicrohttpd) ||
+  fail "examples/embed does not build with pkg-config"
+
+# The server, on a port of its own choosing (0) on the loopback only.
+"$tmp/embed/embed-notes" 0 "$tmp/notes.db" >"$tmp/server.out" 2>"$tmp/server.err" &
+server=$!
+port=
+for _ in $(seq 100); do
+  port=$(sed -n 's|^listening on http://127\.0\.0\.1:\([0-9][0-9]*\)$|\1|p' "$tmp/server.out")
+  [[ -n $port ]] && break
+  kill -0 "$server" 2>/dev/null || break
+  sleep 0.1
+done
+[[ -n $port ]] || { cat "$tmp/server.err"; fail "embed-notes did not start"; }
+
+python3 "$here/conformance.py" "http://127.0.0.1:$port" "$tmp/notes.db" ||
+  { cat "$tmp/server.err"; fail "conformance cases failed"; }
+
+kill -TERM "$server"
+for _ in $(seq 100); do
+  kill -0 "$server" 2>/dev/null || break
+  sleep 0.1
+done
+if kill -0 "$server" 2>/dev/null; then fail "embed-notes did not stop on SIGTERM"; fi
+wait "$server" || fail "embed-notes exited with $?"
+server=
+echo "test_install: ok"
