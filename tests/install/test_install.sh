@@ -36,6 +36,28 @@ grep -qx "idem_DIR:PATH=$prefix/lib/cmake/idem" "$tmp/embed/CMakeCache.txt" ||
 cmake --build "$tmp/embed" >>"$tmp/embed.log" 2>&1 ||
   { cat "$tmp/embed.log"; fail "examples/embed does not build against $prefix"; }
 
+# idem::client from the package: it links, and without libidem or a store.
+mkdir "$tmp/cli"
+cat >"$tmp/cli/CMakeLists.txt" <<'CM'
+cmake_minimum_required(VERSION 3.18)
+project(cli LANGUAGES C)
+find_package(idem REQUIRED)
+add_executable(cli client.c)
+target_link_libraries(cli PRIVATE idem::client)
+CM
+cat >"$tmp/cli/client.c" <<'C'
+#include <idem/client.h>
+#include <stdio.h>
+int main(void) { printf("%s\n", idem_client_outcome_str(IDEM_CLIENT_DONE)); return 0; }
+C
+{ cmake -S "$tmp/cli" -B "$tmp/cli/build" -DCMAKE_C_COMPILER="$cc" -DCMAKE_PREFIX_PATH="$prefix" &&
+  cmake --build "$tmp/cli/build"; } >"$tmp/cli.log" 2>&1 ||
+  { cat "$tmp/cli.log"; fail "a program does not build with idem::client"; }
+[[ $("$tmp/cli/build/cli") == "final answer" ]] || fail "the program linked with idem::client does not run"
+if grep -Eq 'libidem\.a|libidem_sqlite|libpq|sqlite3' "$tmp/cli/build/CMakeFiles/cli.dir/link.txt"; then
+  fail "idem::client drags in the stores: $(cat "$tmp/cli/build/CMakeFiles/cli.dir/link.txt")"
+fi
+
 # pkg-config: a program against each .pc file, the client's without the
 # stores (no libpq, no SQLite on its link line).
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
