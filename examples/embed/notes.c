@@ -52,8 +52,9 @@ typedef struct note {
   idem_outcome_t outcome;
 } note_t;
 
-static enum MHD_Result reply(struct MHD_Connection *conn, unsigned status, const char *body,
-                             const char *location, int replayed, int retry_after) {
+static enum MHD_Result reply(struct MHD_Connection *conn, unsigned status,
+                             const char *body, const char *location, int replayed,
+                             int retry_after) {
   struct MHD_Response *resp =
       MHD_create_response_from_buffer(strlen(body), (void *)body, MHD_RESPMEM_MUST_COPY);
   enum MHD_Result ret;
@@ -102,10 +103,12 @@ static int prepare(void *arg) {
   json_decref(doc);
   if (n->json == NULL)
     return IDEM_ENOMEM;
-  n->resource = (idem_resource_t){.kind = "note", .id = n->id, .status = "created",
-                                  .body = n->json};
-  n->outcome = (idem_outcome_t){.state = IDEM_STATE_COMPLETED, .status = MHD_HTTP_CREATED,
-                                .body = n->json, .location = n->location,
+  n->resource = (idem_resource_t){
+      .kind = "note", .id = n->id, .status = "created", .body = n->json};
+  n->outcome = (idem_outcome_t){.state = IDEM_STATE_COMPLETED,
+                                .status = MHD_HTTP_CREATED,
+                                .body = n->json,
+                                .location = n->location,
                                 .resource_id = n->id};
   return IDEM_OK;
 }
@@ -165,8 +168,7 @@ static enum MHD_Result create_note(struct MHD_Connection *conn, const request_t 
     ret = reply(conn, rec.response_status, rec.response_body ? rec.response_body : "{}",
                 rec.location, 1, 0);
   } else if (d == IDEM_DECIDE_MISMATCH) {
-    ret = reply_error(conn, 422,
-                      "Idempotency-Key was used with another request");
+    ret = reply_error(conn, 422, "Idempotency-Key was used with another request");
   } else { /* IN_FLIGHT: the original still runs at the wait's bound */
     ret = reply_error(conn, MHD_HTTP_CONFLICT, "a request with this key is in progress");
   }
@@ -192,8 +194,8 @@ static enum MHD_Result get_note(struct MHD_Connection *conn, const char *id) {
 }
 
 static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char *url,
-                              const char *method, const char *version,
-                              const char *upload, size_t *upload_size, void **con_cls) {
+                              const char *method, const char *version, const char *upload,
+                              size_t *upload_size, void **con_cls) {
   request_t *req = *con_cls;
 
   if (req == NULL) { /* first call: headers only */
@@ -271,8 +273,8 @@ int main(int argc, char **argv) {
   pthread_sigmask(SIG_BLOCK, &stop, NULL);
   /* A thread per connection: idem_engine_begin() may block while it waits
    * for a duplicate in flight, which costs only that connection's thread. */
-  d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD,
-                       0, NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR, &addr,
+  d = MHD_start_daemon(MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD, 0,
+                       NULL, NULL, handle, NULL, MHD_OPTION_SOCK_ADDR, &addr,
                        MHD_OPTION_NOTIFY_COMPLETED, request_done, NULL, MHD_OPTION_END);
   if (d == NULL || (info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT)) == NULL) {
     fprintf(stderr, "embed-notes: cannot listen on 127.0.0.1:%s\n", argv[1]);
