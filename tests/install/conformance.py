@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""SPEC section 2 cases against examples/embed's server at URL (argv[1]),
+"""docs/idempotency.md, section 2: cases against examples/embed's server at URL (argv[1]),
 whose SQLite database is argv[2]: twenty concurrent requests with one key
 make one note and get twenty identical answers; another body under the key
 gets 422; a later retry replays the first answer with its marker; bad keys
