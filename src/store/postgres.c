@@ -223,8 +223,8 @@ static const char *const migrations[] = {
      * (ACCESS EXCLUSIVE) until the migration commits. resources keep their
      * reference (payments and orders are idemd's), and the outbox its
      * reference to resources. */
-    "ALTER TABLE idempotency_records DROP CONSTRAINT IF EXISTS "
-    "idempotency_records_tenant_id_fkey;",
+    ("ALTER TABLE idempotency_records DROP CONSTRAINT IF EXISTS "
+     "idempotency_records_tenant_id_fkey;"),
 };
 
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
