@@ -87,9 +87,11 @@ typedef struct idem_begin {
   const char *fingerprint;    /* idem_fingerprint() of the validated command */
   const char *correlation_id; /* stored with the record (a request id) */
   /* Written in the transaction that wins the key, and only then: the
-   * resource the request creates, an outbox row for it, and, for a
-   * request whose whole effect is those rows, its final outcome (the
-   * record is then completed at once). All optional. */
+   * caller's own rows (`effect`, store.h), libidem's resource row and an
+   * outbox row for it, and, for a request whose whole effect is those
+   * rows, its final outcome (the record is then completed at once). All
+   * optional. */
+  idem_effect_t effect;
   const idem_resource_t *resource;
   int enqueue_outbox;
   const idem_outcome_t *outcome;
@@ -120,12 +122,14 @@ IDEM_WARN_UNUSED int idem_engine_begin(idem_engine_t *engine, idem_begin_t *b,
 
 /* Ends the execution of the record `rec` that idem_engine_begin() gave
  * this request (EXECUTE) with `out` (state COMPLETED or PENDING, the
- * status and body to replay), in one transaction, and wakes the requests
- * waiting on it. Returns IDEM_ELOST, with nothing written, when the
- * record's lease ran out and another owner took it (decide again with
- * idem_engine_begin()). */
+ * status and body to replay) and the caller's `effect` (may be NULL:
+ * none), in one transaction, and wakes the requests waiting on it.
+ * Returns IDEM_ELOST, with nothing written, when the record's lease ran
+ * out and another owner took it (decide again with idem_engine_begin());
+ * the effect's error, with nothing written, when it fails. */
 IDEM_WARN_UNUSED int idem_engine_complete(idem_engine_t *engine, const idem_record_t *rec,
-                                          const idem_outcome_t *out);
+                                          const idem_outcome_t *out,
+                                          const idem_effect_t *effect);
 
 /* Ends the execution of `rec` as failed before any effect: the key is
  * free again for a request with the same fingerprint (a different one

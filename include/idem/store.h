@@ -19,6 +19,41 @@ extern "C" {
 
 typedef struct idem_store idem_store_t;
 
+/* A write transaction in progress on a store's connection, lent to an
+ * effect (below) for its length. */
+typedef struct idem_tx idem_tx_t;
+
+/* A caller's own writes, made inside the transaction that wins a key
+ * (idem_reserve_t.effect) or completes its record (idem_complete_t.effect),
+ * so that they commit, or roll back, with it: an application keeps its
+ * own rows in its own tables and gets them written exactly once per key.
+ * fn(arg, tx) runs on a store thread, inside the transaction, and writes
+ * through idem_tx_handle(tx); it returns IDEM_OK, or an error, which rolls
+ * the whole write back (the reservation too) and is what the reserve or
+ * complete then returns. It may run more than once for one write (SQLite
+ * runs a batch again, write by write, after any write of it failed), and
+ * only the run that commits leaves anything: it must write only through
+ * the handle, set what it reports afresh each time, and not wait (the
+ * write lock is held, for other writes too, while it runs). fn NULL: no
+ * effect. */
+typedef struct idem_effect {
+  int (*fn)(void *arg, idem_tx_t *tx);
+  void *arg;
+} idem_effect_t;
+
+/* The backend of `tx`: "sqlite" or "postgresql", as idem_store_backend(). */
+const char *idem_tx_backend(const idem_tx_t *tx);
+
+/* The connection `tx` runs on: a `sqlite3 *` for "sqlite", a `PGconn *`
+ * for "postgresql". Lent for the effect's call only: run statements on
+ * it, never BEGIN, COMMIT, ROLLBACK or close. (SQLite: the one idem was
+ * built with, whose functions a program linking libidem calls.) */
+void *idem_tx_handle(const idem_tx_t *tx);
+
+/* The time (ms since the epoch) of the write the effect is part of: the
+ * reservation's or completion's now_ms. */
+int64_t idem_tx_now_ms(const idem_tx_t *tx);
+
 /* A resource created by an operation (a payment, an order): the effect
  * that is written in the same transaction as its record. Borrowed. */
 typedef struct idem_resource {
@@ -54,6 +89,7 @@ typedef struct idem_reserve {
   const idem_resource_t *resource; /* inserted when the key is won */
   int enqueue_outbox;              /* with resource: add an outbox row */
   const idem_outcome_t *outcome;   /* complete at once (single-step ops) */
+  idem_effect_t effect;            /* run when the key is won, after the above */
 } idem_reserve_t;
 
 typedef enum idem_reserve_result {
@@ -73,6 +109,7 @@ typedef struct idem_complete {
    * if it has this scope and owner, and looks the key up when it does not;
    * so any value is safe, a wrong one costs a statement. */
   int64_t row;
+  idem_effect_t effect; /* run once the record is ours to complete, after it */
 } idem_complete_t;
 
 typedef struct idem_tenant {
@@ -147,6 +184,9 @@ typedef struct idem_store_methods {
                        idem_reserve_result_t *, idem_store_done_fn, void *);
   int (*complete_async)(idem_store_t *, const idem_complete_t *, idem_store_done_fn,
                         void *);
+  /* a write transaction, or a read, around a caller's function */
+  int (*write)(idem_store_t *, const idem_effect_t *);
+  int (*read)(idem_store_t *, const idem_effect_t *);
 } idem_store_methods_t;
 
 /* Opens the store named by `url`: "postgresql://..." or "postgres://..."
@@ -215,6 +255,19 @@ IDEM_WARN_UNUSED int idem_store_reserve_async(idem_store_t *store,
 IDEM_WARN_UNUSED int idem_store_complete_async(idem_store_t *store,
                                                const idem_complete_t *c,
                                                idem_store_done_fn done, void *arg);
+
+/* Runs e->fn(e->arg, tx) in a write transaction of its own, durable when
+ * this returns IDEM_OK, and rolled back when it returns anything else
+ * (which this returns): for a program's own schema and the writes that go
+ * with no key. As for effects (above), it may run more than once and must
+ * not wait; on SQLite it joins the group commit. */
+IDEM_WARN_UNUSED int idem_store_write(idem_store_t *store, const idem_effect_t *e);
+
+/* Runs e->fn(e->arg, tx) with a connection for reads (on SQLite a reader,
+ * which sees the last commit and never waits on the writer; on
+ * PostgreSQL a pooled connection, outside any transaction) and returns
+ * what it returns. Nothing it writes is guaranteed to stay. */
+IDEM_WARN_UNUSED int idem_store_read(idem_store_t *store, const idem_effect_t *e);
 
 /* Reads the live record of `scope` into `out` (reset it after). Returns
  * IDEM_ENOTFOUND when there is none or it expired at `now_ms`. */

@@ -150,6 +150,7 @@ int idem_engine_begin(idem_engine_t *e, idem_begin_t *b, idem_record_t *rec,
                              .lease_ms = e->cfg.lease_ms,
                              .ttl_ms = e->cfg.ttl_ms,
                              .resource = b->resource,
+                             .effect = b->effect,
                              .enqueue_outbox = b->enqueue_outbox,
                              .outcome = b->outcome};
       if ((rc = idem_store_reserve(e->store, &req, rec, &result)) != IDEM_OK)
@@ -174,7 +175,7 @@ int idem_engine_begin(idem_engine_t *e, idem_begin_t *b, idem_record_t *rec,
 }
 
 int idem_engine_complete(idem_engine_t *e, const idem_record_t *rec,
-                         const idem_outcome_t *out) {
+                         const idem_outcome_t *out, const idem_effect_t *effect) {
   idem_complete_t c;
 
   if (rec == NULL || out == NULL)
@@ -186,10 +187,12 @@ int idem_engine_complete(idem_engine_t *e, const idem_record_t *rec,
       .ttl_ms = e->cfg.ttl_ms,
       .outcome = *out,
       .row = rec->row};
+  if (effect)
+    c.effect = *effect;
   return idem_store_complete(e->store, &c);
 }
 
 int idem_engine_release(idem_engine_t *e, const idem_record_t *rec) {
   idem_outcome_t failed = {.state = IDEM_STATE_FAILED};
-  return idem_engine_complete(e, rec, &failed);
+  return idem_engine_complete(e, rec, &failed, NULL);
 }

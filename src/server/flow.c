@@ -193,12 +193,17 @@ static idem_reserve_t reserve_request(const idemd_request_t *r, const idemd_effe
  * lost goes to a worker, which decides again (go_on()). */
 enum async_stage { RESERVING, EXECUTING, COMPLETING };
 
+/* The key of request `r` running `e`: its pointers are into `r` and `e`,
+ * which outlive the flow. */
+static idem_scope_t scope_of(const idemd_request_t *r, const idemd_effect_t *e) {
+  return (idem_scope_t){r->tenant.id, e->operation, r->key};
+}
+
 struct idemd_async_flow {
   idemd_request_t *r;
   const idemd_effect_t *e;
   enum async_stage stage;
   int rc; /* of the last write */
-  idem_scope_t scope;
   idem_record_t rec;
   idem_reserve_result_t result;
   /* The store's message for a failed write, taken on the thread that saw
@@ -213,8 +218,9 @@ struct idemd_async_flow {
     idem_complete_t done; /* from EXECUTING on */
   };
 };
-/* Exactly 1,024 bytes since idem_complete_t and idem_record_t gained their
- * `row`: anything added here must be paid for elsewhere. */
+/* 1,016 bytes since idem_complete_t gained its effect and the scope is
+ * made from the request when needed (scope_of): anything added here must
+ * be paid for elsewhere. */
 _Static_assert(sizeof(struct idemd_async_flow) <= 1024,
                "keep the flow within malloc's per-thread cache (see above)");
 
@@ -293,7 +299,9 @@ static void execute_then_complete(struct idemd_async_flow *af) {
   idem_outcome_t out;
 
   execute(af->e, &af->rec, &out);
-  af->done = completion(r->srv, &af->scope, &af->rec, &out);
+  idem_scope_t scope = scope_of(r, af->e);
+
+  af->done = completion(r->srv, &scope, &af->rec, &out);
   af->stage = COMPLETING;
   rc = idem_store_complete_async(r->srv->store, &af->done, async_written, af);
   if (rc != IDEM_OK)
@@ -335,7 +343,7 @@ static enum MHD_Result resumed(idemd_request_t *r) {
      * one freed in between (expired, failed) another reservation: the
      * flow goes on from the read, here, a bounded number of times. */
     idem_decision_t d = idem_decide(&af->rec, e->fingerprint, af->req.now_ms);
-    idem_scope_t scope = af->scope;
+    idem_scope_t scope = scope_of(r, e);
     idemd_server_t *srv = r->srv;
 
     if (d != IDEM_DECIDE_IN_FLIGHT && d != IDEM_DECIDE_RESERVE) {
@@ -367,7 +375,8 @@ static enum MHD_Result resumed(idemd_request_t *r) {
     ret = idemd_reply_store_failure(r, af->rc, af->detail);
   } else { /* a single step done with its reservation, or a completion */
     struct first_answer a = written_answer(af);
-    ret = answer_new(r, &af->scope, e->fingerprint, a.status, a.body, a.location,
+    idem_scope_t scope = scope_of(r, e);
+    ret = answer_new(r, &scope, e->fingerprint, a.status, a.body, a.location,
                      a.state, a.expires_at);
   }
   async_end(af);
@@ -414,7 +423,8 @@ static int closed(idemd_request_t *r) {
   outcome = outcome_so_far(af);
   if (wrote_first_answer(af)) {
     struct first_answer a = written_answer(af);
-    remember_new(r, &af->scope, af->e->fingerprint, a.status, a.body, a.location,
+    idem_scope_t scope = scope_of(r, af->e);
+    remember_new(r, &scope, af->e->fingerprint, a.status, a.body, a.location,
                  a.state, a.expires_at);
   }
   async_end(af);
@@ -440,8 +450,7 @@ static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
   af->r = r;
   af->e = e;
   af->stage = RESERVING;
-  af->scope = *scope;
-  af->req = reserve_request(r, e, &af->scope);
+  af->req = reserve_request(r, e, scope);
   r->async = af;
   r->resume = resumed;
   r->on_close = closed;
@@ -568,7 +577,7 @@ static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e
     /* Not later than the store's: memory must not replay a record the
      * store has let expire. */
     expires_at = idem_now_ms() + srv->cfg.key_ttl_ms;
-    rc = idem_engine_complete(srv->engine, &rec, &out);
+    rc = idem_engine_complete(srv->engine, &rec, &out, NULL);
     idem_record_reset(&rec);
     if (rc == IDEM_ELOST) /* our lease ran out and another owner took over */
       continue;

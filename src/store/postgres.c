@@ -19,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "idem/clock.h"
 #include "idem/crypto.h"
 
 #define NOTIFY_CHANNEL "idem_records"
@@ -512,6 +513,8 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
         return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
     }
   }
+  if ((rc = idem__effect_run(&req->effect, "postgresql", c->pg, req->now_ms)) != IDEM_OK)
+    return rc;
   if (req->outcome) {
     rc = apply_outcome(c, &req->scope, owner, req->outcome, req->now_ms,
                        req->ttl_ms);
@@ -554,10 +557,42 @@ static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
   if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
     rc = apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
                        cp->ttl_ms);
+    if (rc == IDEM_OK)
+      rc = idem__effect_run(&cp->effect, "postgresql", c->pg, cp->now_ms);
     int end = tx_end(c, rc == IDEM_OK);
     if (rc == IDEM_OK)
       rc = end;
   }
+  conn_put(s, c);
+  return rc;
+}
+
+static int pg_write(idem_store_t *base, const idem_effect_t *e) {
+  pg_store_t *s = (pg_store_t *)base;
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
+    rc = idem__effect_run(e, "postgresql", c->pg, idem_now_ms());
+    int end = tx_end(c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
+static int pg_read(idem_store_t *base, const idem_effect_t *e) {
+  pg_store_t *s = (pg_store_t *)base;
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  rc = idem__effect_run(e, "postgresql", c->pg, idem_now_ms());
+  (void)tx_end(c, 0); /* a transaction left open is not kept */
   conn_put(s, c);
   return rc;
 }
@@ -1047,4 +1082,6 @@ static const idem_store_methods_t pg_methods = {
     .tenant_update = pg_tenant_update,
     .tenant_list = pg_tenant_list,
     .records_list = pg_records_list,
+    .write = pg_write,
+    .read = pg_read,
 };

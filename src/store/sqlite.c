@@ -1085,6 +1085,8 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
         return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
     }
   }
+  if ((rc = idem__effect_run(&req->effect, "sqlite", c->db, req->now_ms)) != IDEM_OK)
+    return rc;
   if (req->outcome) {
     rc = apply_outcome(c, &req->scope, owner, req->outcome, req->now_ms,
                        req->ttl_ms, req->enqueue_outbox, row);
@@ -1149,8 +1151,11 @@ static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
 
 static int complete_fn(struct conn *c, void *arg) {
   const idem_complete_t *cp = arg;
-  return apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
-                       cp->ttl_ms, 1, cp->row);
+  int rc = apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
+                         cp->ttl_ms, 1, cp->row);
+  if (rc != IDEM_OK)
+    return rc;
+  return idem__effect_run(&cp->effect, "sqlite", c->db, cp->now_ms);
 }
 
 static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
@@ -1167,6 +1172,30 @@ static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
                     .cb_arg = arg, .answers = 1};
   enqueue((sqlite_store_t *)base, j);
   return IDEM_OK;
+}
+
+/* A caller's own write, in a transaction of the group commit; it may run
+ * again after a rollback, as the caller was told (store.h). */
+static int caller_write_fn(struct conn *c, void *arg) {
+  return idem__effect_run(arg, "sqlite", c->db, idem_now_ms());
+}
+
+static int sq_write(idem_store_t *base, const idem_effect_t *e) {
+  return write_job((sqlite_store_t *)base, caller_write_fn, (void *)e, 1);
+}
+
+static int sq_read(idem_store_t *base, const idem_effect_t *e) {
+  sqlite_store_t *s = (sqlite_store_t *)base;
+  struct conn *c;
+  int rc = conn_get(s, &c);
+
+  if (rc != IDEM_OK)
+    return rc;
+  rc = idem__effect_run(e, "sqlite", c->db, idem_now_ms());
+  if (sqlite3_get_autocommit(c->db) == 0) /* left open: not ours to keep */
+    (void)exec(c->db, "ROLLBACK");
+  conn_put(s, c);
+  return rc;
 }
 
 static int sq_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
@@ -1955,4 +1984,6 @@ static const idem_store_methods_t sqlite_methods = {
     .tenant_list = sq_tenant_list,
     .records_list = sq_records_list,
     .stats = sq_stats,
+    .write = sq_write,
+    .read = sq_read,
 };

@@ -223,6 +223,39 @@ int idem_store_complete_async(idem_store_t *store, const idem_complete_t *c,
   return rc;
 }
 
+const char *idem_tx_backend(const idem_tx_t *tx) { return tx->backend; }
+
+void *idem_tx_handle(const idem_tx_t *tx) { return tx->handle; }
+
+int64_t idem_tx_now_ms(const idem_tx_t *tx) { return tx->now_ms; }
+
+int idem__effect_run(const idem_effect_t *e, const char *backend, void *handle,
+                     int64_t now_ms) {
+  idem_tx_t tx = {backend, handle, now_ms};
+  int rc;
+
+  if (e == NULL || e->fn == NULL)
+    return IDEM_OK;
+  rc = e->fn(e->arg, &tx);
+  if (rc != IDEM_OK)
+    idem__store_set_error("the caller's effect failed: %s", idem_err_name(rc));
+  return rc;
+}
+
+int idem_store_write(idem_store_t *store, const idem_effect_t *e) {
+  FAULT_POINT();
+  if (e == NULL || e->fn == NULL)
+    return IDEM_EINVAL;
+  return store->methods->write(store, e);
+}
+
+int idem_store_read(idem_store_t *store, const idem_effect_t *e) {
+  FAULT_POINT();
+  if (e == NULL || e->fn == NULL)
+    return IDEM_EINVAL;
+  return store->methods->read(store, e);
+}
+
 int idem_store_lookup(idem_store_t *store, const idem_scope_t *scope,
                       int64_t now_ms, idem_record_t *out) {
   FAULT_POINT();

@@ -11,6 +11,17 @@ struct idem_store {
   idem__waitset_t *waits;
 };
 
+/* What an effect is lent (store.h): set up by the backend around the call. */
+struct idem_tx {
+  const char *backend;
+  void *handle;
+  int64_t now_ms;
+};
+
+/* Calls `e` (when it has a function) with a transaction on `handle`. */
+int idem__effect_run(const idem_effect_t *e, const char *backend, void *handle,
+                     int64_t now_ms);
+
 /* Records `fmt` as this thread's last store error (for logs). */
 void idem__store_set_error(const char *fmt, ...)
     __attribute__((format(printf, 1, 2)));

@@ -201,7 +201,7 @@ static void test_execute_complete_replay(void **state) {
   assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_EXECUTE);
   assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
   assert_true(strlen(rec.owner_token) > 0);
-  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out), IDEM_OK);
+  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out, NULL), IDEM_OK);
 
   assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_REPLAY);
   assert_int_equal(rec.response_status, 201);
@@ -223,7 +223,7 @@ static void test_scopes_are_apart(void **state) {
 
   op.scope.operation = "create_other";
   assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_EXECUTE);
-  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out), IDEM_OK);
+  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out, NULL), IDEM_OK);
   assert_int_equal(begin(fx, &op, &rec), IDEM_DECIDE_EXECUTE);
   idem_record_reset(&rec);
 }
@@ -292,7 +292,7 @@ static void test_pending(void **state) {
   idem_record_t rec = {0};
 
   assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_EXECUTE);
-  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out), IDEM_OK);
+  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out, NULL), IDEM_OK);
   assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_PENDING);
   assert_int_equal(rec.response_status, 202);
   assert_string_equal(rec.response_body, "{\"status\":\"pending\"}");
@@ -332,7 +332,7 @@ static void test_expiry(void **state) {
 
   engine_with(fx, 30000, 1, 5000); /* records live 1 ms */
   assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_EXECUTE);
-  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out), IDEM_OK);
+  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out, NULL), IDEM_OK);
   usleep(20 * 1000);
   assert_int_equal(begin(fx, &other, &rec), IDEM_DECIDE_EXECUTE);
   assert_string_equal(rec.fingerprint, FP_B);
@@ -397,7 +397,7 @@ static void *race(void *arg) {
     snprintf(body, sizeof body, "{\"winner\":\"%p\"}", (void *)r);
     idem_outcome_t out = done_with(201, body, NULL);
     usleep(50 * 1000); /* the others find it in flight */
-    r->rc = idem_engine_complete(r->fx->engine, &rec, &out);
+    r->rc = idem_engine_complete(r->fx->engine, &rec, &out, NULL);
     r->status = 201;
     snprintf(r->body, sizeof r->body, "%s", body);
   } else if (r->rc == IDEM_OK) {
@@ -478,9 +478,9 @@ static void test_lease_takeover_is_fenced(void **state) {
   assert_true(ours >= 0);
   assert_string_not_equal(claimed[ours].owner_token, rec.owner_token);
 
-  assert_int_equal(idem_engine_complete(fx->engine, &rec, &late), IDEM_ELOST);
+  assert_int_equal(idem_engine_complete(fx->engine, &rec, &late, NULL), IDEM_ELOST);
   assert_int_equal(idem_engine_release(fx->engine, &rec), IDEM_ELOST);
-  assert_int_equal(idem_engine_complete(fx->engine, &claimed[ours], &settled), IDEM_OK);
+  assert_int_equal(idem_engine_complete(fx->engine, &claimed[ours], &settled, NULL), IDEM_OK);
   idem_record_reset(&claimed[ours]);
 
   assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_REPLAY);

@@ -4,7 +4,9 @@
  * test works in a tenant of its own, so a shared database is fine. */
 #include "support.h"
 
+#include <libpq-fe.h>
 #include <pthread.h>
+#include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1043,6 +1045,270 @@ static void test_failed_record(void **state) {
   idem_record_reset(&rec);
 }
 
+/* ---- the caller's own rows (effects) ----------------------------------- */
+
+/* A caller's table, written only through effects; one schema for both
+ * backends ($1 is a parameter in SQLite as in PostgreSQL). */
+#define APP_TABLE                                                              \
+  "CREATE TABLE IF NOT EXISTS app_rows (tenant BIGINT NOT NULL, k TEXT NOT NULL, " \
+  "note TEXT NOT NULL, UNIQUE (tenant, k))"
+
+/* Runs `sql` with text parameters on the effect's connection. */
+static int tx_exec(idem_tx_t *tx, const char *sql, int n, const char *const *params,
+                   long long *count) {
+  if (strcmp(idem_tx_backend(tx), "sqlite") == 0) {
+    sqlite3 *db = idem_tx_handle(tx);
+    sqlite3_stmt *st = NULL;
+    int rc;
+    if (sqlite3_prepare_v2(db, sql, -1, &st, NULL) != SQLITE_OK)
+      return IDEM_ESTORE;
+    for (int i = 0; i < n; i++)
+      sqlite3_bind_text(st, i + 1, params[i], -1, SQLITE_TRANSIENT);
+    rc = sqlite3_step(st);
+    if (rc == SQLITE_ROW && count)
+      *count = sqlite3_column_int64(st, 0);
+    sqlite3_finalize(st);
+    return rc == SQLITE_DONE || rc == SQLITE_ROW ? IDEM_OK : IDEM_ESTORE;
+  }
+  assert_string_equal(idem_tx_backend(tx), "postgresql");
+  PGresult *res = PQexecParams(idem_tx_handle(tx), sql, n, NULL, params, NULL, NULL, 0);
+  ExecStatusType st = PQresultStatus(res);
+  int ok = st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK;
+  if (ok && count && PQntuples(res) == 1)
+    *count = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+  PQclear(res);
+  return ok ? IDEM_OK : IDEM_ESTORE;
+}
+
+struct app_row {
+  int64_t tenant;
+  const char *key, *note;
+  int fail;   /* return this instead of writing */
+  int runs;   /* how many times the effect ran */
+  int64_t now; /* idem_tx_now_ms() seen */
+};
+
+static int insert_row(void *arg, idem_tx_t *tx) {
+  struct app_row *a = arg;
+  char t[24];
+  const char *p[3] = {t, a->key, a->note};
+
+  __atomic_add_fetch(&a->runs, 1, __ATOMIC_RELAXED);
+  a->now = idem_tx_now_ms(tx);
+  if (a->fail)
+    return a->fail;
+  snprintf(t, sizeof t, "%lld", (long long)a->tenant);
+  return tx_exec(tx, "INSERT INTO app_rows (tenant, k, note) VALUES ($1, $2, $3)", 3, p,
+                 NULL);
+}
+
+static int create_app_table(void *arg, idem_tx_t *tx) {
+  (void)arg;
+  return tx_exec(tx, APP_TABLE, 0, NULL, NULL);
+}
+
+struct app_count {
+  int64_t tenant;
+  const char *key; /* NULL: any */
+  long long n;
+};
+
+static int count_rows(void *arg, idem_tx_t *tx) {
+  struct app_count *c = arg;
+  char t[24];
+  const char *p[2] = {t, c->key ? c->key : ""};
+  snprintf(t, sizeof t, "%lld", (long long)c->tenant);
+  c->n = -1;
+  return tx_exec(tx, "SELECT count(*) FROM app_rows WHERE tenant = $1 AND ($2 = '' OR k = $2)",
+                 2, p, &c->n);
+}
+
+static long long app_rows(fixture_t *fx, const char *key) {
+  struct app_count c = {fx->tenant.id, key, -1};
+  idem_effect_t e = {count_rows, &c};
+  assert_int_equal(idem_store_read(fx->store, &e), IDEM_OK);
+  return c.n;
+}
+
+static void app_table(fixture_t *fx) {
+  idem_effect_t e = {create_app_table, NULL};
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+}
+
+/* An effect is written with the reservation that wins the key, once; a
+ * reservation that finds the key held runs none. */
+static void test_effect_with_reservation(void **state) {
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN];
+  struct app_row row = {fx->tenant.id, "eff-1", "first", 0, 0, 0};
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+
+  app_table(fx);
+  make_fp(fp, 1);
+  req = request(fx, "create_note", "eff-1", fp);
+  req.effect = (idem_effect_t){insert_row, &row};
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  assert_true(row.runs >= 1);
+  assert_int_equal(row.now, req.now_ms);
+  assert_int_equal(app_rows(fx, "eff-1"), 1);
+
+  row.runs = 0;
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_EXISTS);
+  assert_int_equal(row.runs, 0);
+  assert_int_equal(app_rows(fx, "eff-1"), 1);
+  idem_record_reset(&rec);
+}
+
+/* An effect that fails undoes the whole reservation: no record, no row,
+ * the key still free; its error is the reservation's. */
+static void test_effect_failure_undoes_reservation(void **state) {
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN];
+  struct payment pay;
+  struct app_row row = {fx->tenant.id, "eff-2", "x", IDEM_EEXIST, 0, 0};
+  idem_record_t rec = {0};
+  idem_reserve_result_t result;
+  idem_reserve_t req;
+
+  app_table(fx);
+  make_fp(fp, 2);
+  new_payment(&pay);
+  req = request(fx, OP_PAY, "eff-2", fp);
+  req.resource = &pay.res;
+  req.enqueue_outbox = 1;
+  req.effect = (idem_effect_t){insert_row, &row};
+  assert_int_equal(idem_store_reserve(fx->store, &req, &rec, &result), IDEM_EEXIST);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_ENOTFOUND);
+  assert_int_equal(count(fx, "records"), 0);
+  assert_int_equal(count(fx, "payments"), 0);
+  assert_int_equal(count(fx, "outbox"), 0);
+
+  /* A statement of the effect's own that fails (a duplicate row) is the
+   * same: here the row is there already, from a write of its own. */
+  row.fail = 0;
+  idem_effect_t pre = {insert_row, &row};
+  assert_int_equal(idem_store_write(fx->store, &pre), IDEM_OK);
+  assert_int_equal(idem_store_reserve(fx->store, &req, &rec, &result), IDEM_ESTORE);
+  assert_int_equal(count(fx, "records"), 0);
+  assert_int_equal(app_rows(fx, "eff-2"), 1);
+  idem_record_reset(&rec);
+}
+
+/* A completion's effect runs only for the owner, with the completion. */
+static void test_effect_with_completion(void **state) {
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN];
+  struct app_row row = {fx->tenant.id, "eff-3", "done", 0, 0, 0};
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+  idem_complete_t c;
+
+  app_table(fx);
+  make_fp(fp, 3);
+  req = request(fx, "create_note", "eff-3", fp);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  c = (idem_complete_t){.scope = req.scope, .owner_token = "not-the-owner",
+                        .now_ms = fx->now + 1, .ttl_ms = TTL_MS, .outcome = out,
+                        .effect = {insert_row, &row}};
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_ELOST);
+  assert_int_equal(row.runs, 0);
+  assert_int_equal(app_rows(fx, "eff-3"), 0);
+
+  row.fail = IDEM_ENOMEM; /* the owner's, failing: nothing completes */
+  c.owner_token = rec.owner_token;
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_ENOMEM);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now + 1, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+
+  row.fail = 0;
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_OK);
+  assert_int_equal(row.now, fx->now + 1);
+  assert_int_equal(app_rows(fx, "eff-3"), 1);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now + 2, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  idem_record_reset(&rec);
+}
+
+/* Reservations in one batch of the group commit, one of which fails: the
+ * batch runs again write by write, and each effect that committed left
+ * its row once. */
+static void test_effects_in_a_failed_batch(void **state) {
+  fixture_t *fx = *state;
+  enum { N = 8 };
+  struct async_result a = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
+  char fps[N][IDEM_FINGERPRINT_LEN], keys[N][16];
+  struct app_row rows[N];
+  idem_record_t recs[N];
+  idem_reserve_result_t results[N];
+  idem_reserve_t reqs[N];
+
+  app_table(fx);
+  memset(recs, 0, sizeof recs);
+  for (int i = 0; i < N; i++) {
+    make_fp(fps[i], 10 + i);
+    snprintf(keys[i], sizeof keys[i], "batch-%d", i);
+    rows[i] = (struct app_row){fx->tenant.id, keys[i], "n", i == N / 2 ? IDEM_ESTORE : 0, 0, 0};
+    reqs[i] = request(fx, "create_note", keys[i], fps[i]);
+    reqs[i].effect = (idem_effect_t){insert_row, &rows[i]};
+  }
+  if (strcmp(idem_store_backend(fx->store), "sqlite") != 0) {
+    /* No group commit: each reservation is its own transaction. */
+    for (int i = 0; i < N; i++) {
+      int rc = idem_store_reserve(fx->store, &reqs[i], &recs[i], &results[i]);
+      assert_int_equal(rc, i == N / 2 ? IDEM_ESTORE : IDEM_OK);
+    }
+  } else {
+    struct async_result done[N];
+    for (int i = 0; i < N; i++) {
+      done[i] = a;
+      pthread_mutex_init(&done[i].lock, NULL);
+      pthread_cond_init(&done[i].cond, NULL);
+    }
+    /* Queued at once, so the writer takes several in one batch. */
+    for (int i = 0; i < N; i++)
+      assert_int_equal(idem_store_reserve_async(fx->store, &reqs[i], &recs[i], &results[i],
+                                                async_done, &done[i]),
+                       IDEM_OK);
+    for (int i = 0; i < N; i++) {
+      assert_int_equal(async_wait(&done[i]), i == N / 2 ? IDEM_ESTORE : IDEM_OK);
+      pthread_mutex_destroy(&done[i].lock);
+      pthread_cond_destroy(&done[i].cond);
+    }
+  }
+  for (int i = 0; i < N; i++) {
+    idem_record_t rec = {0};
+    int want = i == N / 2 ? 0 : 1;
+    assert_int_equal(app_rows(fx, keys[i]), want);
+    assert_int_equal(idem_store_lookup(fx->store, &reqs[i].scope, fx->now, &rec),
+                     want ? IDEM_OK : IDEM_ENOTFOUND);
+    idem_record_reset(&rec);
+    idem_record_reset(&recs[i]);
+  }
+  assert_int_equal(app_rows(fx, NULL), N - 1);
+}
+
+/* A write of the caller's own, and a read, around a function; a failed
+ * write leaves nothing. */
+static void test_caller_write_and_read(void **state) {
+  fixture_t *fx = *state;
+  struct app_row row = {fx->tenant.id, "w-1", "alone", 0, 0, 0};
+  idem_effect_t e = {insert_row, &row}, none = {NULL, NULL};
+
+  app_table(fx);
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  assert_int_equal(app_rows(fx, "w-1"), 1);
+  row.key = "w-2";
+  row.fail = IDEM_EINVAL;
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_EINVAL);
+  assert_int_equal(app_rows(fx, "w-2"), 0);
+  assert_int_equal(idem_store_write(fx->store, &none), IDEM_EINVAL);
+  assert_int_equal(idem_store_read(fx->store, NULL), IDEM_EINVAL);
+}
+
 /* ---- claims by the reconciler ----------------------------------------- */
 
 #define MAX_OURS 8
@@ -1665,6 +1931,11 @@ int main(int argc, char **argv) {
       STORE_TEST(test_pending_outcome),
       STORE_TEST(test_expired_record_is_taken_over),
       STORE_TEST(test_failed_record),
+      STORE_TEST(test_effect_with_reservation),
+      STORE_TEST(test_effect_failure_undoes_reservation),
+      STORE_TEST(test_effect_with_completion),
+      STORE_TEST(test_effects_in_a_failed_batch),
+      STORE_TEST(test_caller_write_and_read),
       STORE_TEST(test_claim),
       STORE_TEST(test_claim_takes_turns),
       STORE_TEST(test_concurrent_same_key),
