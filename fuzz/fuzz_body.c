@@ -1,14 +1,14 @@
-/* Fuzz target for request bodies: idemd_parse_body, both validators, and
- * the canonical form and fingerprint of SPEC section 2. Properties: the
- * parser and validators keep their contracts (exactly one of result or
- * error, errors shaped {field, message, code}); the canonical form does not
- * change when the object is rebuilt with its keys inserted in reverse order
- * (at every level) or dumped indented and parsed again, and canonicalising
- * the canonical text is a no-op; a validated command's canonical text
- * written directly (idemd_payment_canon, idemd_order_canon) is the same
- * bytes; its fingerprint equals that of its canonical text parsed again,
- * that text is itself a valid body giving the same command, and key order
- * in the body does not change it. */
+/* Fuzz target for request bodies: idemd_parse_body, both validators, and the
+ * canonical form and fingerprint of docs/idempotency.md, section 2.3.
+ * Properties: the parser and validators keep their contracts (exactly one of
+ * result or error, errors shaped {field, message, code}); the canonical form
+ * does not change when the object is rebuilt with its keys inserted in reverse
+ * order (at every level) or dumped indented and parsed again, and
+ * canonicalising the canonical text is a no-op; a validated command's canonical
+ * text written directly (idemd_payment_canon, idemd_order_canon) is the same
+ * bytes; its fingerprint equals that of its canonical text parsed again, that
+ * text is itself a valid body giving the same command, and key order in the
+ * body does not change it. */
 #include <stdlib.h>
 #include <string.h>
 

@@ -1,9 +1,9 @@
-/* Fuzz target for idem_key_parse (the Idempotency-Key header rules of SPEC
- * section 2). Properties: an accepted key is 1 to 255 visible ASCII
- * characters; written as a structured-field string it parses back to
- * itself; an unquoted key is the trimmed input unchanged; blanks around the
- * value never change the outcome; a rejected value leaves an empty key and
- * one of the documented error codes. */
+/* Fuzz target for idem_key_parse (the Idempotency-Key header rules of
+ * docs/idempotency.md, section 2.1). Properties: an accepted key is 1 to 255
+ * visible ASCII characters; written as a structured-field string it parses back
+ * to itself; an unquoted key is the trimmed input unchanged; blanks around the
+ * value never change the outcome; a rejected value leaves an empty key and one
+ * of the documented error codes. */
 #include <stdlib.h>
 #include <string.h>
 

@@ -1,4 +1,4 @@
-/* Canonical JSON and request fingerprints (SPEC section 2).
+/* Canonical JSON and request fingerprints (docs/idempotency.md, section 2.3).
  * The canonical form is compact, keys sorted bytewise, non-ASCII escaped:
  * two commands that mean the same serialise to the same bytes. */
 #ifndef IDEM_CANON_H

@@ -1,7 +1,7 @@
-/* The idem client: sends one request with an Idempotency-Key over libcurl
- * and retries that same request, under that same key, until it has a final
- * answer, so that a lost response or a timeout never becomes a second
- * charge (SPEC section 2; docs/payments.md, "the client should"). */
+/* The idem client: sends one request with an Idempotency-Key over libcurl and
+ * retries that same request, under that same key, until it has a final answer,
+ * so that a lost response or a timeout never becomes a second charge
+ * (docs/idempotency.md, section 2.4; docs/payments.md, "the client should"). */
 #ifndef IDEM_CLIENT_H
 #define IDEM_CLIENT_H
 

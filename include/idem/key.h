@@ -1,4 +1,4 @@
-/* Idempotency-Key header values: the rules of SPEC section 2. */
+/* Idempotency-Key header values: the rules of docs/idempotency.md, section 2.1. */
 #ifndef IDEM_KEY_H
 #define IDEM_KEY_H
 

@@ -1,5 +1,5 @@
 /* The idempotency record: what the store keeps for one (tenant, operation,
- * key), and the states it moves through (SPEC section 2). */
+ * key), and the states it moves through (docs/idempotency.md, section 2.7). */
 #ifndef IDEM_RECORD_H
 #define IDEM_RECORD_H
 

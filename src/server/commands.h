@@ -1,6 +1,6 @@
-/* The idemd command line (SPEC section 6): serve, migrate, sweep, and the
- * tools for tenants and records. Each command returns the process exit
- * status: 0 success, 1 failure, 2 bad usage. */
+/* The idemd command line (docs/idempotency.md, section 6): serve, migrate,
+ * sweep, and the tools for tenants and records. Each command returns the
+ * process exit status: 0 success, 1 failure, 2 bad usage. */
 #ifndef IDEMD_COMMANDS_H
 #define IDEMD_COMMANDS_H
 

@@ -1,8 +1,10 @@
 /* The HTTP layer of idemd on libmicrohttpd: its callbacks. The checks
- * the headers decide (docs/idempotency.md, section 3: 404, 405, 401, and
- * a declared 413), body reading under a cap, the hand-over of a whole
- * request to its route (routes.c) or to the step it was suspended at
- * (suspend.c), and the log line and metrics once each answer is sent. */
+ * the headers decide (docs/idempotency.md, section 3.2: 503 beyond
+ * --max-connections, 431, 404, 405, 401, and a declared 413), body
+ * reading under a cap, the hand-over of a whole request to its route
+ * (routes.c: 413, 415, the key's 400, the body's 400, then the route's
+ * own 422) or to the step it was suspended at (suspend.c), and the log
+ * line and metrics once each answer is sent. */
 #define _GNU_SOURCE /* sched_getaffinity, CPU_COUNT */
 #include <arpa/inet.h>
 #include <sched.h>

@@ -1,7 +1,8 @@
-/* idemd's logs: one JSON line per request on stderr (SPEC section 5), plus
- * event lines for start-up, shutdown and failures. Lines from many threads
- * never interleave. While batching is on (idemd serve), request lines are
- * written together, at most one interval after they were made. */
+/* idemd's logs: one JSON line per request on stderr (docs/idempotency.md,
+ * section 5.1), plus event lines for start-up, shutdown and failures. Lines
+ * from many threads never interleave. While batching is on (idemd serve),
+ * request lines are written together, at most one interval after they were
+ * made. */
 #ifndef IDEMD_LOG_H
 #define IDEMD_LOG_H
 

@@ -1,4 +1,5 @@
-/* POST /payments and GET /payments/{id}: the three steps of SPEC section 4.
+/* POST /payments and GET /payments/{id}: the three steps of
+ * docs/idempotency.md, section 4.1.
  * 1. reserve the key, insert the payment as pending and an outbox row, in
  *    one transaction (idemd_flow_run -> idem_store_reserve);
  * 2. call the provider outside any transaction, under a provider key

@@ -1,6 +1,6 @@
-/* Sending answers: JSON bodies with the headers every idemd response
- * carries (Content-Type, X-Request-Id), and the error shapes of SPEC
- * section 3 ({"error": ...} and {"errors": [...]}). Each call records the
+/* Sending answers: JSON bodies with the headers every idemd response carries
+ * (Content-Type, X-Request-Id), and the error shapes of docs/idempotency.md,
+ * section 3.4 ({"error": ...} and {"errors": [...]}). Each call records the
  * status for the log line and marks the request answered. */
 #ifndef IDEMD_REPLY_H
 #define IDEMD_REPLY_H

@@ -1,6 +1,7 @@
-/* Request bodies of idemd: parsing into a JSON object (400 rules of SPEC
- * section 3) and validation of each command (422 rules), producing the
- * canonical command whose fingerprint names the request. No HTTP here. */
+/* Request bodies of idemd: parsing into a JSON object (the 400 rules of
+ * docs/idempotency.md, section 3.2) and validation of each command (the 422
+ * rules of section 3.3), producing the canonical command whose fingerprint
+ * names the request. No HTTP here. */
 #ifndef IDEMD_VALIDATE_H
 #define IDEMD_VALIDATE_H
 

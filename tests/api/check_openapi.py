@@ -682,7 +682,7 @@ def drive(d, tok, other, server):
     if t.is_alive():
         raise Failure('the slow payment never answered')
 
-    # The check order, step by step (SPEC section 3).
+    # The check order, step by step (docs/idempotency.md, section 3.2).
     big = b'{"amount": 1, "pad": "' + b'x' * (70 * 1024) + b'"}'
     d.call('POST', P, 401, 'no credentials (even with a bad everything)', None, None, b'[',
            ctype='text/plain')

@@ -17,8 +17,9 @@
 #define NPAYMENTS 5
 #define DEFAULT_SEED "20261130"
 
-/* idemd's side of SPEC section 4 made fast: a provider call past 500 ms is
- * uncertain (202, pending), and the reconciler settles it within ~200 ms. */
+/* idemd's side of docs/idempotency.md, section 4, made fast: a provider call
+ * past 500 ms is uncertain (202, pending), and the reconciler settles it within
+ * ~200 ms. */
 #define IDEMD_FLAGS(provider)                                                            \
   "--provider", (provider), "--provider-timeout", "500ms", "--lease", "2s",              \
       "--reconcile-interval", "200ms"

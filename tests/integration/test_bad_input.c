@@ -1,6 +1,6 @@
-/* Bad input (SPEC section 3): each answered with the right status and body
- * shape, in the documented check order, with nothing written to the
- * database, the key still free afterwards and the server still healthy. */
+/* Bad input (docs/idempotency.md, section 3): each answered with the right
+ * status and body shape, in the documented check order, with nothing written to
+ * the database, the key still free afterwards and the server still healthy. */
 #include <errno.h>
 #include <poll.h>
 #include <stdio.h>

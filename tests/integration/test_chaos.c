@@ -3,8 +3,9 @@
  * again on its database while they work. Whatever happened, in the end:
  * no provider key charged twice, every payment a client saw succeed charged
  * exactly once, every charge made is a succeeded payment, and nothing left
- * processing or pending (SPEC section 4: "The provider never charges twice
- * for one payment, whatever crashes or times out in between"). */
+ * processing or pending (docs/idempotency.md, section 4.1: "One payment is
+ * one charge at the provider at most, whatever crashes or times out between
+ * the steps"). */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdatomic.h>

@@ -1,8 +1,8 @@
-/* Operations (SPEC sections 5 and 6, docs/operations.md): one JSON log line
- * per request with an HMAC key id and never the raw key, X-Request-Id echoed
- * or generated, /healthz and /metrics and the counters they move, SIGTERM
- * letting the requests in flight finish, the sweeper, and the tenant and
- * record tools of the command line run against a live server. */
+/* Operations (docs/idempotency.md, sections 5 and 6; docs/operations.md): one
+ * JSON log line per request with an HMAC key id and never the raw key,
+ * X-Request-Id echoed or generated, /healthz and /metrics and the counters they
+ * move, SIGTERM letting the requests in flight finish, the sweeper, and the
+ * tenant and record tools of the command line run against a live server. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -324,8 +324,8 @@ static void settle_pay_counters(h_server_t *s, const double *base, const double 
   }
 }
 
-/* /healthz and /metrics answer without credentials; the metrics of SPEC
- * section 5 are there and count what happened. */
+/* /healthz and /metrics answer without credentials; the metrics of
+ * docs/idempotency.md, section 5.2, are there and count what happened. */
 static void test_health_and_metrics(void **state) {
   static const char *const flags[] = {"--sandbox-uncertain-amount", "7070",
                                       "--reconcile-interval", "1h", NULL};
@@ -1127,9 +1127,10 @@ static void test_sigterm_drains_load(void **state) {
 
 /* ---- no arguments at all ---------------------------------------------- */
 
-/* SPEC sections 5 and 6: `idemd` alone serves, with the defaults, on SQLite
- * in the current directory. The port comes from IDEMD_LISTEN (an
- * environment variable, not a flag) so the test does not take 8080. */
+/* docs/idempotency.md, sections 5.3 and 6: `idemd` alone serves, with the
+ * defaults, on SQLite in the current directory. The port comes from
+ * IDEMD_LISTEN (an environment variable, not a flag) so the test does not
+ * take 8080. */
 static void test_no_arguments_serves(void **state) {
   char dir[] = "/tmp/idem-noargs-XXXXXX";
   char listen[64], db[300], log[300];

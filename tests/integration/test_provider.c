@@ -1,8 +1,8 @@
-/* Payments through a real provider (SPEC section 4, docs/payments.md): idemd
- * with --provider pointing at idem-psp, the simulator, whose faults stand for
- * what goes wrong between us and a payment provider. Each test ends by asking
- * the provider how many charges it made (GET /stats): one per payment,
- * whatever happened in between. */
+/* Payments through a real provider (docs/idempotency.md, section 4;
+ * docs/payments.md): idemd with --provider pointing at idem-psp, the simulator,
+ * whose faults stand for what goes wrong between us and a payment provider.
+ * Each test ends by asking the provider how many charges it made (GET /stats):
+ * one per payment, whatever happened in between. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>

@@ -1,6 +1,7 @@
-/* Every row of the idempotency rules table (SPEC section 2) against the real
- * idemd: key checks, new keys, replays, fingerprints, in-flight duplicates,
- * and the pending, declined and failed payment outcomes. */
+/* Every row of the idempotency rules table (docs/idempotency.md, section 2.4)
+ * against the real idemd: key checks, new keys, replays, fingerprints,
+ * in-flight duplicates, and the pending, declined and failed payment
+ * outcomes. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -568,7 +569,8 @@ static void test_inflight_409_at_bound(void **state) {
 /* The provider's outcome is unknown: 202 with the pending payment and its
  * Location, replayed as 202, and never a second payment. */
 static void test_pending_202(void **state) {
-  /* The reconciler would settle it (SPEC section 4): keep it away. */
+  /* The reconciler would settle it (docs/idempotency.md, section 4.3): keep
+   * it away. */
   static const char *const flags[] = {"--sandbox-uncertain-amount", "7070",
                                       "--reconcile-interval", "1h", NULL};
   h_server_t *s = h_server_start(flags);

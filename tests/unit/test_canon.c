@@ -1,5 +1,5 @@
-/* Tests canonical JSON and request fingerprints, alone and end to end
- * through the payment and order validators (SPEC section 2). */
+/* Tests canonical JSON and request fingerprints, alone and end to end through
+ * the payment and order validators (docs/idempotency.md, section 2.3). */
 #include "server/validate.h"
 #include "support.h"
 
@@ -228,8 +228,9 @@ static void test_fingerprint_bad_arguments(void **state) {
   json_decref(v);
 }
 
-/* SPEC section 2 end to end: body -> parse -> validate -> fingerprint.
- * Bodies in one group must share a fingerprint; groups must differ. */
+/* docs/idempotency.md, section 2.3, end to end: body -> parse -> validate ->
+ * fingerprint. Bodies in one group must share a fingerprint; groups must
+ * differ. */
 struct body_group {
   const char *kind, *operation;
   const char *bodies[4];

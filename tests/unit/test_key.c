@@ -1,4 +1,5 @@
-/* Tests idem_key_parse: the Idempotency-Key header rules of SPEC section 2. */
+/* Tests idem_key_parse: the Idempotency-Key header rules of
+ * docs/idempotency.md, section 2.1. */
 #include "support.h"
 
 #include <stdlib.h>
@@ -42,7 +43,8 @@ static const struct key_case cases[] = {
     {"sql quoted", "\"';DROP/**/TABLE/**/x;--\"", RAW_STRLEN, IDEM_OK,
      "';DROP/**/TABLE/**/x;--"},
     {"percent escape literal", "%00%0a", RAW_STRLEN, IDEM_OK, "%00%0a"},
-    /* With spaces inside, the same text is not visible ASCII (SPEC 2). */
+    /* With spaces inside, the same text is not visible ASCII
+     * (docs/idempotency.md, section 2.1). */
     {"sql with spaces", "'; DROP TABLE x; --", RAW_STRLEN, IDEM_EKEY_BAD_CHAR, NULL},
 
     {"absent", NULL, 0, IDEM_EKEY_MISSING, NULL},

@@ -1,5 +1,5 @@
 /* Tests request body parsing (400 rules) and the payment and order
- * validators (422 rules) of SPEC section 3. */
+ * validators (422 rules) of docs/idempotency.md, sections 3.2 and 3.3. */
 #include "server/validate.h"
 #include "support.h"
 

@@ -1,6 +1,6 @@
-/* idem-psp: a payment-provider simulator with fault injection, standing in
- * for a real provider in the tests of idem (SPEC sections 4 and 6). Parses
- * the configuration, opens the store, serves until SIGTERM or SIGINT.
+/* idem-psp: a payment-provider simulator with fault injection, standing in for
+ * a real provider in the tests of idem (docs/idempotency.md, sections 4 and 6).
+ * Parses the configuration, opens the store, serves until SIGTERM or SIGINT.
  *
  * Exit status: 0 after a signal, 1 when the database or the socket cannot
  * be opened, 2 for bad usage, 3 for a simulated crash (--crash-after). */
