@@ -1,8 +1,7 @@
 /* A small HTTP server of its own, on libmicrohttpd, that gets the rules
  * of docs/idempotency.md, section 2 (Idempotency-Key), from libidem: POST
  * /notes creates a note at most once per key, GET /notes/{id} reads it
- * back. Everything idempotent is
- * libidem's: the key rules (idem_key_parse), the fingerprint
+ * back. Everything idempotent is libidem's: the key rules (idem_key_parse), the fingerprint
  * (idem_fingerprint), the decision and the record (idem_engine_begin) over
  * a SQLite store; this file only maps decisions to HTTP answers.
  *

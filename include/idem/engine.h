@@ -1,6 +1,6 @@
-/* The idempotency engine: the rules of docs/idempotency.md ("What a
- * request with a key gets") decided in one place, over a store, with no
- * HTTP. A server calls idem_engine_begin() with a request's scope and
+/* The idempotency engine: the rules of docs/idempotency.md, section 2.4
+ * ("What a request with a key gets"), decided in one place, over a store,
+ * with no HTTP. A server calls idem_engine_begin() with a request's scope and
  * fingerprint and does what the decision says: execute the request (it
  * won the key) and then idem_engine_complete() or idem_engine_release();
  * or answer the stored response (replay, pending); or refuse it
