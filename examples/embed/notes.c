@@ -1,9 +1,11 @@
 /* A small HTTP server of its own, on libmicrohttpd, that gets the rules
  * of docs/idempotency.md, section 2 (Idempotency-Key), from libidem: POST
  * /notes creates a note at most once per key, GET /notes/{id} reads it
- * back. Everything idempotent is libidem's: the key rules (idem_key_parse), the fingerprint
- * (idem_fingerprint), the decision and the record (idem_engine_begin) over
- * a SQLite store; this file only maps decisions to HTTP answers.
+ * back. Everything idempotent is libidem's: the key rules
+ * (idem_key_parse), the fingerprint (idem_fingerprint), the decision and
+ * the record (idem_engine_begin) over a SQLite store. The notes are this
+ * program's own table, written by an effect in the transaction that wins
+ * the key; this file maps decisions to HTTP answers.
  *
  *   embed-notes <port (0: any free one)> <database file>
  *
@@ -15,6 +17,7 @@
 #include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
+#include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,7 +35,9 @@
 
 static idem_store_t *store;
 static idem_engine_t *engine;
-static int64_t tenant_id; /* the one tenant every key is scoped to */
+/* Keys are scoped by a number the caller gives (a tenant, a user); this
+ * server has one client, so every key is scoped to 1. */
+#define TENANT 1
 
 /* What one request gathers while libmicrohttpd hands over its body. */
 typedef struct request {
@@ -48,9 +53,57 @@ typedef struct note {
   char id[32];
   char location[48];
   char *json; /* {"id":...,"text":...}, malloc'd */
-  idem_resource_t resource;
   idem_outcome_t outcome;
 } note_t;
+
+/* Runs `sql` with text parameters on a connection libidem lends (an
+ * effect's transaction, or a read); `out`, when given, gets the first
+ * column of the first row (malloc'd). */
+static int run_sql(idem_tx_t *tx, const char *sql, int n, const char *const *params,
+                   char **out) {
+  sqlite3_stmt *st = NULL;
+  int rc;
+
+  if (sqlite3_prepare_v2(idem_tx_handle(tx), sql, -1, &st, NULL) != SQLITE_OK)
+    return IDEM_ESTORE;
+  for (int i = 0; i < n; i++)
+    sqlite3_bind_text(st, i + 1, params[i], -1, SQLITE_STATIC);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW && out) {
+    const unsigned char *text = sqlite3_column_text(st, 0);
+    if ((*out = strdup(text ? (const char *)text : "")) == NULL)
+      rc = SQLITE_NOMEM;
+  }
+  sqlite3_finalize(st);
+  if (rc == SQLITE_NOMEM)
+    return IDEM_ENOMEM;
+  if (out) /* a read: one row, or none */
+    return rc == SQLITE_ROW ? IDEM_OK : rc == SQLITE_DONE ? IDEM_ENOTFOUND : IDEM_ESTORE;
+  return rc == SQLITE_DONE || rc == SQLITE_ROW ? IDEM_OK : IDEM_ESTORE;
+}
+
+/* The effect: the note's row, in the transaction that wins the key. */
+static int insert_note(void *arg, idem_tx_t *tx) {
+  const note_t *n = arg;
+  const char *p[2] = {n->id, n->json};
+  return run_sql(tx, "INSERT INTO notes (id, body) VALUES (?1, ?2)", 2, p, NULL);
+}
+
+static int create_table(void *arg, idem_tx_t *tx) {
+  (void)arg;
+  return run_sql(tx, "CREATE TABLE IF NOT EXISTS notes (id TEXT PRIMARY KEY, body TEXT NOT NULL)",
+                 0, NULL, NULL);
+}
+
+struct note_read {
+  const char *id;
+  char *body;
+};
+
+static int read_note(void *arg, idem_tx_t *tx) {
+  struct note_read *r = arg;
+  return run_sql(tx, "SELECT body FROM notes WHERE id = ?1", 1, &r->id, &r->body);
+}
 
 static enum MHD_Result reply(struct MHD_Connection *conn, unsigned status,
                              const char *body, const char *location, int replayed,
@@ -86,7 +139,7 @@ static enum MHD_Result reply_error(struct MHD_Connection *conn, unsigned status,
 }
 
 /* The note's id and body, made once the engine is about to reserve the
- * key; they are written with the record, in its transaction. */
+ * key; the effect writes them with the record, in its transaction. */
 static int prepare(void *arg) {
   note_t *n = arg;
   char token[21];
@@ -103,8 +156,6 @@ static int prepare(void *arg) {
   json_decref(doc);
   if (n->json == NULL)
     return IDEM_ENOMEM;
-  n->resource = (idem_resource_t){
-      .kind = "note", .id = n->id, .status = "created", .body = n->json};
   n->outcome = (idem_outcome_t){.state = IDEM_STATE_COMPLETED,
                                 .status = MHD_HTTP_CREATED,
                                 .body = n->json,
@@ -114,8 +165,8 @@ static int prepare(void *arg) {
 }
 
 /* POST /notes: parse the key and the body, then let the engine decide.
- * The note is a single-step effect: its resource row and the completed
- * record are written in the one transaction that wins the key. */
+ * A single step: the note's row (the effect) and the completed record
+ * are written in the one transaction that wins the key. */
 static enum MHD_Result create_note(struct MHD_Connection *conn, const request_t *req) {
   const char *raw = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Idempotency-Key");
   char key[IDEM_KEY_MAX + 1], fp[IDEM_FINGERPRINT_LEN], corr[17];
@@ -150,10 +201,10 @@ static enum MHD_Result create_note(struct MHD_Connection *conn, const request_t 
     return reply_error(conn, MHD_HTTP_INTERNAL_SERVER_ERROR, idem_strerror(rc));
   }
 
-  idem_begin_t b = {.scope = {tenant_id, OPERATION, key},
+  idem_begin_t b = {.scope = {TENANT, OPERATION, key},
                     .fingerprint = fp,
                     .correlation_id = corr,
-                    .resource = &note.resource,
+                    .effect = {insert_note, &note},
                     .outcome = &note.outcome,
                     .prepare = prepare,
                     .arg = &note};
@@ -178,18 +229,19 @@ static enum MHD_Result create_note(struct MHD_Connection *conn, const request_t 
   return ret;
 }
 
-/* GET /notes/{id}: the resource the key's first request wrote. */
+/* GET /notes/{id}: the row the key's first request wrote. */
 static enum MHD_Result get_note(struct MHD_Connection *conn, const char *id) {
-  char *body = NULL;
-  int rc = idem_store_resource_get(store, tenant_id, "note", id, &body);
+  struct note_read r = {id, NULL};
+  idem_effect_t e = {read_note, &r};
+  int rc = idem_store_read(store, &e);
   enum MHD_Result ret;
 
   if (rc == IDEM_ENOTFOUND)
     return reply_error(conn, MHD_HTTP_NOT_FOUND, "no such note");
   if (rc != IDEM_OK)
     return reply_error(conn, MHD_HTTP_SERVICE_UNAVAILABLE, "try again later");
-  ret = reply(conn, MHD_HTTP_OK, body, NULL, 0, 0);
-  free(body);
+  ret = reply(conn, MHD_HTTP_OK, r.body, NULL, 0, 0);
+  free(r.body);
   return ret;
 }
 
@@ -227,25 +279,6 @@ static void request_done(void *cls, struct MHD_Connection *conn, void **con_cls,
   *con_cls = NULL;
 }
 
-/* The tenant "embed", made on first start. Keys are scoped to a tenant;
- * this server has only the one. */
-static int find_tenant(void) {
-  idem_tenant_t t = {0};
-  int rc = idem_store_tenant_by_name(store, "embed", &t);
-
-  if (rc == IDEM_ENOTFOUND) {
-    snprintf(t.name, sizeof t.name, "embed");
-    t.created_at = idem_now_ms();
-    rc = idem_random_token(t.key_lookup, sizeof t.key_lookup - 1);
-    if (rc == IDEM_OK)
-      rc = idem_store_tenant_create(store, &t);
-    if (rc == IDEM_EEXIST) /* another process made it first */
-      rc = idem_store_tenant_by_name(store, "embed", &t);
-  }
-  tenant_id = t.id;
-  return rc;
-}
-
 int main(int argc, char **argv) {
   struct sockaddr_in addr = {.sin_family = AF_INET};
   struct MHD_Daemon *d;
@@ -259,8 +292,10 @@ int main(int argc, char **argv) {
   }
   addr.sin_port = htons((uint16_t)atoi(argv[1]));
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  idem_effect_t schema = {create_table, NULL};
   if ((rc = idem_store_open(argv[2], NULL, &store)) != IDEM_OK ||
-      (rc = idem_store_migrate(store)) != IDEM_OK || (rc = find_tenant()) != IDEM_OK ||
+      (rc = idem_store_migrate(store)) != IDEM_OK ||
+      (rc = idem_store_write(store, &schema)) != IDEM_OK ||
       (rc = idem_engine_new(store, NULL, &engine)) != IDEM_OK) {
     fprintf(stderr, "embed-notes: %s (%s)\n", idem_strerror(rc), idem_store_last_error());
     return 1;

@@ -41,7 +41,7 @@ def notes():
     """The notes in the store: the effects, counted where they are written."""
     db = sqlite3.connect("file:%s?mode=ro" % DB, uri=True, timeout=10)
     try:
-        return db.execute("SELECT count(*) FROM resources WHERE kind = 'note'").fetchone()[0]
+        return db.execute("SELECT count(*) FROM notes").fetchone()[0]
     finally:
         db.close()
 
