@@ -9,7 +9,7 @@
 #include "idem/crypto.h"
 #include "server/flow.h"
 #include "server/reply.h"
-#include "server/validate.h"
+#include "server/order_cmd.h"
 
 #define OPERATION "create_order"
 

@@ -16,7 +16,7 @@
 #include "server/flow.h"
 #include "server/log.h"
 #include "server/reply.h"
-#include "server/validate.h"
+#include "server/payment_cmd.h"
 
 #define OPERATION "create_payment"
 

@@ -16,7 +16,7 @@
 #include "server/replay_cache.h"
 #include "server/reply.h"
 #include "server/suspend.h"
-#include "server/validate.h"
+#include "server/body.h"
 
 static const idemd_route_def_t routes[] = {
     {"/payments", 0, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT, 1},
