@@ -524,64 +524,68 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   return read_record(c, &req->scope, out);
 }
 
+/* Runs fn(c, arg) in a transaction on a pooled connection: committed
+ * when it returns IDEM_OK, rolled back otherwise. */
+static int in_tx(pg_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
+  struct conn *c;
+  int rc;
+
+  if ((rc = conn_get(s, &c)) != IDEM_OK)
+    return rc;
+  if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
+    rc = fn(c, arg);
+    int end = tx_end(c, rc == IDEM_OK);
+    if (rc == IDEM_OK)
+      rc = end;
+  }
+  conn_put(s, c);
+  return rc;
+}
+
+struct reserve_args {
+  const idem_reserve_t *req;
+  const char *owner;
+  idem_record_t *out;
+  idem_reserve_result_t *result;
+};
+
+static int reserve_fn(struct conn *c, void *arg) {
+  struct reserve_args *a = arg;
+  return reserve_tx(c, a->req, a->owner, a->out, a->result);
+}
+
 static int pg_reserve(idem_store_t *base, const idem_reserve_t *req,
                       idem_record_t *out, idem_reserve_result_t *result) {
-  pg_store_t *s = (pg_store_t *)base;
   char owner[IDEM_TOKEN_MAX + 1];
-  struct conn *c;
+  struct reserve_args a = {req, owner, out, result};
   int rc;
 
   if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
     return IDEM_ECRYPTO;
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
-    rc = reserve_tx(c, req, owner, out, result);
-    int end = tx_end(c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
-  }
-  conn_put(s, c);
-  if (rc != IDEM_OK)
+  if ((rc = in_tx((pg_store_t *)base, reserve_fn, &a)) != IDEM_OK)
     idem_record_reset(out);
   return rc;
 }
 
-static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
-  pg_store_t *s = (pg_store_t *)base;
-  struct conn *c;
-  int rc;
-
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+static int complete_fn(struct conn *c, void *arg) {
+  const idem_complete_t *cp = arg;
+  int rc = apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
+                         cp->ttl_ms);
+  if (rc != IDEM_OK)
     return rc;
-  if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
-    rc = apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
-                       cp->ttl_ms);
-    if (rc == IDEM_OK)
-      rc = idem__effect_run(&cp->effect, "postgresql", c->pg, cp->now_ms);
-    int end = tx_end(c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
-  }
-  conn_put(s, c);
-  return rc;
+  return idem__effect_run(&cp->effect, "postgresql", c->pg, cp->now_ms);
+}
+
+static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
+  return in_tx((pg_store_t *)base, complete_fn, (void *)cp);
+}
+
+static int caller_write_fn(struct conn *c, void *arg) {
+  return idem__effect_run(arg, "postgresql", c->pg, idem_now_ms());
 }
 
 static int pg_write(idem_store_t *base, const idem_effect_t *e) {
-  pg_store_t *s = (pg_store_t *)base;
-  struct conn *c;
-  int rc;
-
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
-    rc = idem__effect_run(e, "postgresql", c->pg, idem_now_ms());
-    int end = tx_end(c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
-  }
-  conn_put(s, c);
-  return rc;
+  return in_tx((pg_store_t *)base, caller_write_fn, (void *)e);
 }
 
 static int pg_read(idem_store_t *base, const idem_effect_t *e) {
