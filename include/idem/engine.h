@@ -107,6 +107,12 @@ typedef struct idem_begin {
    * and leaves it set, so that calling again with the same `b` (after
    * IDEM_ELOST, or from another thread) waits no longer in all. */
   int64_t wait_until_ms;
+  /* 1: make the first reservation without reading the record first. For
+   * a key most likely new (one a replay cache does not know): the
+   * reservation reports any record there is, changing nothing, and the
+   * engine decides on it, so the answer is the same, one read cheaper.
+   * Later attempts always read. */
+  int skip_read;
 } idem_begin_t;
 
 /* Decides request `b`, waiting (blocking this thread, at most until its
@@ -135,6 +141,84 @@ IDEM_WARN_UNUSED int idem_engine_complete(idem_engine_t *engine, const idem_reco
  * free again for a request with the same fingerprint (a different one
  * still gets MISMATCH until the record expires). IDEM_ELOST as above. */
 IDEM_WARN_UNUSED int idem_engine_release(idem_engine_t *engine, const idem_record_t *rec);
+
+/* One keyed request decided without a thread waiting on it, for an event
+ * loop (idem_engine_begin_async()). The caller owns it: zero it, set
+ * `begin`, `wake` and, optionally, `suspend` and `arg`, and keep it, and
+ * everything `begin` points at, until the request is over. */
+typedef struct idem_async idem_async_t;
+struct idem_async {
+  idem_begin_t begin;
+  /* Called once after each IDEM_EAGAIN, from a store thread or the one
+   * that called idem_engine_expire(), when the request can go on: call
+   * idem_engine_begin_async() again (or, after a completion, read `rc`).
+   * It must not wait. It may run before the call that returned
+   * IDEM_EAGAIN has returned; the engine does not touch `a` once it has
+   * called it. `decision` and `rc` are already set when the write it
+   * waited for decided the request (a won reservation: EXECUTE), so a
+   * caller may act on them on that thread (start the execution there). */
+  void (*wake)(idem_async_t *a);
+  /* Optional: called on the caller's thread just before the engine hands
+   * `a` to another thread (a queued write, a wait), e.g. to suspend a
+   * connection that `wake` then resumes. */
+  void (*suspend)(idem_async_t *a);
+  void *arg;
+  /* What the engine found, as in idem_engine_begin(): the decision (0
+   * until decided), the result of the last write, and the record (reset
+   * it with idem_record_reset() when the request is over). */
+  idem_decision_t decision;
+  int rc;
+  idem_record_t rec;
+  /* The engine's own while the request goes on. */
+  struct {
+    idem_engine_t *engine;
+    int stage;
+    int reservations;
+    int read;
+    int prepared;
+    idem_reserve_result_t result;
+    idem_store_waiter_t waiter;
+    union {
+      idem_reserve_t reserve;
+      idem_complete_t complete;
+    } write;
+  } priv_;
+};
+
+/* The asynchronous form of idem_engine_begin(), on a store whose reads
+ * are local and whose writes have asynchronous forms (SQLite): it never
+ * waits, and a wait for a duplicate in flight holds no thread. Returns
+ * IDEM_OK when decided (`a->decision` and `a->rec` as in
+ * idem_engine_begin()); IDEM_EAGAIN when a write or a wait is under way:
+ * `a->suspend` was called, `a->wake` follows exactly once, and the caller
+ * calls this again from its own thread to go on (the decision, or the
+ * write's error, is returned then); IDEM_ENOTSUP at once, with nothing
+ * done, on a store without both (PostgreSQL: decide in a thread that may
+ * wait, with idem_engine_begin()); otherwise an error of the store or of
+ * prepare(). The decision table and the rules are the blocking form's. */
+IDEM_WARN_UNUSED int idem_engine_begin_async(idem_engine_t *engine, idem_async_t *a);
+
+/* The asynchronous form of idem_engine_complete(), for a request that
+ * idem_engine_begin_async() decided EXECUTE; from any thread. Returns
+ * IDEM_EAGAIN when the completion is queued: `a->wake` follows once, with
+ * `a->rc` IDEM_OK, IDEM_ELOST (nothing written; idem_engine_begin_async()
+ * may then be called again, and decides anew), or the store's or the
+ * effect's error. `out`, what it points at and `effect` must stay valid
+ * until then. Any other return: nothing was queued and `wake` will not be
+ * called. An outcome with state FAILED releases the key. */
+IDEM_WARN_UNUSED int idem_engine_complete_async(idem_engine_t *engine, idem_async_t *a,
+                                                const idem_outcome_t *out,
+                                                const idem_effect_t *effect);
+
+/* Wakes, as timed out, every request the engine parked on a duplicate in
+ * flight whose wait ends at or before `now_ms` (idem_mono_ms(); INT64_MAX:
+ * all of them); each then decides IN_FLIGHT. Call it often (every few
+ * tens of milliseconds) while idem_engine_parked() is not 0: a wait lasts
+ * that much longer than its bound. Returns how many it woke. */
+int idem_engine_expire(idem_engine_t *engine, int64_t now_ms);
+
+/* How many requests are parked on a duplicate in flight now. */
+int idem_engine_parked(const idem_engine_t *engine);
 
 #ifdef __cplusplus
 }

@@ -26,7 +26,8 @@ extern "C" {
   X(EEXIST, "already exists")                                              \
   X(EJSON, "invalid JSON")                                                 \
   X(ECRYPTO, "cryptographic library failure")                             \
-  X(ENOTSUP, "not supported by this store")
+  X(ENOTSUP, "not supported by this store")                                \
+  X(EAGAIN, "not done yet: the engine calls back")
 
 typedef enum idem_err {
 #define IDEM__ERR_ENUM(name, text) IDEM_##name,

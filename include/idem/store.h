@@ -209,6 +209,11 @@ const char *idem_store_backend(const idem_store_t *store);
  * trip, so an event loop may make them inline; 0 when they may block. */
 int idem_store_local_reads(const idem_store_t *store);
 
+/* 1 when the store has asynchronous forms of its reservation and
+ * completion (idem_store_reserve_async(), idem_store_complete_async()):
+ * SQLite; 0 when they return IDEM_ENOTSUP (PostgreSQL). */
+int idem_store_async_writes(const idem_store_t *store);
+
 /* Creates or upgrades the schema to this program's version. Idempotent.
  * Returns IDEM_ESCHEMA if the database is newer than this program. */
 IDEM_WARN_UNUSED int idem_store_migrate(idem_store_t *store);

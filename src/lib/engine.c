@@ -1,7 +1,11 @@
 /* The idempotency engine (docs/idempotency.md, section 2): the decision
- * table, and the blocking loop that reads, reserves and waits around it. */
+ * table, the blocking loop that reads, reserves and waits around it, and
+ * the same loop as steps that an event loop runs without waiting (each
+ * write queued on the store, each wait parked on the key). */
 #include "idem/engine.h"
 
+#include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -10,10 +14,15 @@
 #define DEFAULT_LEASE_MS (30 * 1000)
 #define DEFAULT_TTL_MS (24LL * 60 * 60 * 1000)
 #define DEFAULT_INFLIGHT_WAIT_MS (5 * 1000)
+/* Reservations one request may lose before it gives up (IDEM_ETIMEDOUT):
+ * each loss means the key changed hands in between, so this is never
+ * reached in practice; it keeps a bug from spinning. */
+#define MAX_RESERVATIONS 1000
 
 struct idem_engine {
   idem_store_t *store;
   idem_engine_config_t cfg;
+  atomic_int parked; /* asynchronous requests parked on a key in flight */
 };
 
 const char *idem_decision_name(idem_decision_t d) {
@@ -90,17 +99,23 @@ void idem_engine_free(idem_engine_t *engine) { free(engine); }
 
 idem_store_t *idem_engine_store(const idem_engine_t *engine) { return engine->store; }
 
-/* Waits for the key of `b`, which a request with its fingerprint holds,
- * to change since `ticket`. Returns 0 after a wait (decide again), -1
- * when the bound has passed. */
-static int wait_in_flight(idem_engine_t *e, idem_begin_t *b, uint64_t ticket) {
-  int64_t left;
-
+/* Sets the bound of `b`'s wait for a duplicate in flight, the first time
+ * it finds one. Returns the time left (at most 0: none). */
+static int64_t wait_left(const idem_engine_t *e, idem_begin_t *b) {
   if (b->wait_until_ms == 0)
     b->wait_until_ms = e->cfg.inflight_wait_ms < 0
                            ? -1
                            : idem_mono_ms() + e->cfg.inflight_wait_ms;
-  if (b->wait_until_ms < 0 || (left = b->wait_until_ms - idem_mono_ms()) <= 0)
+  return b->wait_until_ms < 0 ? 0 : b->wait_until_ms - idem_mono_ms();
+}
+
+/* Waits for the key of `b`, which a request with its fingerprint holds,
+ * to change since `ticket`. Returns 0 after a wait (decide again), -1
+ * when the bound has passed. */
+static int wait_in_flight(idem_engine_t *e, idem_begin_t *b, uint64_t ticket) {
+  int64_t left = wait_left(e, b);
+
+  if (left <= 0)
     return -1;
   if (e->cfg.on_wait)
     e->cfg.on_wait(e->cfg.on_wait_arg, 1);
@@ -110,29 +125,70 @@ static int wait_in_flight(idem_engine_t *e, idem_begin_t *b, uint64_t ticket) {
   return 0;
 }
 
+/* Reads the record of `b`'s key and decides on it. Returns IDEM_OK and
+ * `*d`, or the store's error. */
+static int read_and_decide(idem_engine_t *e, const idem_begin_t *b, idem_record_t *rec,
+                           idem_decision_t *d) {
+  int64_t now = idem_now_ms();
+  int rc;
+
+  idem_record_reset(rec);
+  /* The read is a shortcut: a finished key is answered without the
+   * write lock. The reservation is still the only way to own a key. */
+  rc = idem_store_lookup(e->store, &b->scope, now, rec);
+  if (rc == IDEM_ENOTFOUND) {
+    *d = IDEM_DECIDE_RESERVE;
+    return IDEM_OK;
+  }
+  if (rc == IDEM_OK)
+    *d = idem_decide(rec, b->fingerprint, now);
+  return rc;
+}
+
+/* The reservation of `b`'s key, now. */
+static idem_reserve_t reservation(const idem_engine_t *e, const idem_begin_t *b) {
+  return (idem_reserve_t){.scope = b->scope,
+                          .fingerprint = b->fingerprint,
+                          .correlation_id = b->correlation_id ? b->correlation_id : "",
+                          .now_ms = idem_now_ms(),
+                          .lease_ms = e->cfg.lease_ms,
+                          .ttl_ms = e->cfg.ttl_ms,
+                          .resource = b->resource,
+                          .effect = b->effect,
+                          .enqueue_outbox = b->enqueue_outbox,
+                          .outcome = b->outcome};
+}
+
+/* What a reservation that was written says: EXECUTE when it won the key;
+ * else the decision on the record it reported (RESERVE again when that
+ * record freed the key in between). */
+static idem_decision_t reserved_decision(const idem_reserve_t *req,
+                                         idem_reserve_result_t result,
+                                         const idem_record_t *rec) {
+  if (result == IDEM_RESERVE_WON)
+    return IDEM_DECIDE_EXECUTE;
+  return idem_decide(rec, req->fingerprint, req->now_ms);
+}
+
 int idem_engine_begin(idem_engine_t *e, idem_begin_t *b, idem_record_t *rec,
                       idem_decision_t *decision) {
   int prepared = b->prepare == NULL;
+  int read = !b->skip_read;
   int rc;
 
   if (b->fingerprint == NULL)
     return IDEM_EINVAL;
   /* Bounded: each pass answers, waits for a change, or follows a record
    * that changed hands between the read and the reservation. */
-  for (int pass = 0; pass < 1000; pass++) {
+  for (int pass = 0; pass < MAX_RESERVATIONS; pass++) {
     /* Taken before the read, so a completion just after it still wakes
      * the wait below. */
     uint64_t ticket = idem_store_watch(e->store, &b->scope);
-    int64_t now = idem_now_ms();
-    idem_decision_t d;
+    idem_decision_t d = IDEM_DECIDE_RESERVE;
 
-    idem_record_reset(rec);
-    /* The read is a shortcut: a finished key is answered without the
-     * write lock. The reservation is still the only way to own a key. */
-    rc = idem_store_lookup(e->store, &b->scope, now, rec);
-    if (rc != IDEM_OK && rc != IDEM_ENOTFOUND)
+    if (read && (rc = read_and_decide(e, b, rec, &d)) != IDEM_OK)
       return rc;
-    d = rc == IDEM_ENOTFOUND ? IDEM_DECIDE_RESERVE : idem_decide(rec, b->fingerprint, now);
+    read = 1;
     if (d == IDEM_DECIDE_RESERVE) {
       idem_reserve_result_t result = IDEM_RESERVE_EXISTS;
       idem_reserve_t req;
@@ -143,26 +199,12 @@ int idem_engine_begin(idem_engine_t *e, idem_begin_t *b, idem_record_t *rec,
           return rc;
         prepared = 1;
       }
-      req = (idem_reserve_t){.scope = b->scope,
-                             .fingerprint = b->fingerprint,
-                             .correlation_id = b->correlation_id ? b->correlation_id : "",
-                             .now_ms = idem_now_ms(),
-                             .lease_ms = e->cfg.lease_ms,
-                             .ttl_ms = e->cfg.ttl_ms,
-                             .resource = b->resource,
-                             .effect = b->effect,
-                             .enqueue_outbox = b->enqueue_outbox,
-                             .outcome = b->outcome};
+      req = reservation(e, b);
       if ((rc = idem_store_reserve(e->store, &req, rec, &result)) != IDEM_OK)
         return rc;
-      if (result == IDEM_RESERVE_WON) {
-        *decision = IDEM_DECIDE_EXECUTE;
-        return IDEM_OK;
-      }
-      /* Another request won it between the read and the reservation:
-       * decide on the record it reported. */
-      d = idem_decide(rec, b->fingerprint, req.now_ms);
-      if (d == IDEM_DECIDE_RESERVE)
+      /* Lost: another request won it between the read and the
+       * reservation; decide on the record it reported. */
+      if ((d = reserved_decision(&req, result, rec)) == IDEM_DECIDE_RESERVE)
         continue;
     }
     if (d == IDEM_DECIDE_IN_FLIGHT && wait_in_flight(e, b, ticket) == 0)
@@ -195,4 +237,193 @@ int idem_engine_complete(idem_engine_t *e, const idem_record_t *rec,
 int idem_engine_release(idem_engine_t *e, const idem_record_t *rec) {
   idem_outcome_t failed = {.state = IDEM_STATE_FAILED};
   return idem_engine_complete(e, rec, &failed, NULL);
+}
+
+/* The asynchronous form. A request goes through these stages; each
+ * IDEM_EAGAIN leaves it in one, and its wake-up brings it back to
+ * idem_engine_begin_async(), on its caller's thread, which goes on from
+ * there. */
+enum async_stage {
+  ASYNC_DECIDING = 0, /* on the caller's thread */
+  ASYNC_RESERVING,    /* a reservation queued on the store */
+  ASYNC_PARKED,       /* parked on a key in flight */
+  ASYNC_COMPLETING    /* a completion queued on the store */
+};
+
+#define ASYNC_OF(ptr, member) ((idem_async_t *)((char *)(ptr) - offsetof(idem_async_t, member)))
+
+/* On a store thread: the reservation is written (or failed). A won key,
+ * or one whose record settles the request, is decided here, so that the
+ * caller may act on it without a trip to its own thread. */
+static void async_reserved(void *arg, int rc) {
+  idem_async_t *a = arg;
+
+  a->rc = rc;
+  if (rc == IDEM_OK) {
+    idem_decision_t d = reserved_decision(&a->priv_.write.reserve, a->priv_.result, &a->rec);
+    /* In flight: a wait needs a ticket taken before a fresh read; freed
+     * in between: another reservation. Both on the caller's thread. */
+    if (d != IDEM_DECIDE_IN_FLIGHT && d != IDEM_DECIDE_RESERVE)
+      a->decision = d;
+  }
+  if (rc != IDEM_OK || a->decision != 0)
+    a->priv_.stage = ASYNC_DECIDING; /* decided: a completion may follow at once */
+  a->wake(a);
+}
+
+static void async_completed(void *arg, int rc) {
+  idem_async_t *a = arg;
+  a->rc = rc;
+  a->wake(a);
+}
+
+/* From the thread that changed the key or expired the wait. */
+static void async_unparked(idem_store_waiter_t *w, int timed_out) {
+  idem_async_t *a = ASYNC_OF(w, priv_.waiter);
+  (void)timed_out; /* the next pass finds the bound passed */
+  atomic_fetch_sub_explicit(&a->priv_.engine->parked, 1, memory_order_relaxed);
+  a->wake(a);
+}
+
+static void async_suspend(idem_async_t *a) {
+  if (a->suspend)
+    a->suspend(a);
+}
+
+/* Queues the reservation of `a`'s key. Returns IDEM_EAGAIN (the wake-up
+ * follows, also when the store refused it at once), or prepare()'s
+ * error. */
+static int async_reserve(idem_engine_t *e, idem_async_t *a) {
+  int rc;
+
+  idem_record_reset(&a->rec);
+  if (!a->priv_.prepared) {
+    if ((rc = a->begin.prepare(a->begin.arg)) != IDEM_OK)
+      return rc;
+    a->priv_.prepared = 1;
+  }
+  a->priv_.reservations++;
+  a->priv_.write.reserve = reservation(e, &a->begin);
+  a->priv_.result = IDEM_RESERVE_EXISTS;
+  a->priv_.stage = ASYNC_RESERVING;
+  async_suspend(a);
+  rc = idem_store_reserve_async(e->store, &a->priv_.write.reserve, &a->rec,
+                                &a->priv_.result, async_reserved, a);
+  if (rc != IDEM_OK)
+    async_reserved(a, rc); /* not queued: as a failed write */
+  return IDEM_EAGAIN;
+}
+
+/* Parks `a` until its key changes since `ticket` or its wait ends.
+ * Returns IDEM_EAGAIN. */
+static int async_park(idem_engine_t *e, idem_async_t *a, uint64_t ticket) {
+  idem_store_waiter_t *w = &a->priv_.waiter;
+
+  idem_record_reset(&a->rec);
+  *w = (idem_store_waiter_t){.wake = async_unparked, .deadline_ms = a->begin.wait_until_ms};
+  a->priv_.stage = ASYNC_PARKED;
+  atomic_fetch_add_explicit(&e->parked, 1, memory_order_relaxed);
+  async_suspend(a); /* before parking: a wake-up may follow at once */
+  if (idem_store_park(e->store, &a->begin.scope, ticket, w) != 0)
+    async_unparked(w, 0); /* it changed meanwhile: look again */
+  return IDEM_EAGAIN;
+}
+
+/* The passes of the blocking loop, each ending where it would wait. */
+static int async_run(idem_engine_t *e, idem_async_t *a) {
+  for (int pass = 0; pass < MAX_RESERVATIONS && a->priv_.reservations < MAX_RESERVATIONS;
+       pass++) {
+    uint64_t ticket = idem_store_watch(e->store, &a->begin.scope);
+    idem_decision_t d = IDEM_DECIDE_RESERVE;
+    int rc;
+
+    if (a->priv_.read && (rc = read_and_decide(e, &a->begin, &a->rec, &d)) != IDEM_OK)
+      return rc;
+    a->priv_.read = 1;
+    if (d == IDEM_DECIDE_RESERVE)
+      return async_reserve(e, a);
+    if (d == IDEM_DECIDE_IN_FLIGHT && wait_left(e, &a->begin) > 0) {
+      /* Changed since the read: read again now, rather than park. */
+      if (idem_store_watch(e->store, &a->begin.scope) != ticket)
+        continue;
+      return async_park(e, a, ticket);
+    }
+    a->decision = d;
+    return IDEM_OK;
+  }
+  idem_record_reset(&a->rec);
+  return IDEM_ETIMEDOUT;
+}
+
+int idem_engine_begin_async(idem_engine_t *e, idem_async_t *a) {
+  switch (a->priv_.stage) {
+  case ASYNC_DECIDING:
+    if (a->priv_.engine != NULL)
+      break; /* called again after a decision or an error */
+    if (!idem_store_local_reads(e->store) || !idem_store_async_writes(e->store))
+      return IDEM_ENOTSUP;
+    if (a->begin.fingerprint == NULL || a->wake == NULL)
+      return IDEM_EINVAL;
+    a->priv_.engine = e;
+    a->priv_.read = !a->begin.skip_read;
+    a->priv_.prepared = a->begin.prepare == NULL;
+    a->decision = 0;
+    a->rc = IDEM_OK;
+    return async_run(e, a);
+  case ASYNC_RESERVING: /* written, and not decided by it */
+    a->priv_.stage = ASYNC_DECIDING;
+    return async_run(e, a);
+  case ASYNC_PARKED:
+    a->priv_.stage = ASYNC_DECIDING;
+    return async_run(e, a);
+  case ASYNC_COMPLETING:
+    a->priv_.stage = ASYNC_DECIDING;
+    if (a->rc != IDEM_ELOST)
+      return IDEM_EINVAL; /* completed: nothing left to decide */
+    /* Our lease ran out and another owner took the key over: decide
+     * again, from a read. */
+    idem_record_reset(&a->rec);
+    a->decision = 0;
+    a->rc = IDEM_OK;
+    a->priv_.read = 1;
+    return async_run(e, a);
+  }
+  return a->decision != 0 ? IDEM_OK : a->rc != IDEM_OK ? a->rc : IDEM_EINVAL;
+}
+
+int idem_engine_complete_async(idem_engine_t *e, idem_async_t *a, const idem_outcome_t *out,
+                               const idem_effect_t *effect) {
+  const idem_record_t *rec = &a->rec;
+  idem_complete_t *c = &a->priv_.write.complete;
+  int rc;
+
+  if (out == NULL || a->decision != IDEM_DECIDE_EXECUTE || a->priv_.stage != ASYNC_DECIDING)
+    return IDEM_EINVAL;
+  *c = (idem_complete_t){
+      .scope = a->begin.scope,
+      .owner_token = rec->owner_token,
+      .now_ms = idem_now_ms(),
+      .ttl_ms = e->cfg.ttl_ms,
+      .outcome = *out,
+      .row = rec->row};
+  if (effect)
+    c->effect = *effect;
+  a->priv_.stage = ASYNC_COMPLETING;
+  rc = idem_store_complete_async(e->store, c, async_completed, a);
+  if (rc != IDEM_OK) {
+    a->priv_.stage = ASYNC_DECIDING;
+    return rc;
+  }
+  return IDEM_EAGAIN;
+}
+
+int idem_engine_expire(idem_engine_t *e, int64_t now_ms) {
+  /* One parking now is seen at the next call. */
+  if (atomic_load_explicit(&e->parked, memory_order_relaxed) == 0)
+    return 0;
+  return idem_store_expire_waiters(e->store, now_ms);
+}
+
+int idem_engine_parked(const idem_engine_t *e) {
+  return atomic_load_explicit(&((idem_engine_t *)e)->parked, memory_order_relaxed);
 }

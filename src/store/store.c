@@ -106,6 +106,10 @@ int idem_store_local_reads(const idem_store_t *store) {
   return store->methods->local_reads;
 }
 
+int idem_store_async_writes(const idem_store_t *store) {
+  return store->methods->reserve_async != NULL && store->methods->complete_async != NULL;
+}
+
 int idem_store_ping(idem_store_t *store) {
   FAULT_POINT();
   return store->methods->ping(store);

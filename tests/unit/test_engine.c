@@ -1,6 +1,7 @@
 /* The engine (include/idem/engine.h): the decision table row by row, then
  * idem_engine_begin(), _complete() and _release() over a real store, the
- * one IDEM_TEST_STORE_URL names or a fresh SQLite file per test. */
+ * one IDEM_TEST_STORE_URL names or a fresh SQLite file per test, and the
+ * asynchronous form (idem_engine_begin_async(), SQLite only). */
 #include "support.h"
 
 #include <pthread.h>
@@ -504,6 +505,452 @@ static void test_arguments(void **state) {
   idem_engine_free(NULL);
 }
 
+/* ---- the asynchronous form ------------------------------------------- */
+
+/* A request in the asynchronous form, as an event loop would hold it:
+ * suspend() and wake() counted, and a wake-up waited for with a bound. */
+typedef struct areq {
+  idem_async_t a;
+  pthread_mutex_t mu;
+  pthread_cond_t cond;
+  int suspends, wakes;
+  idem_decision_t decided_at_wake; /* a->decision when wake() ran */
+  int rc_at_wake;
+} areq_t;
+
+static void areq_wake(idem_async_t *a) {
+  areq_t *q = a->arg;
+  pthread_mutex_lock(&q->mu);
+  q->wakes++;
+  q->decided_at_wake = a->decision;
+  q->rc_at_wake = a->rc;
+  pthread_cond_signal(&q->cond);
+  pthread_mutex_unlock(&q->mu);
+}
+
+static void areq_suspend(idem_async_t *a) {
+  areq_t *q = a->arg;
+  pthread_mutex_lock(&q->mu);
+  q->suspends++;
+  pthread_mutex_unlock(&q->mu);
+}
+
+static void areq_init(areq_t *q, const idem_begin_t *b) {
+  memset(q, 0, sizeof *q);
+  pthread_mutex_init(&q->mu, NULL);
+  pthread_cond_init(&q->cond, NULL);
+  q->a.begin = *b;
+  q->a.wake = areq_wake;
+  q->a.suspend = areq_suspend;
+  q->a.arg = q;
+}
+
+static void areq_free(areq_t *q) {
+  idem_record_reset(&q->a.rec);
+  pthread_mutex_destroy(&q->mu);
+  pthread_cond_destroy(&q->cond);
+}
+
+/* Waits (at most 10 s) for the `n`th wake-up. Returns 0, or -1. */
+static int areq_wait(areq_t *q, int n) {
+  int64_t until = idem_mono_ms() + 10000;
+  int ok;
+  pthread_mutex_lock(&q->mu);
+  while (q->wakes < n && idem_mono_ms() < until) {
+    pthread_mutex_unlock(&q->mu);
+    usleep(1000);
+    pthread_mutex_lock(&q->mu);
+  }
+  ok = q->wakes >= n;
+  pthread_mutex_unlock(&q->mu);
+  return ok ? 0 : -1;
+}
+
+static int store_is_async(const fixture_t *fx) {
+  return idem_store_local_reads(fx->store) && idem_store_async_writes(fx->store);
+}
+
+/* Runs `q` to its decision as an event loop does: each IDEM_EAGAIN is
+ * followed by exactly one wake-up, after one suspend(), and the call is
+ * made again. Returns the last call's result. */
+static int areq_run(fixture_t *fx, areq_t *q) {
+  int rc = idem_engine_begin_async(fx->engine, &q->a);
+  while (rc == IDEM_EAGAIN) {
+    int wakes = q->wakes;
+    assert_int_equal(areq_wait(q, wakes + 1), 0);
+    rc = idem_engine_begin_async(fx->engine, &q->a);
+  }
+  return rc;
+}
+
+/* Completes `q` (decided EXECUTE) with `out`; returns the wake's rc. */
+static int areq_complete(fixture_t *fx, areq_t *q, const idem_outcome_t *out) {
+  int wakes = q->wakes;
+  assert_int_equal(idem_engine_complete_async(fx->engine, &q->a, out, NULL), IDEM_EAGAIN);
+  assert_int_equal(areq_wait(q, wakes + 1), 0);
+  assert_int_equal(q->wakes, wakes + 1);
+  return q->a.rc;
+}
+
+/* A new key: the reservation is queued, and the won key is decided on the
+ * store's thread, before the wake-up (so a caller may execute there). The
+ * completion is queued the same way; the same request then replays,
+ * queued without a read (skip_read) or read at once, and another request
+ * under the key is a mismatch. */
+static void test_async_execute_complete_replay(void **state) {
+  fixture_t *fx = *state;
+  idem_begin_t b = begin_of(fx, "ka1", FP_A);
+  idem_outcome_t out = done_with(201, "{\"id\":\"t_a1\"}", "/things/t_a1");
+  areq_t q, replay, read, other;
+
+  if (!store_is_async(fx))
+    skip();
+  b.skip_read = 1;
+  areq_init(&q, &b);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &q.a), IDEM_EAGAIN);
+  assert_int_equal(areq_wait(&q, 1), 0);
+  assert_int_equal(q.suspends, 1);
+  assert_int_equal(q.decided_at_wake, IDEM_DECIDE_EXECUTE);
+  assert_int_equal(q.rc_at_wake, IDEM_OK);
+  assert_int_equal(q.a.rec.state, IDEM_STATE_PROCESSING);
+  assert_true(strlen(q.a.rec.owner_token) > 0);
+  /* Called again: the decision made at the wake-up. */
+  assert_int_equal(idem_engine_begin_async(fx->engine, &q.a), IDEM_OK);
+  assert_int_equal(q.a.decision, IDEM_DECIDE_EXECUTE);
+  assert_int_equal(areq_complete(fx, &q, &out), IDEM_OK);
+  assert_int_equal(q.suspends, 1); /* a completion hands nothing back */
+
+  areq_init(&replay, &b);
+  assert_int_equal(areq_run(fx, &replay), IDEM_OK);
+  assert_int_equal(replay.a.decision, IDEM_DECIDE_REPLAY);
+  assert_int_equal(replay.wakes, 1);
+  assert_int_equal(replay.decided_at_wake, IDEM_DECIDE_REPLAY);
+  assert_int_equal(replay.a.rec.response_status, 201);
+  assert_string_equal(replay.a.rec.response_body, "{\"id\":\"t_a1\"}");
+  assert_string_equal(replay.a.rec.location, "/things/t_a1");
+  assert_string_equal(replay.a.rec.owner_token, "");
+
+  b.skip_read = 0;
+  areq_init(&read, &b);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &read.a), IDEM_OK);
+  assert_int_equal(read.a.decision, IDEM_DECIDE_REPLAY);
+  assert_int_equal(read.suspends, 0);
+
+  b.fingerprint = FP_B;
+  b.skip_read = 1;
+  areq_init(&other, &b);
+  assert_int_equal(areq_run(fx, &other), IDEM_OK);
+  assert_int_equal(other.a.decision, IDEM_DECIDE_MISMATCH);
+  assert_int_equal(other.a.rec.state, IDEM_STATE_COMPLETED);
+  areq_free(&q);
+  areq_free(&replay);
+  areq_free(&read);
+  areq_free(&other);
+}
+
+/* Single step and pending, as in the blocking form; prepare() runs once,
+ * before the reservation, and its error is returned with nothing written
+ * and nothing handed off. */
+static void test_async_single_step_pending_prepare(void **state) {
+  fixture_t *fx = *state;
+  idem_outcome_t single = done_with(201, "{\"id\":\"t_a2\"}", NULL);
+  idem_outcome_t pending = {.state = IDEM_STATE_PENDING, .status = 202,
+                            .body = "{\"status\":\"pending\"}"};
+  idem_begin_t b = begin_of(fx, "ka2", FP_A), p = begin_of(fx, "ka3", FP_A);
+  areq_t q, again, bad, pq, pr;
+  idem_record_t rec = {0};
+
+  if (!store_is_async(fx))
+    skip();
+  prepared = 0;
+  b.outcome = &single;
+  b.prepare = prepare_fails;
+  areq_init(&bad, &b);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &bad.a), IDEM_ECRYPTO);
+  assert_int_equal(bad.suspends, 0);
+  assert_int_equal(prepared, 1);
+  idem_scope_t sc = b.scope;
+  assert_int_equal(idem_store_lookup(fx->store, &sc, idem_now_ms(), &rec), IDEM_ENOTFOUND);
+
+  b.prepare = prepare_ok;
+  areq_init(&q, &b);
+  assert_int_equal(areq_run(fx, &q), IDEM_OK);
+  assert_int_equal(q.a.decision, IDEM_DECIDE_EXECUTE);
+  assert_int_equal(q.a.rec.state, IDEM_STATE_COMPLETED);
+  assert_int_equal(prepared, 2);
+  areq_init(&again, &b);
+  assert_int_equal(areq_run(fx, &again), IDEM_OK);
+  assert_int_equal(again.a.decision, IDEM_DECIDE_REPLAY);
+  assert_int_equal(prepared, 2); /* a replay never pays for it */
+
+  areq_init(&pq, &p);
+  assert_int_equal(areq_run(fx, &pq), IDEM_OK);
+  assert_int_equal(pq.a.decision, IDEM_DECIDE_EXECUTE);
+  assert_int_equal(areq_complete(fx, &pq, &pending), IDEM_OK);
+  p.skip_read = 1;
+  areq_init(&pr, &p);
+  assert_int_equal(areq_run(fx, &pr), IDEM_OK);
+  assert_int_equal(pr.a.decision, IDEM_DECIDE_PENDING);
+  assert_string_equal(pr.a.rec.response_body, "{\"status\":\"pending\"}");
+  areq_free(&q);
+  areq_free(&again);
+  areq_free(&bad);
+  areq_free(&pq);
+  areq_free(&pr);
+  idem_record_reset(&rec);
+}
+
+/* A duplicate of a request in flight parks, holding no thread, until the
+ * original completes, then replays it. One that lost the race for the key
+ * (queued without a read) parks too; a released original lets it win. */
+static void test_async_in_flight_parks(void **state) {
+  fixture_t *fx = *state;
+  idem_begin_t b = begin_of(fx, "ka4", FP_A), d = begin_of(fx, "ka4", FP_A);
+  idem_begin_t r = begin_of(fx, "ka5", FP_A);
+  idem_outcome_t out = done_with(201, "{\"id\":\"t_a4\"}", NULL);
+  idem_record_t rec = {0}, rrec = {0};
+  areq_t dup, lost;
+
+  if (!store_is_async(fx))
+    skip();
+  assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_EXECUTE);
+  d.wait_until_ms = idem_mono_ms() + 120000; /* only a wake-up ends it in time */
+  areq_init(&dup, &d);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &dup.a), IDEM_EAGAIN);
+  assert_int_equal(dup.suspends, 1);
+  assert_int_equal(idem_engine_parked(fx->engine), 1);
+  assert_int_equal(dup.wakes, 0);
+  assert_int_equal(idem_engine_complete(fx->engine, &rec, &out, NULL), IDEM_OK);
+  assert_int_equal(areq_wait(&dup, 1), 0);
+  assert_int_equal(idem_engine_parked(fx->engine), 0);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &dup.a), IDEM_OK);
+  assert_int_equal(dup.a.decision, IDEM_DECIDE_REPLAY);
+  assert_string_equal(dup.a.rec.response_body, "{\"id\":\"t_a4\"}");
+  assert_int_equal(fx->waits, 0); /* never the blocking wait */
+
+  assert_int_equal(begin(fx, &r, &rrec), IDEM_DECIDE_EXECUTE);
+  r.skip_read = 1;
+  r.wait_until_ms = idem_mono_ms() + 120000;
+  areq_init(&lost, &r);
+  /* The reservation reports the record in flight: woken undecided, it
+   * reads and parks. */
+  assert_int_equal(idem_engine_begin_async(fx->engine, &lost.a), IDEM_EAGAIN);
+  assert_int_equal(areq_wait(&lost, 1), 0);
+  assert_int_equal(lost.decided_at_wake, 0);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &lost.a), IDEM_EAGAIN);
+  assert_int_equal(idem_engine_parked(fx->engine), 1);
+  assert_int_equal(idem_engine_release(fx->engine, &rrec), IDEM_OK);
+  assert_int_equal(areq_wait(&lost, 2), 0);
+  /* Released: the key is free for it, and won by a new reservation. */
+  assert_int_equal(areq_run(fx, &lost), IDEM_OK);
+  assert_int_equal(lost.a.decision, IDEM_DECIDE_EXECUTE);
+  assert_string_not_equal(lost.a.rec.owner_token, rrec.owner_token);
+  assert_int_equal(lost.suspends, 3); /* reserve, park, reserve */
+  areq_free(&dup);
+  areq_free(&lost);
+  idem_record_reset(&rec);
+  idem_record_reset(&rrec);
+}
+
+/* The bound of a parked wait: idem_engine_expire() wakes it once it has
+ * passed (not before), and it decides IN_FLIGHT; woken early (expire with
+ * INT64_MAX, as a server that drains) it parks again unless its caller
+ * ends the wait (wait_until_ms -1), and with no time to wait it is told
+ * at once, nothing handed off. */
+static void test_async_in_flight_bound(void **state) {
+  fixture_t *fx = *state;
+  idem_begin_t b = begin_of(fx, "ka6", FP_A), d = begin_of(fx, "ka6", FP_A);
+  idem_record_t rec = {0};
+  areq_t now, bounded, drained;
+
+  if (!store_is_async(fx))
+    skip();
+  assert_int_equal(begin(fx, &b, &rec), IDEM_DECIDE_EXECUTE);
+
+  d.wait_until_ms = -1;
+  areq_init(&now, &d);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &now.a), IDEM_OK);
+  assert_int_equal(now.a.decision, IDEM_DECIDE_IN_FLIGHT);
+  assert_int_equal(now.a.rec.state, IDEM_STATE_PROCESSING);
+  assert_int_equal(now.suspends, 0);
+
+  d.wait_until_ms = idem_mono_ms() + 60000;
+  areq_init(&bounded, &d);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &bounded.a), IDEM_EAGAIN);
+  assert_int_equal(idem_engine_expire(fx->engine, idem_mono_ms()), 0);
+  assert_int_equal(bounded.wakes, 0);
+  bounded.a.begin.wait_until_ms = idem_mono_ms() + 30; /* not the engine's to move */
+  assert_int_equal(idem_engine_expire(fx->engine, d.wait_until_ms), 1);
+  assert_int_equal(areq_wait(&bounded, 1), 0);
+  usleep(40 * 1000);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &bounded.a), IDEM_OK);
+  assert_int_equal(bounded.a.decision, IDEM_DECIDE_IN_FLIGHT);
+
+  d.wait_until_ms = 0; /* the engine's bound: 5 s */
+  areq_init(&drained, &d);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &drained.a), IDEM_EAGAIN);
+  assert_true(drained.a.begin.wait_until_ms > idem_mono_ms());
+  assert_int_equal(idem_engine_expire(fx->engine, INT64_MAX), 1);
+  assert_int_equal(areq_wait(&drained, 1), 0);
+  assert_int_equal(idem_engine_begin_async(fx->engine, &drained.a), IDEM_EAGAIN);
+  assert_int_equal(idem_engine_parked(fx->engine), 1); /* its bound has not passed */
+  assert_int_equal(idem_engine_expire(fx->engine, INT64_MAX), 1);
+  assert_int_equal(areq_wait(&drained, 2), 0);
+  drained.a.begin.wait_until_ms = -1;
+  assert_int_equal(idem_engine_begin_async(fx->engine, &drained.a), IDEM_OK);
+  assert_int_equal(drained.a.decision, IDEM_DECIDE_IN_FLIGHT);
+  assert_int_equal(idem_engine_parked(fx->engine), 0);
+  areq_free(&now);
+  areq_free(&bounded);
+  areq_free(&drained);
+  idem_record_reset(&rec);
+}
+
+/* A completion whose lease was taken over is refused (IDEM_ELOST, nothing
+ * written); called again, the engine decides anew and replays the new
+ * owner's answer. */
+static void test_async_lost_lease(void **state) {
+  fixture_t *fx = *state;
+  idem_begin_t b = begin_of(fx, "ka7", FP_A);
+  idem_outcome_t late = done_with(201, "{\"by\":\"old\"}", NULL);
+  idem_outcome_t settled = done_with(201, "{\"by\":\"new\"}", NULL);
+  idem_record_t claimed[16];
+  int n = 0, ours = -1;
+  char id[40], body[96], token[17];
+  idem_resource_t res;
+  areq_t q;
+
+  if (!store_is_async(fx))
+    skip();
+  /* The reconciler claims what has an outbox row. */
+  assert_int_equal(idem_random_token(token, 16), IDEM_OK);
+  snprintf(id, sizeof id, "thing_%s", token);
+  snprintf(body, sizeof body, "{\"id\":\"%s\"}", id);
+  res = (idem_resource_t){.kind = "payment", .id = id, .status = "pending", .body = body};
+  b.resource = &res;
+  b.enqueue_outbox = 1;
+  engine_with(fx, 1, 86400000, 5000); /* a lease of 1 ms */
+  areq_init(&q, &b);
+  assert_int_equal(areq_run(fx, &q), IDEM_OK);
+  assert_int_equal(q.a.decision, IDEM_DECIDE_EXECUTE);
+  usleep(20 * 1000);
+  for (int round = 0; round < 1000 && ours < 0; round++) {
+    memset(claimed, 0, sizeof claimed);
+    assert_int_equal(idem_store_claim(fx->store, idem_now_ms(), 60000,
+                                      (int)ARRAY_LEN(claimed), claimed, &n),
+                     IDEM_OK);
+    if (n == 0)
+      break;
+    for (int i = 0; i < n; i++) {
+      if (claimed[i].tenant_id == fx->tenant_id && strcmp(claimed[i].key, "ka7") == 0)
+        ours = i;
+      else
+        idem_record_reset(&claimed[i]);
+    }
+  }
+  assert_true(ours >= 0);
+  assert_int_equal(areq_complete(fx, &q, &late), IDEM_ELOST);
+  assert_int_equal(idem_engine_complete(fx->engine, &claimed[ours], &settled, NULL), IDEM_OK);
+  idem_record_reset(&claimed[ours]);
+  assert_int_equal(areq_run(fx, &q), IDEM_OK);
+  assert_int_equal(q.a.decision, IDEM_DECIDE_REPLAY);
+  assert_string_equal(q.a.rec.response_body, "{\"by\":\"new\"}");
+  /* Decided and completed: nothing more to decide, nor to complete. */
+  assert_int_equal(idem_engine_complete_async(fx->engine, &q.a, &late, NULL), IDEM_EINVAL);
+  areq_free(&q);
+}
+
+/* Twenty asynchronous requests with one key at once, from twenty threads:
+ * one executes (completing asynchronously after 50 ms); the others park
+ * or replay, and all answer its body. */
+struct aracer {
+  fixture_t *fx;
+  pthread_barrier_t *go;
+  areq_t q;
+  int rc;
+  char body[64];
+};
+
+static void *arace(void *arg) {
+  struct aracer *r = arg;
+  idem_begin_t b = begin_of(r->fx, "ka8", FP_A);
+
+  b.skip_read = 1;
+  b.wait_until_ms = idem_mono_ms() + 120000;
+  areq_init(&r->q, &b);
+  pthread_barrier_wait(r->go);
+  r->rc = areq_run(r->fx, &r->q);
+  if (r->rc == IDEM_OK && r->q.a.decision == IDEM_DECIDE_EXECUTE) {
+    idem_outcome_t out;
+    snprintf(r->body, sizeof r->body, "{\"winner\":\"%p\"}", (void *)r);
+    out = done_with(201, r->body, NULL);
+    usleep(50 * 1000);
+    r->rc = areq_complete(r->fx, &r->q, &out);
+  } else if (r->rc == IDEM_OK) {
+    snprintf(r->body, sizeof r->body, "%s",
+             r->q.a.rec.response_body ? r->q.a.rec.response_body : "");
+  }
+  return NULL;
+}
+
+static void test_async_concurrent_same_key(void **state) {
+  fixture_t *fx = *state;
+  pthread_t th[RACERS];
+  static struct aracer rs[RACERS];
+  pthread_barrier_t go;
+  int executed = 0;
+
+  if (!store_is_async(fx))
+    skip();
+  pthread_barrier_init(&go, NULL, RACERS);
+  for (int i = 0; i < RACERS; i++) {
+    rs[i] = (struct aracer){.fx = fx, .go = &go};
+    assert_int_equal(pthread_create(&th[i], NULL, arace, &rs[i]), 0);
+  }
+  for (int i = 0; i < RACERS; i++)
+    pthread_join(th[i], NULL);
+  pthread_barrier_destroy(&go);
+  for (int i = 0; i < RACERS; i++) {
+    assert_int_equal(rs[i].rc, IDEM_OK);
+    if (rs[i].q.a.decision == IDEM_DECIDE_EXECUTE)
+      executed++;
+    else
+      assert_int_equal(rs[i].q.a.decision, IDEM_DECIDE_REPLAY);
+    assert_string_equal(rs[i].body, rs[0].body);
+  }
+  assert_int_equal(executed, 1);
+  assert_int_equal(idem_engine_parked(fx->engine), 0);
+  assert_int_equal(fx->waits, 0);
+  for (int i = 0; i < RACERS; i++)
+    areq_free(&rs[i].q);
+}
+
+/* Bad arguments, and a store without the asynchronous form (PostgreSQL):
+ * refused at once, nothing handed off. */
+static void test_async_arguments(void **state) {
+  fixture_t *fx = *state;
+  idem_begin_t b = begin_of(fx, "ka9", NULL);
+  idem_outcome_t out = done_with(201, "{}", NULL);
+  areq_t q;
+
+  areq_init(&q, &b);
+  if (!store_is_async(fx)) {
+    b.fingerprint = FP_A;
+    areq_init(&q, &b);
+    assert_int_equal(idem_engine_begin_async(fx->engine, &q.a), IDEM_ENOTSUP);
+    assert_int_equal(q.suspends, 0);
+    areq_free(&q);
+    return;
+  }
+  assert_int_equal(idem_engine_begin_async(fx->engine, &q.a), IDEM_EINVAL);
+  assert_int_equal(idem_engine_complete_async(fx->engine, &q.a, &out, NULL), IDEM_EINVAL);
+  q.a.begin.fingerprint = FP_A;
+  q.a.wake = NULL;
+  assert_int_equal(idem_engine_begin_async(fx->engine, &q.a), IDEM_EINVAL);
+  assert_int_equal(q.suspends, 0);
+  areq_free(&q);
+}
+
 int main(int argc, char **argv) {
   const char *url = getenv("IDEM_TEST_STORE_URL");
   if ((url == NULL || url[0] == '\0') && argc > 1 && strcmp(argv[1], "--require-url") == 0) {
@@ -525,6 +972,13 @@ int main(int argc, char **argv) {
       ENGINE_TEST(test_concurrent_same_key),
       ENGINE_TEST(test_lease_takeover_is_fenced),
       ENGINE_TEST(test_arguments),
+      ENGINE_TEST(test_async_execute_complete_replay),
+      ENGINE_TEST(test_async_single_step_pending_prepare),
+      ENGINE_TEST(test_async_in_flight_parks),
+      ENGINE_TEST(test_async_in_flight_bound),
+      ENGINE_TEST(test_async_lost_lease),
+      ENGINE_TEST(test_async_concurrent_same_key),
+      ENGINE_TEST(test_async_arguments),
   };
 #undef ENGINE_TEST
   return cmocka_run_group_tests_name("engine", tests, NULL, NULL);
