@@ -102,16 +102,6 @@ static void execute(const idemd_effect_t *e, const idem_record_t *rec,
     idemd_workers_wait_end();
 }
 
-/* The completion of the won record `rec` with `out`, for the store's
- * asynchronous form (the engine makes the same one in
- * idem_engine_complete()). */
-static idem_complete_t completion(const idemd_server_t *srv, const idem_scope_t *scope,
-                                  const idem_record_t *rec, const idem_outcome_t *out) {
-  return (idem_complete_t){.scope = *scope, .owner_token = rec->owner_token,
-                           .now_ms = idem_now_ms(), .ttl_ms = srv->cfg.key_ttl_ms,
-                           .outcome = *out, .row = rec->row};
-}
-
 /* The answer of a request refused because its original is still in
  * flight at the bound of its wait. */
 static enum MHD_Result in_flight(idemd_request_t *r) {
@@ -166,32 +156,18 @@ static idemd_outcome_t outcome_of(idem_decision_t d) {
   return OUTCOME_NONE;
 }
 
-/* The reservation of `scope` for request `r`, now. */
-static idem_reserve_t reserve_request(const idemd_request_t *r, const idemd_effect_t *e,
-                                      const idem_scope_t *scope) {
-  return (idem_reserve_t){.scope = *scope,
-                          .fingerprint = e->fingerprint,
-                          .correlation_id = r->request_id,
-                          .now_ms = idem_now_ms(),
-                          .lease_ms = r->srv->cfg.lease_ms,
-                          .ttl_ms = r->srv->cfg.key_ttl_ms,
-                          .resource = e->resource,
-                          .enqueue_outbox = e->enqueue_outbox,
-                          .outcome = e->outcome};
-}
-
-/* The flow of a won key without a thread waiting on it, for stores with
- * asynchronous writes (SQLite). The event thread queues the reservation
- * and suspends the request. The store's writer calls back
- * (async_written): a won single-step operation is resumed and answered
- * by its event thread (resumed()); a won payment goes on to its
- * provider call, made on the writer for a provider that never waits or
- * by a worker otherwise, and its completion is queued the same way; the
- * request is resumed once that is written. Anything else is resumed at
- * once: a key another request finished is answered from the record the
- * reservation reported; one in flight is read again and parked; a lease
- * lost goes to a worker, which decides again (go_on()). */
-enum async_stage { RESERVING, EXECUTING, COMPLETING };
+/* The flow without a thread waiting on it, for stores with local reads
+ * and asynchronous writes (SQLite): the engine's asynchronous form
+ * (idem_engine_begin_async()) decides, suspending the request while a
+ * write is queued or a wait for a duplicate is parked, and wakes it
+ * (woken()). A won payment goes on to its provider call from there, the
+ * connection still suspended: made on the store's writer for a provider
+ * that never waits, by a worker otherwise, and its completion queued the
+ * same way (idem_engine_complete_async()); the request is resumed once
+ * that is written. Anything else is resumed, and its event thread goes on
+ * at the step recorded on it (resumed()): the engine's next step, or the
+ * answer of its decision. */
+enum async_stage { DECIDING, EXECUTING, COMPLETING };
 
 /* The key of request `r` running `e`: its pointers are into `r` and `e`,
  * which outlive the flow. */
@@ -203,34 +179,22 @@ struct idemd_async_flow {
   idemd_request_t *r;
   const idemd_effect_t *e;
   enum async_stage stage;
-  int rc; /* of the last write */
-  idem_record_t rec;
-  idem_reserve_result_t result;
   /* The store's message for a failed write, taken on the thread that saw
    * it (idem_store_last_error() is per thread); for the log only. */
   char *detail;
-  /* One write at a time, and the store is done with the reservation's
-   * request before the completion is made: sharing the space keeps the
-   * struct under 1 KiB, where malloc serves it from its per-thread cache
-   * (a larger block took its slow path on every new key). */
-  union {
-    idem_reserve_t req;   /* while RESERVING */
-    idem_complete_t done; /* from EXECUTING on */
-  };
+  idem_outcome_t out;  /* the execution's, from EXECUTING on */
+  int64_t expires_at;  /* of a completed `out` */
+  idem_async_t a;      /* the engine's request */
 };
-/* 1,016 bytes since idem_complete_t gained its effect and the scope is
- * made from the request when needed (scope_of): anything added here must
- * be paid for elsewhere. */
-_Static_assert(sizeof(struct idemd_async_flow) <= 1024,
-               "keep the flow within malloc's per-thread cache (see above)");
 
 /* Ends the asynchronous part (the request is answered, or about to be run
- * again by a worker). */
+ * by a worker). */
 static void async_end(struct idemd_async_flow *af) {
   idemd_request_t *r = af->r;
   idemd_server_t *srv = r->srv;
 
-  idem_record_reset(&af->rec);
+  r->inflight_deadline = af->a.begin.wait_until_ms; /* for a worker's turn */
+  idem_record_reset(&af->a.rec);
   free(af->detail);
   r->async = NULL;
   r->resume = NULL;
@@ -249,34 +213,42 @@ struct first_answer {
 };
 
 static struct first_answer written_answer(const struct idemd_async_flow *af) {
-  if (af->stage == RESERVING)
-    return (struct first_answer){af->rec.response_status, af->rec.response_body,
-                                 af->rec.location, af->rec.state, af->rec.expires_at};
-  return (struct first_answer){af->done.outcome.status, af->done.outcome.body,
-                               af->done.outcome.location, af->done.outcome.state,
-                               af->done.now_ms + af->done.ttl_ms};
+  const idem_record_t *rec = &af->a.rec;
+  if (af->stage != COMPLETING)
+    return (struct first_answer){rec->response_status, rec->response_body, rec->location,
+                                 rec->state, rec->expires_at};
+  return (struct first_answer){af->out.status, af->out.body, af->out.location,
+                               af->out.state, af->expires_at};
 }
 
 static void execute_then_complete(struct idemd_async_flow *af);
 static void async_execute(idemd_work_t *w);
+static enum MHD_Result resumed(idemd_request_t *r);
 
-/* On the writer: note the result, give the request back. A reservation
- * won for a provider call goes on to that call instead, the connection
- * still suspended: a provider that never waits (the sandbox) is called
- * here, and its completion joins the writer's next batch; any other is
- * handed to a worker. Either way the event thread is not woken between
- * the two writes: a payment costs it one suspend and resume, not two
- * (docs/performance.md). When the workers are stopping, the request goes
- * back to its event thread, which answers it (resumed()). */
-static void async_written(void *arg, int rc) {
-  struct idemd_async_flow *af = arg;
+/* a->suspend: the engine hands the request to another thread. */
+static void async_suspend(idem_async_t *a) {
+  struct idemd_async_flow *af = a->arg;
+  af->r->resume = resumed; /* its event thread goes on there */
+  idemd_suspend(af->r);
+}
+
+/* a->wake, on the writer (a reservation or completion written), or on
+ * whichever thread changed the key or expired the wait: give the request
+ * back to its event thread. A reservation won for a provider call goes on
+ * to that call instead, the connection still suspended: a provider that
+ * never waits (the sandbox) is called here, and its completion joins the
+ * writer's next batch; any other is handed to a worker. Either way the
+ * event thread is not woken between the two writes: a payment costs it
+ * one suspend and resume, not two (docs/performance.md). When the
+ * workers are stopping, the request goes back to its event thread, which
+ * answers it (resumed()). */
+static void woken(idem_async_t *a) {
+  struct idemd_async_flow *af = a->arg;
   idemd_request_t *r = af->r;
 
-  af->rc = rc;
-  if (rc != IDEM_OK && rc != IDEM_ELOST && rc != IDEM_ENOTSUP && af->detail == NULL)
+  if (a->rc != IDEM_OK && a->rc != IDEM_ELOST && af->detail == NULL)
     af->detail = strdup(idem_store_last_error()); /* NULL: logged without */
-  if (rc == IDEM_OK && af->stage == RESERVING && af->result == IDEM_RESERVE_WON &&
-      af->e->execute) {
+  if (af->stage == DECIDING && a->decision == IDEM_DECIDE_EXECUTE && af->e->execute) {
     af->stage = EXECUTING;
     if (af->e->execute_never_waits) {
       execute_then_complete(af);
@@ -285,7 +257,7 @@ static void async_written(void *arg, int rc) {
     r->work.run = async_execute;
     if (idemd_workers_submit(r->srv->workers, &r->work) == 0)
       return;
-    af->stage = RESERVING;
+    af->stage = DECIDING;
   }
   idemd_resume(r); /* the event thread reads `af` from here on */
 }
@@ -293,19 +265,19 @@ static void async_written(void *arg, int rc) {
 /* The provider call, outside any transaction, then the completion,
  * queued (the request is suspended). */
 static void execute_then_complete(struct idemd_async_flow *af) {
-  idemd_request_t *r = af->r;
+  idemd_server_t *srv = af->r->srv;
   int rc;
 
-  idem_outcome_t out;
-
-  execute(af->e, &af->rec, &out);
-  idem_scope_t scope = scope_of(r, af->e);
-
-  af->done = completion(r->srv, &scope, &af->rec, &out);
+  execute(af->e, &af->a.rec, &af->out);
+  /* Not later than the store's: memory must not replay a record the
+   * store has let expire. */
+  af->expires_at = idem_now_ms() + srv->cfg.key_ttl_ms;
   af->stage = COMPLETING;
-  rc = idem_store_complete_async(r->srv->store, &af->done, async_written, af);
-  if (rc != IDEM_OK)
-    async_written(af, rc); /* not queued: as a failed write */
+  rc = idem_engine_complete_async(srv->engine, &af->a, &af->out, NULL);
+  if (rc != IDEM_EAGAIN) { /* not queued: as a failed write */
+    af->a.rc = rc;
+    woken(&af->a);
+  }
 }
 
 static void async_execute(idemd_work_t *w) {
@@ -313,106 +285,112 @@ static void async_execute(idemd_work_t *w) {
   execute_then_complete(r->async);
 }
 
-static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effect_t *e,
-                                           const idem_scope_t *scope);
 static enum MHD_Result go_on(idemd_request_t *r);
 
-/* The step after an asynchronous write, in the event thread, once the
- * request is resumed (r->resume). */
-static enum MHD_Result resumed(idemd_request_t *r) {
-  struct idemd_async_flow *af = r->async;
+/* The engine's next step, on the event thread: an answer when it decides,
+ * or nothing yet (the request is suspended until woken()). */
+static enum MHD_Result decide(struct idemd_async_flow *af) {
+  idemd_request_t *r = af->r;
   const idemd_effect_t *e = af->e;
+  idem_scope_t scope = scope_of(r, e);
   enum MHD_Result ret;
+  int rc = idem_engine_begin_async(r->srv->engine, &af->a);
 
-  if (af->rc == IDEM_OK && af->stage == RESERVING && af->result == IDEM_RESERVE_WON &&
-      e->execute) {
-    /* Only when the workers refused the call in async_written (idemd is
+  if (rc == IDEM_EAGAIN)
+    return MHD_YES;
+  if (rc == IDEM_ENOTSUP) { /* no asynchronous writes: all of it in a worker */
+    async_end(af);
+    return idemd_defer(r, go_on);
+  }
+  if (rc != IDEM_OK) {
+    ret = af->a.rc != IDEM_OK ? idemd_reply_store_failure(r, rc, af->detail)
+                              : idemd_reply_store_error(r, rc);
+  } else if (af->a.decision == IDEM_DECIDE_EXECUTE && e->execute) {
+    /* Only when the workers refused the call in woken() (idemd is
      * stopping): one more try, which answers 503 if they refuse again.
      * The record then stays processing and the reconciler takes it over
      * when its lease ends, as after a crash. */
     af->stage = EXECUTING;
+    r->resume = resumed;
     idemd_suspend(r);
     if (idemd_run_in_worker(r, async_execute) != 0)
       async_end(af);
     return MHD_YES;
-  }
-  if (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON) {
-    /* Another request holds the key: the reservation reported its
-     * record, and the engine's table says what to answer. A record in
-     * flight needs a wait from a fresh read (its ticket taken first), and
-     * one freed in between (expired, failed) another reservation: the
-     * flow goes on from the read, here, a bounded number of times. */
-    idem_decision_t d = idem_decide(&af->rec, e->fingerprint, af->req.now_ms);
-    idem_scope_t scope = scope_of(r, e);
-    idemd_server_t *srv = r->srv;
-
-    if (d != IDEM_DECIDE_IN_FLIGHT && d != IDEM_DECIDE_RESERVE) {
-      ret = answer(r, &scope, e, d, &af->rec);
-      async_end(af);
-      return ret;
-    }
-    if (r->reruns++ < 3) {
-      /* Counted through what follows, which may suspend it again: the
-       * stop must not see 0 in between (af still counts here, so it
-       * cannot). */
-      atomic_fetch_add(&srv->async_pending, 1);
-      async_end(af);
-      ret = run_in_event_thread(r, e, &scope);
-      idemd_pending_leave(srv);
-      return ret;
-    }
-  }
-  if (af->rc == IDEM_ELOST || af->rc == IDEM_ENOTSUP ||
-      (af->rc == IDEM_OK && af->stage == RESERVING && af->result != IDEM_RESERVE_WON)) {
-    /* Our lease ran out and another request took the key over (or the
-     * store has no asynchronous writes, or the reads and reservations
-     * above did not settle): the whole flow, which waits, replays or
-     * reports, in a worker. */
-    async_end(af);
-    return idemd_defer(r, go_on);
-  }
-  if (af->rc != IDEM_OK) {
-    ret = idemd_reply_store_failure(r, af->rc, af->detail);
-  } else { /* a single step done with its reservation, or a completion */
-    struct first_answer a = written_answer(af);
-    idem_scope_t scope = scope_of(r, e);
-    ret = answer_new(r, &scope, e->fingerprint, a.status, a.body, a.location,
-                     a.state, a.expires_at);
+  } else {
+    ret = answer(r, &scope, e, af->a.decision, &af->a.rec);
   }
   async_end(af);
   return ret;
 }
 
+/* The step after a wake-up, on the event thread, once the request is
+ * resumed (r->resume). */
+static enum MHD_Result resumed(idemd_request_t *r) {
+  struct idemd_async_flow *af = r->async;
+  const idemd_effect_t *e = af->e;
+  idem_scope_t scope = scope_of(r, e);
+  enum MHD_Result ret;
+
+  if (af->stage == COMPLETING) {
+    int rc = af->a.rc;
+    if (rc == IDEM_ELOST) { /* our lease ran out and another owner took over */
+      af->stage = DECIDING;
+      return decide(af);
+    }
+    if (rc != IDEM_OK) {
+      ret = idemd_reply_store_failure(r, rc, af->detail);
+    } else {
+      struct first_answer a = written_answer(af);
+      ret = answer_new(r, &scope, e->fingerprint, a.status, a.body, a.location, a.state,
+                       a.expires_at);
+    }
+    async_end(af);
+    return ret;
+  }
+  if (af->a.rc == IDEM_OK && af->a.decision == 0 &&
+      answer_from_memory(r, &scope, e->fingerprint, &ret)) {
+    /* Woken by its original's completion, which memory now holds. */
+    async_end(af);
+    return ret;
+  }
+  if (atomic_load(&r->srv->draining))
+    af->a.begin.wait_until_ms = -1; /* a duplicate in flight answers now */
+  return decide(af);
+}
+
 /* Whether the flow's last write was a first answer of its key: the
  * completion, or a reservation that was all there was to do. */
 static int wrote_first_answer(const struct idemd_async_flow *af) {
-  return af->rc == IDEM_OK &&
+  return af->a.rc == IDEM_OK &&
          (af->stage == COMPLETING ||
-          (af->stage == RESERVING && af->result == IDEM_RESERVE_WON && !af->e->execute));
+          (af->a.decision == IDEM_DECIDE_EXECUTE && !af->e->execute));
 }
 
 /* What a request whose client left before its answer did: OUTCOME_NEW
  * or OUTCOME_PENDING when its flow wrote the first answer of its key
- * (the effect happened); what it would have answered when its
- * reservation found the key's record (replay, pending, mismatch, in
- * flight); OUTCOME_ERROR when its last write failed. */
+ * (the effect happened); what it would have answered when the engine
+ * had decided (replay, pending, mismatch) or was waiting on a duplicate
+ * (in flight); OUTCOME_ERROR when its last write failed. */
 static int outcome_so_far(const struct idemd_async_flow *af) {
-  if (af->rc != IDEM_OK)
+  if (af->a.rc != IDEM_OK)
     return OUTCOME_ERROR;
   if (wrote_first_answer(af))
     return written_answer(af).state == IDEM_STATE_PENDING ? OUTCOME_PENDING : OUTCOME_NEW;
-  if (af->stage == RESERVING && af->result != IDEM_RESERVE_WON)
-    return outcome_of(idem_decide(&af->rec, af->e->fingerprint, af->req.now_ms));
+  if (af->stage == DECIDING && af->a.decision != 0 &&
+      af->a.decision != IDEM_DECIDE_EXECUTE)
+    return outcome_of(af->a.decision);
+  if (af->a.decision == 0 && af->a.begin.wait_until_ms != 0)
+    return OUTCOME_IN_FLIGHT;
   return OUTCOME_NONE;
 }
 
 /* r->on_close, for a request whose connection closed while its flow was
  * between two steps (resumed, before its event thread went on: the client
  * left). A payment's connection stays suspended from its reservation to
- * its completion (async_written), so a closed connection is only seen
- * after the last write, or after a reservation whose call no worker would
- * take (idemd is stopping: the reconciler takes the record over when its
- * lease ends). What was written stays; a completed first answer is still
+ * its completion (woken()), so a closed connection is only seen after the
+ * last write, or after a reservation whose call no worker would take
+ * (idemd is stopping: the reconciler takes the record over when its lease
+ * ends). What was written stays; a completed first answer is still
  * remembered, for the client's retry. */
 static int closed(idemd_request_t *r) {
   struct idemd_async_flow *af = r->async;
@@ -431,90 +409,43 @@ static int closed(idemd_request_t *r) {
   return outcome;
 }
 
-/* From the event thread, for a key to be reserved (prepared already):
- * queues the reservation and suspends the request. Returns 0 when it
- * did (the caller must not touch `r` again), -1 when out of memory
- * (nothing happened). */
-static int reserve_async(idemd_request_t *r, const idemd_effect_t *e,
-                         const idem_scope_t *scope) {
-  idemd_server_t *srv = r->srv;
-  struct idemd_async_flow *af;
-  int rc;
-
-  if (idemd_pending_enter(srv) != 0)
-    return -1; /* stopping */
-  if ((af = calloc(1, sizeof *af)) == NULL) {
-    idemd_pending_leave(srv);
-    return -1;
-  }
-  af->r = r;
-  af->e = e;
-  af->stage = RESERVING;
-  af->req = reserve_request(r, e, scope);
-  r->async = af;
-  r->resume = resumed;
-  r->on_close = closed;
-  idemd_suspend(r);
-  rc = idem_store_reserve_async(srv->store, &af->req, &af->rec, &af->result,
-                                async_written, af);
-  if (rc != IDEM_OK)
-    async_written(af, rc); /* not queued: IDEM_ENOTSUP goes to a worker */
-  return 0;
-}
-
-/* In an event thread, which must not wait: the flow as far as it goes
- * without waiting, on a store whose reads are local (else all of it in a
- * worker). A key that memory does not know, seen here for the first time,
- * is most likely new: its reservation is queued without a read (the read
- * cost a new key 13 us of CPU, docs/performance.md, "No read before a new
- * key's reservation (SQLite)"); the reservation reports any record there
- * is, changing nothing, and resumed() answers from it. Later
- * passes read the record first (r->looked_up). A duplicate in flight is
- * parked on its key, holding no thread. */
+/* In an event thread, which must not wait: the engine's asynchronous form,
+ * on a store whose reads are local (else all of it in a worker). A key
+ * that memory does not know, seen here for the first time, is most
+ * likely new: its reservation is queued without a read (skip_read: the
+ * read cost a new key 13 us of CPU, docs/performance.md, "No read before
+ * a new key's reservation (SQLite)"). A duplicate in flight is parked on
+ * its key, holding no thread. */
 static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effect_t *e,
                                            const idem_scope_t *scope) {
   idemd_server_t *srv = r->srv;
-  idem_record_t rec = {0};
-  idem_decision_t d = IDEM_DECIDE_RESERVE;
-  uint64_t ticket;
-  enum MHD_Result ret;
-  int rc;
+  struct idemd_async_flow *af;
 
-  if (!idem_store_local_reads(srv->store))
+  if (!idem_store_local_reads(srv->store) || idemd_pending_enter(srv) != 0)
+    return idemd_defer(r, go_on); /* a worker, or 503 when stopping */
+  if ((af = calloc(1, sizeof *af)) == NULL) {
+    idemd_pending_leave(srv);
     return idemd_defer(r, go_on);
-  /* Taken before the read, so a completion just after it wakes the park. */
-  ticket = idem_store_watch(srv->store, scope);
-  if (r->looked_up) {
-    int64_t now = idem_now_ms();
-    rc = idem_store_lookup(srv->store, scope, now, &rec);
-    if (rc == IDEM_OK)
-      d = idem_decide(&rec, e->fingerprint, now);
-    else if (rc != IDEM_ENOTFOUND)
-      return idemd_reply_store_error(r, rc);
   }
-  r->looked_up = 1;
-  switch (d) {
-  case IDEM_DECIDE_RESERVE: /* a write, and maybe a provider call, follow */
-    idem_record_reset(&rec);
-    if (e->prepare && (rc = e->prepare(e->ctx)) != IDEM_OK)
-      return idemd_reply_store_error(r, rc);
-    if (reserve_async(r, e, scope) == 0)
-      return MHD_YES;
-    return idemd_defer(r, go_on);
-  case IDEM_DECIDE_IN_FLIGHT:
-    idem_record_reset(&rec);
-    /* The wait is bounded from the first time this request found the
-     * key held, across parks and hand-overs. */
-    if (r->inflight_deadline == 0)
-      r->inflight_deadline = idem_mono_ms() + srv->cfg.inflight_wait_ms;
-    if (r->inflight_deadline - idem_mono_ms() <= 0 || atomic_load(&srv->draining))
-      return in_flight(r);
-    return idemd_park(r, scope, ticket, go_on); /* until it changes, or the bound */
-  default:
-    ret = answer(r, scope, e, d, &rec);
-    idem_record_reset(&rec);
-    return ret;
-  }
+  af->r = r;
+  af->e = e;
+  af->stage = DECIDING;
+  af->a.begin = (idem_begin_t){.scope = *scope,
+                               .fingerprint = e->fingerprint,
+                               .correlation_id = r->request_id,
+                               .resource = e->resource,
+                               .enqueue_outbox = e->enqueue_outbox,
+                               .outcome = e->outcome,
+                               .prepare = e->prepare,
+                               .arg = e->ctx,
+                               .wait_until_ms = r->inflight_deadline,
+                               .skip_read = 1};
+  af->a.wake = woken;
+  af->a.suspend = async_suspend;
+  af->a.arg = af;
+  r->async = af;
+  r->on_close = closed;
+  return decide(af);
 }
 
 static void on_wait(void *arg, int waiting) {

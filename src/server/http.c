@@ -224,16 +224,6 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     enum MHD_Result (*step)(idemd_request_t *) = r->resume;
     enum MHD_Result ret = MHD_NO;
     r->deferred = 0;
-    if (r->parked) {
-      /* Still counted while it goes on (it may be suspended again): the
-       * stop must not see 0 in between. */
-      r->parked = 0;
-      atomic_fetch_sub(&srv->parked, 1);
-      r->resume = NULL;
-      ret = step(r);
-      idemd_pending_leave(srv);
-      return ret;
-    }
     if (step && resp == NULL) {
       r->resume = NULL;
       return step(r);
@@ -302,7 +292,7 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   if (!r->responded) {
     if (done != OUTCOME_NONE)
       r->outcome = done;
-    else if (r->parked || r->inflight_deadline != 0)
+    else if (r->inflight_deadline != 0)
       r->outcome = OUTCOME_IN_FLIGHT;
     else if (r->outcome == OUTCOME_NONE)
       r->outcome = OUTCOME_ERROR;
@@ -312,11 +302,6 @@ static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
   if (r->response) { /* resumed, then closed before it was sent */
     MHD_destroy_response(r->response);
     r->response = NULL;
-  }
-  if (r->parked) { /* woken, then closed before it looked again */
-    r->parked = 0;
-    atomic_fetch_sub(&srv->parked, 1);
-    idemd_pending_leave(srv);
   }
   idemd_guard_busy(srv->guard, r->conn_guard, 0);
   r->conn_guard = NULL; /* the connection's, gone with it */

@@ -10,6 +10,7 @@
 #include <strings.h>
 
 #include "idem/clock.h"
+#include "idem/engine.h"
 #include "idem/key.h"
 #include "server/auth.h"
 #include "server/log.h"
@@ -87,7 +88,7 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
                            .processing = -1,
                            .connections_cut = idemd_guard_cut(r->srv->guard),
                            .connections_refused = idemd_guard_refused(r->srv->guard),
-                           .parked = atomic_load(&r->srv->parked)};
+                           .parked = idem_engine_parked(r->srv->engine)};
   int64_t oldest = 0;
   enum MHD_Result ret;
   char *text;

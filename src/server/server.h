@@ -35,9 +35,8 @@ typedef struct idemd_server {
   struct idem__ticker *sweeper;
   struct idem__ticker *wait_timer; /* times out parked duplicates */
   atomic_int inflight; /* requests started and not yet answered */
-  atomic_int async_pending; /* requests waiting on an asynchronous write,
-                               or parked (idemd_park) */
-  atomic_int parked; /* requests parked on an in-flight duplicate */
+  atomic_int async_pending; /* requests in the engine's asynchronous form
+                               (flow.c): a write queued, or parked */
   atomic_int draining; /* shutting down: answers close their connection */
   atomic_int stopping; /* the daemon stops once async_pending is 0: no
                           request may be suspended any more */
@@ -108,14 +107,11 @@ typedef struct idemd_request {
    * the log line, to end that work. Returns what the request did when
    * its client left before the answer (OUTCOME_NONE: it cannot say). */
   int (*on_close)(struct idemd_request *r);
-  void *async; /* the flow's state, while a write is queued */
+  void *async; /* the flow's state, in the engine's asynchronous form */
   const struct idemd_effect *effect; /* the flow's, for its later steps */
-  /* Waiting for a duplicate in flight without a thread (idemd_park). */
-  idem_store_waiter_t waiter;
-  int parked;
-  int64_t inflight_deadline; /* idem_mono_ms(); 0 until it first waits */
-  int reruns; /* reads again after a lost race for the key (flow.c) */
-  int looked_up; /* the flow has gone to the store for this key once */
+  /* When its wait for a duplicate in flight ends (idem_begin_t's
+   * wait_until_ms), kept across a hand-over to a worker. */
+  int64_t inflight_deadline;
 
   /* What the log line and metrics report. */
   idemd_op_t op;

@@ -7,6 +7,7 @@
 #include <stddef.h>
 
 #include "idem/clock.h"
+#include "idem/engine.h"
 #include "server/reply.h"
 
 /* A worker's turn at a deferred request: its recorded step, allowed to
@@ -51,13 +52,6 @@ int idemd_run_in_worker(idemd_request_t *r, void (*run)(idemd_work_t *w)) {
   return -1;
 }
 
-/* From whichever thread changed the key or expired the wait. */
-static void parked_wake(idem_store_waiter_t *w, int timed_out) {
-  idemd_request_t *r = (idemd_request_t *)((char *)w - offsetof(idemd_request_t, waiter));
-  (void)timed_out; /* the flow finds its deadline passed (or draining) */
-  idemd_resume(r);
-}
-
 int idemd_pending_enter(idemd_server_t *srv) {
   /* Counted first, then checked: idemd_http_stop() sets `stopping` first,
    * then reads the count, so one of the two sees the other. */
@@ -73,29 +67,10 @@ void idemd_pending_leave(idemd_server_t *srv) {
   atomic_fetch_sub(&srv->async_pending, 1);
 }
 
-enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
-                           uint64_t ticket, enum MHD_Result (*step)(idemd_request_t *r)) {
-  idemd_server_t *srv = r->srv;
-
-  if (idemd_pending_enter(srv) != 0)
-    return reply_stopping(r);
-  r->resume = step;
-  r->waiter.wake = parked_wake;
-  r->waiter.deadline_ms = r->inflight_deadline;
-  r->parked = 1;
-  atomic_fetch_add(&srv->parked, 1);
-  idemd_suspend(r); /* before parking: a wake-up resumes it */
-  if (idem_store_park(srv->store, scope, ticket, &r->waiter) != 0)
-    idemd_resume(r); /* it changed meanwhile: look again now */
-  return MHD_YES;
-}
-
 void idemd_expire_parked(void *ctx) {
   idemd_server_t *srv = ctx;
   int draining = atomic_load(&srv->draining);
-  if (atomic_load(&srv->parked) == 0 && !draining)
-    return; /* nothing to look at (one parking now is seen next tick) */
-  (void)idem_store_expire_waiters(srv->store, draining ? INT64_MAX : idem_mono_ms());
+  (void)idem_engine_expire(srv->engine, draining ? INT64_MAX : idem_mono_ms());
 }
 
 enum MHD_Result idemd_defer(idemd_request_t *r, enum MHD_Result (*step)(idemd_request_t *r)) {

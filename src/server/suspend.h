@@ -37,16 +37,6 @@ int idemd_pending_enter(idemd_server_t *srv);
 /* Ends what idemd_pending_enter() counted. */
 void idemd_pending_leave(idemd_server_t *srv);
 
-/* From an event thread's handler, for a request whose key another request
- * holds (its record processing): suspends it and parks it on the store
- * until the key changes since `ticket` or r->inflight_deadline passes;
- * then its event thread goes on with `step`. Holds no thread meanwhile.
- * Returns MHD_YES; the caller must not touch `r` afterwards. When idemd
- * is stopping it answers 503 at once instead (not parked) and returns the
- * result of queueing that. */
-enum MHD_Result idemd_park(idemd_request_t *r, const idem_scope_t *scope,
-                           uint64_t ticket, enum MHD_Result (*step)(idemd_request_t *r));
-
 /* Gives a suspended request, answered (or not: the connection is then
  * closed), back to its event thread. `r` must not be touched afterwards. */
 void idemd_resume(idemd_request_t *r);
