@@ -1,20 +1,25 @@
 /* The SQLite store: one database file in WAL mode, durable commits
- * (synchronous=FULL), versioned migrations, and a pool of connections with
- * their statements prepared once.
+ * (synchronous=FULL), versioned migrations (sqlite_schema.c), and a pool of
+ * connections with their statements prepared once. This file opens and
+ * closes the store and holds the pool, the statements and the store's
+ * methods: reservations, completions, lookups, tenants and their cache,
+ * claims, sweeps, counts and stats.
  *
  * Concurrency: readers use their own pooled connection and never block.
- * Writers take `write_lock` around their (short) transaction: SQLite admits
- * one writer at a time anyway, and queueing on a mutex is fairer and far
- * cheaper than every thread spinning in SQLite's busy handler. Other
- * processes (idemd tenant create while a server runs) are handled by the
- * busy timeout plus a bounded retry. */
-#define _GNU_SOURCE /* pthread_setname_np */
-#include "store_impl.h"
+ * Every write goes through the group-commit writer (sqlite_writer.c): its
+ * caller queues it and sleeps, or is called back, and one writer thread
+ * runs each batch of queued writes in one transaction, a write that fails
+ * undone alone in its savepoint, and tells their callers once the batch's
+ * one COMMIT is on disk. SQLite admits one writer at a time anyway, and one
+ * fsync for many writes costs far less than one each. Migrations run their
+ * transaction from the caller's thread, under the same write_lock as the
+ * writer's. Other processes (idemd tenant create while a server runs) are
+ * handled by the busy timeout plus a bounded retry. */
+#include "sqlite_impl.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
-#include <semaphore.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <stdatomic.h>
@@ -27,38 +32,6 @@
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "sqlite_vfs.h"
-
-enum stmt_id {
-  ST_BEGIN,
-  ST_COMMIT,
-  ST_ROLLBACK,
-  ST_RESERVE,
-  ST_READ_RECORD,
-  ST_INSERT_RESOURCE,
-  ST_INSERT_OUTBOX,
-  ST_COMPLETE,
-  ST_COMPLETE_ROW,
-  ST_UPDATE_RESOURCE,
-  ST_DELETE_OUTBOX,
-  ST_RESOURCE_GET,
-  ST_TENANT_CREATE,
-  ST_TENANT_FIND,
-  ST_META_PUT,
-  ST_META_GET,
-  ST_SWEEP,
-  ST_PING,
-  ST_CLAIM_SELECT,
-  ST_CLAIM_UPDATE,
-  ST_CLAIM_OUTBOX,
-  ST_SAVEPOINT,
-  ST_ROLLBACK_TO,
-  ST_RELEASE,
-  ST_TENANT_BY_NAME,
-  ST_TENANT_UPDATE,
-  ST_TENANT_LIST,
-  ST_RECORDS_LIST,
-  ST_COUNT_
-};
 
 #define RECORD_COLUMNS                                                        \
   "tenant_id, operation, key, fingerprint, state, response_status, "          \
@@ -172,286 +145,14 @@ static const char *const stmt_sql[ST_COUNT_] = {
                         "next_attempt_at = ?3 WHERE resource_id = ?1 AND tenant_id = ?2",
 };
 
-/* Schema versions, applied in order; PRAGMA user_version is the count
- * applied. Never edit a released entry: add a new one. */
-static const char *const migrations[] = {
-    /* 1: records, resources, outbox, tenants, meta. */
-    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL) "
-    "WITHOUT ROWID;"
-    "CREATE TABLE tenants ("
-    " id INTEGER PRIMARY KEY,"
-    " name TEXT NOT NULL UNIQUE,"
-    " key_lookup TEXT NOT NULL UNIQUE,"
-    " key_hash BLOB NOT NULL,"
-    " disabled INTEGER NOT NULL DEFAULT 0,"
-    " created_at INTEGER NOT NULL);"
-    "CREATE TABLE idempotency_records ("
-    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
-    " operation TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " fingerprint TEXT NOT NULL,"
-    " state TEXT NOT NULL CHECK (state IN ('processing', 'completed', "
-    "'failed', 'pending')),"
-    " response_status INTEGER,"
-    " response_body TEXT,"
-    " location TEXT,"
-    " resource_id TEXT,"
-    " provider_ref TEXT,"
-    " correlation_id TEXT NOT NULL,"
-    " owner_token TEXT,"
-    " lease_expires_at INTEGER,"
-    " created_at INTEGER NOT NULL,"
-    " updated_at INTEGER NOT NULL,"
-    " expires_at INTEGER,"
-    " UNIQUE (tenant_id, operation, key));"
-    "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
-    "WHERE expires_at IS NOT NULL;"
-    "CREATE INDEX records_open ON idempotency_records (state, updated_at) "
-    "WHERE state IN ('processing', 'pending');"
-    "CREATE TABLE resources ("
-    " id TEXT PRIMARY KEY,"
-    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
-    " kind TEXT NOT NULL,"
-    " status TEXT NOT NULL,"
-    " body TEXT NOT NULL,"
-    " provider_ref TEXT,"
-    " created_at INTEGER NOT NULL,"
-    " updated_at INTEGER NOT NULL);"
-    "CREATE INDEX resources_by_status ON resources (kind, status);"
-    "CREATE TABLE outbox ("
-    " resource_id TEXT PRIMARY KEY REFERENCES resources (id),"
-    " tenant_id INTEGER NOT NULL,"
-    " operation TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " created_at INTEGER NOT NULL,"
-    " attempts INTEGER NOT NULL DEFAULT 0,"
-    " next_attempt_at INTEGER NOT NULL);"
-    /* Read-only views for operators: the business tables by kind. */
-    "CREATE VIEW payments AS SELECT id, tenant_id, status,"
-    " json_extract(body, '$.amount') AS amount,"
-    " json_extract(body, '$.currency') AS currency,"
-    " json_extract(body, '$.order_id') AS order_id,"
-    " provider_ref, created_at, updated_at FROM resources"
-    " WHERE kind = 'payment';"
-    "CREATE VIEW orders AS SELECT id, tenant_id, status,"
-    " json_extract(body, '$.customer_id') AS customer_id,"
-    " json_extract(body, '$.total') AS total,"
-    " json_extract(body, '$.currency') AS currency,"
-    " created_at, updated_at FROM resources WHERE kind = 'order';",
-    /* 2: no query reads resources by status, and keeping the index cost
-     * every payment two more index writes (inserted pending, moved on
-     * completion). */
-    "DROP INDEX resources_by_status;",
-    /* 3: less work for every write.
-     * - The records' CHECK on state was an IN list, which SQLite 3.40
-     *   evaluates through a temporary b-tree built on each INSERT or
-     *   UPDATE: some 100 KB allocated and freed per write. The table is
-     *   copied into one whose CHECK compares with each state in turn.
-     * - records_open is made again as records_unsettled, its condition
-     *   written with OR: SQLite could not see that "state = 'pending'"
-     *   falls within an IN list, so the counts of pending and processing
-     *   records that /metrics reads scanned the whole table (0.16 s
-     *   each at a million records).
-     * - resources and outbox are kept in their primary key (WITHOUT
-     *   ROWID): with a rowid each row was written twice, in the table
-     *   and in the index on its id.
-     * Each table is copied under a new name first, the outbox pointing at
-     * the new resources, so that no foreign key is broken at any step;
-     * RENAME carries that reference along. The views name resources and
-     * are made again afterwards. */
-    "DROP VIEW IF EXISTS payments;"
-    "DROP VIEW IF EXISTS orders;"
-    "CREATE TABLE records_v3 ("
-    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
-    " operation TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " fingerprint TEXT NOT NULL,"
-    " state TEXT NOT NULL CHECK (state = 'processing' OR state = 'completed'"
-    " OR state = 'failed' OR state = 'pending'),"
-    " response_status INTEGER,"
-    " response_body TEXT,"
-    " location TEXT,"
-    " resource_id TEXT,"
-    " provider_ref TEXT,"
-    " correlation_id TEXT NOT NULL,"
-    " owner_token TEXT,"
-    " lease_expires_at INTEGER,"
-    " created_at INTEGER NOT NULL,"
-    " updated_at INTEGER NOT NULL,"
-    " expires_at INTEGER,"
-    " UNIQUE (tenant_id, operation, key));"
-    "INSERT INTO records_v3 (rowid, tenant_id, operation, key, fingerprint,"
-    " state, response_status, response_body, location, resource_id,"
-    " provider_ref, correlation_id, owner_token, lease_expires_at,"
-    " created_at, updated_at, expires_at) SELECT rowid, tenant_id,"
-    " operation, key, fingerprint, state, response_status, response_body,"
-    " location, resource_id, provider_ref, correlation_id, owner_token,"
-    " lease_expires_at, created_at, updated_at, expires_at"
-    " FROM idempotency_records;"
-    "DROP TABLE idempotency_records;"
-    "ALTER TABLE records_v3 RENAME TO idempotency_records;"
-    "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
-    "WHERE expires_at IS NOT NULL;"
-    "CREATE INDEX records_unsettled ON idempotency_records (state, created_at) "
-    "WHERE state = 'processing' OR state = 'pending';"
-    "CREATE TABLE resources_v3 ("
-    " id TEXT PRIMARY KEY,"
-    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
-    " kind TEXT NOT NULL,"
-    " status TEXT NOT NULL,"
-    " body TEXT NOT NULL,"
-    " provider_ref TEXT,"
-    " created_at INTEGER NOT NULL,"
-    " updated_at INTEGER NOT NULL) WITHOUT ROWID;"
-    "INSERT INTO resources_v3 (id, tenant_id, kind, status, body, provider_ref,"
-    " created_at, updated_at) SELECT id, tenant_id, kind, status, body,"
-    " provider_ref, created_at, updated_at FROM resources;"
-    "CREATE TABLE outbox_v3 ("
-    " resource_id TEXT PRIMARY KEY REFERENCES resources_v3 (id),"
-    " tenant_id INTEGER NOT NULL,"
-    " operation TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " created_at INTEGER NOT NULL,"
-    " attempts INTEGER NOT NULL DEFAULT 0,"
-    " next_attempt_at INTEGER NOT NULL) WITHOUT ROWID;"
-    "INSERT INTO outbox_v3 (resource_id, tenant_id, operation, key, created_at,"
-    " attempts, next_attempt_at) SELECT resource_id, tenant_id, operation, key,"
-    " created_at, attempts, next_attempt_at FROM outbox;"
-    "DROP TABLE outbox;"
-    "DROP TABLE resources;"
-    "ALTER TABLE resources_v3 RENAME TO resources;"
-    "ALTER TABLE outbox_v3 RENAME TO outbox;"
-    "CREATE VIEW payments AS SELECT id, tenant_id, status,"
-    " json_extract(body, '$.amount') AS amount,"
-    " json_extract(body, '$.currency') AS currency,"
-    " json_extract(body, '$.order_id') AS order_id,"
-    " provider_ref, created_at, updated_at FROM resources"
-    " WHERE kind = 'payment';"
-    "CREATE VIEW orders AS SELECT id, tenant_id, status,"
-    " json_extract(body, '$.customer_id') AS customer_id,"
-    " json_extract(body, '$.total') AS total,"
-    " json_extract(body, '$.currency') AS currency,"
-    " created_at, updated_at FROM resources WHERE kind = 'order';",
-    /* 4: a record's tenant_id is the caller's number, no longer a
-     * reference to tenants: tenants are idemd's, and a program that embeds
-     * libidem scopes its keys by a value of its own, with no tenant row
-     * to make first. SQLite cannot drop a constraint, so the table is
-     * copied as in version 3, its rowids kept (a reservation's `row`,
-     * which a completion may name, stays right), and its two indexes are
-     * made again as version 3 has them. resources keep their reference to
-     * tenants (payments and orders are idemd's) and the outbox its
-     * reference to resources; none of idem's views reads the records. */
-    "CREATE TABLE records_v4 ("
-    " tenant_id INTEGER NOT NULL,"
-    " operation TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " fingerprint TEXT NOT NULL,"
-    " state TEXT NOT NULL CHECK (state = 'processing' OR state = 'completed'"
-    " OR state = 'failed' OR state = 'pending'),"
-    " response_status INTEGER,"
-    " response_body TEXT,"
-    " location TEXT,"
-    " resource_id TEXT,"
-    " provider_ref TEXT,"
-    " correlation_id TEXT NOT NULL,"
-    " owner_token TEXT,"
-    " lease_expires_at INTEGER,"
-    " created_at INTEGER NOT NULL,"
-    " updated_at INTEGER NOT NULL,"
-    " expires_at INTEGER,"
-    " UNIQUE (tenant_id, operation, key));"
-    "INSERT INTO records_v4 (rowid, tenant_id, operation, key, fingerprint,"
-    " state, response_status, response_body, location, resource_id,"
-    " provider_ref, correlation_id, owner_token, lease_expires_at,"
-    " created_at, updated_at, expires_at) SELECT rowid, tenant_id,"
-    " operation, key, fingerprint, state, response_status, response_body,"
-    " location, resource_id, provider_ref, correlation_id, owner_token,"
-    " lease_expires_at, created_at, updated_at, expires_at"
-    " FROM idempotency_records;"
-    "DROP TABLE idempotency_records;"
-    "ALTER TABLE records_v4 RENAME TO idempotency_records;"
-    "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
-    "WHERE expires_at IS NOT NULL;"
-    "CREATE INDEX records_unsettled ON idempotency_records (state, created_at) "
-    "WHERE state = 'processing' OR state = 'pending';",
-};
-
-#define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
-
-/* Schema objects of idem's own that versions 3 and 4 may drop and make
- * again. */
-#define OWN_OBJECTS                                                           \
-  "'payments', 'orders', 'records_expiry', 'records_open', "                  \
-  "'records_unsettled'"
-
-#define BUSY_RETRIES 50
-
 /* The VFS connections open with (configure_sqlite()); NULL: the default. */
 static const char *vfs_name;
-
-struct conn {
-  sqlite3 *db;
-  sqlite3_stmt *st[ST_COUNT_];
-  struct conn *next;
-};
-
-/* A write waiting for the group-commit writer. A synchronous caller
- * sleeps on `done` alone, so a commit wakes exactly the callers of its
- * batch; an asynchronous one is called back (`cb`) by the writer. */
-struct job {
-  int (*fn)(struct conn *, void *);
-  void *arg;
-  int rc;
-  /* fn may run again after a rollback: it sets every output it has and
-   * holds nothing from an earlier run (reservations and completions). */
-  int rerunnable;
-  sem_t done;
-  /* Asynchronous: called after the commit; the job was malloc'd, first in
-   * its block, and the writer frees the block before calling. */
-  idem_store_done_fn cb;
-  void *cb_arg;
-  /* Its caller answers a request once told (a completion, a single-step
-   * reservation, a synchronous caller): told before the batch's other
-   * writes, whose callbacks go on to slower work (a provider call). */
-  int answers;
-  struct job *next;
-};
-
-#define MAX_BATCH 256
-
-typedef struct sqlite_store {
-  struct idem_store base;
-  char *path;
-  int busy_timeout_ms;
-  pthread_mutex_t pool_lock;
-  struct conn *free_conns;
-  pthread_mutex_t write_lock; /* one write transaction at a time */
-
-  /* Group commit: callers queue their writes and sleep; one writer thread
-   * runs every queued write in one transaction (each in a savepoint) and
-   * one fsync, then wakes each of their callers. */
-  pthread_mutex_t q_lock;
-  pthread_cond_t q_ready; /* the writer waits for work */
-  struct job *q_head, *q_tail;
-  int stopping;
-  int writer_running;
-  pthread_t writer;
-  atomic_uint_fast64_t commits, writes, batch_reruns;
-
-  /* API keys, remembered (see "Tenant cache" below). */
-  int tenants_fd;       /* the change file; -1: no cache */
-  int tenants_writable; /* 0: this process only reads it */
-  int tenants_exists;   /* the file exists, whether this process can use it */
-  pthread_mutex_t tc_lock;
-  struct tenant_entry *tc; /* TENANT_CACHE entries */
-  uint64_t serial;         /* tells stores apart in per-thread state */
-} sqlite_store_t;
 
 static const idem_store_methods_t sqlite_methods;
 static atomic_uint_fast64_t store_serials;
 
 /* Maps a SQLite result code to an idem error, keeping the message. */
-static int fail(sqlite3 *db, int rc, const char *what) {
+int idem__sqlite_fail(sqlite3 *db, int rc, const char *what) {
   idem__store_set_error("sqlite %s: %s (%d)", what,
                         db ? sqlite3_errmsg(db) : sqlite3_errstr(rc), rc);
   switch (rc & 0xff) {
@@ -473,7 +174,7 @@ static void conn_free(struct conn *c) {
   free(c);
 }
 
-static int exec(sqlite3 *db, const char *sql) {
+int idem__sqlite_exec(sqlite3 *db, const char *sql) {
   char *msg = NULL;
   int rc = sqlite3_exec(db, sql, NULL, NULL, &msg);
   if (rc != SQLITE_OK) {
@@ -518,7 +219,7 @@ static int conn_new(sqlite_store_t *s, struct conn **out) {
                            SQLITE_OPEN_NOMUTEX,
                        vfs_name);
   if (rc != SQLITE_OK) {
-    rc = fail(c->db, rc, "open");
+    rc = idem__sqlite_fail(c->db, rc, "open");
     conn_free(c);
     return rc;
   }
@@ -527,8 +228,8 @@ static int conn_new(sqlite_store_t *s, struct conn **out) {
   /* WAL lets readers run beside the writer; FULL syncs the WAL on every
    * commit, so an acknowledged write survives power loss. */
   if (use_wal(c->db) != SQLITE_OK ||
-      exec(c->db, "PRAGMA synchronous = FULL") != SQLITE_OK ||
-      exec(c->db, "PRAGMA foreign_keys = ON") != SQLITE_OK) {
+      idem__sqlite_exec(c->db, "PRAGMA synchronous = FULL") != SQLITE_OK ||
+      idem__sqlite_exec(c->db, "PRAGMA foreign_keys = ON") != SQLITE_OK) {
     conn_free(c);
     return IDEM_ESTORE;
   }
@@ -536,7 +237,7 @@ static int conn_new(sqlite_store_t *s, struct conn **out) {
   return IDEM_OK;
 }
 
-static int conn_get(sqlite_store_t *s, struct conn **out) {
+int idem__sqlite_conn_get(sqlite_store_t *s, struct conn **out) {
   pthread_mutex_lock(&s->pool_lock);
   *out = s->free_conns;
   if (*out)
@@ -547,7 +248,7 @@ static int conn_get(sqlite_store_t *s, struct conn **out) {
   return conn_new(s, out);
 }
 
-static void conn_put(sqlite_store_t *s, struct conn *c) {
+void idem__sqlite_conn_put(sqlite_store_t *s, struct conn *c) {
   pthread_mutex_lock(&s->pool_lock);
   c->next = s->free_conns;
   s->free_conns = c;
@@ -555,12 +256,12 @@ static void conn_put(sqlite_store_t *s, struct conn *c) {
 }
 
 /* Returns the prepared statement `id` of `c`, reset and unbound. */
-static sqlite3_stmt *stmt(struct conn *c, enum stmt_id id) {
+sqlite3_stmt *idem__sqlite_stmt(struct conn *c, enum stmt_id id) {
   if (c->st[id] == NULL) {
     int rc = sqlite3_prepare_v3(c->db, stmt_sql[id], -1,
                                 SQLITE_PREPARE_PERSISTENT, &c->st[id], NULL);
     if (rc != SQLITE_OK) {
-      fail(c->db, rc, "prepare");
+      idem__sqlite_fail(c->db, rc, "prepare");
       c->st[id] = NULL;
       return NULL;
     }
@@ -572,11 +273,11 @@ static sqlite3_stmt *stmt(struct conn *c, enum stmt_id id) {
 }
 
 /* Steps a statement that returns no rows to completion, then resets it. */
-static int run(struct conn *c, sqlite3_stmt *st, const char *what) {
+int idem__sqlite_run(struct conn *c, sqlite3_stmt *st, const char *what) {
   int rc = sqlite3_step(st);
   sqlite3_reset(st);
   if (rc != SQLITE_DONE && rc != SQLITE_ROW)
-    return fail(c->db, rc, what);
+    return idem__sqlite_fail(c->db, rc, what);
   return IDEM_OK;
 }
 
@@ -596,267 +297,6 @@ static void bind_scope(sqlite3_stmt *st, const idem_scope_t *sc) {
 static const char *col_text(sqlite3_stmt *st, int i) {
   const unsigned char *t = sqlite3_column_text(st, i);
   return t ? (const char *)t : "";
-}
-
-/* Begins a write transaction: the process's write lock, then SQLite's.
- * BEGIN IMMEDIATE can still meet another process's writer; the busy
- * timeout waits for it and we retry a bounded number of times. */
-static int write_begin(sqlite_store_t *s, struct conn *c) {
-  int rc = SQLITE_BUSY;
-  pthread_mutex_lock(&s->write_lock);
-  for (int i = 0; i < BUSY_RETRIES; i++) {
-    sqlite3_stmt *st = stmt(c, ST_BEGIN);
-    if (st == NULL)
-      break;
-    rc = sqlite3_step(st);
-    sqlite3_reset(st);
-    if (rc == SQLITE_DONE)
-      return IDEM_OK;
-    if ((rc & 0xff) != SQLITE_BUSY && (rc & 0xff) != SQLITE_LOCKED)
-      break;
-  }
-  pthread_mutex_unlock(&s->write_lock);
-  return fail(c->db, rc, "begin");
-}
-
-static int write_end(sqlite_store_t *s, struct conn *c, int ok) {
-  int rc = IDEM_OK;
-  if (ok) {
-    sqlite3_stmt *st = stmt(c, ST_COMMIT);
-    int src = st ? sqlite3_step(st) : SQLITE_ERROR;
-    if (st)
-      sqlite3_reset(st);
-    if (src != SQLITE_DONE) {
-      rc = fail(c->db, src, "commit");
-      ok = 0;
-    }
-  }
-  if (!ok && sqlite3_get_autocommit(c->db) == 0) {
-    sqlite3_stmt *st = stmt(c, ST_ROLLBACK);
-    if (st) {
-      sqlite3_step(st);
-      sqlite3_reset(st);
-    }
-  }
-  pthread_mutex_unlock(&s->write_lock);
-  return rc;
-}
-
-/* Runs one statement of the savepoint family on the writer's connection. */
-static int savepoint(struct conn *c, enum stmt_id id) {
-  sqlite3_stmt *st = stmt(c, id);
-  return st ? run(c, st, "savepoint") : IDEM_ESTORE;
-}
-
-/* Runs the batch's writes one after the other, with nothing to undo one
- * alone. Returns 1 when all succeeded (the transaction stays open for the
- * COMMIT), 0 when one failed (the transaction is rolled back, and the
- * batch must run again write by write). */
-static int run_batch_whole(sqlite_store_t *s, struct conn *c, struct job *jobs) {
-  for (struct job *j = jobs; j; j = j->next) {
-    j->rc = j->fn(c, j->arg);
-    /* IDEM_ELOST (a lease lost) is returned with nothing written: it is
-     * that write's result, not a failure to undo. */
-    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
-      (void)write_end(s, c, 0);
-      return 0;
-    }
-  }
-  return 1;
-}
-
-/* Runs a batch of writes in one transaction, with one COMMIT (one fsync)
- * for all; a failed COMMIT fails every write of the batch. A write that
- * fails is undone alone: each runs in its own savepoint. Savepoints cost
- * every write two statements and a copy of each page it changes again
- * (the statement journal), and a write almost never fails, so a batch of
- * writes that may run twice runs without them first; only if one of its
- * writes fails is the whole transaction rolled back and the batch run
- * again with savepoints. */
-static void run_batch(sqlite_store_t *s, struct conn *c, struct job *jobs) {
-  int rc = write_begin(s, c);
-  int whole = 1;
-
-  for (struct job *j = jobs; j && whole; j = j->next)
-    whole = j->rerunnable;
-  if (rc == IDEM_OK && whole) {
-    if (run_batch_whole(s, c, jobs))
-      goto commit;
-    atomic_fetch_add(&s->batch_reruns, 1);
-    rc = write_begin(s, c);
-  }
-  if (rc != IDEM_OK) {
-    for (struct job *j = jobs; j; j = j->next)
-      j->rc = rc;
-    return;
-  }
-  for (struct job *j = jobs; j; j = j->next) {
-    /* Some errors (a full disk, I/O, memory) make SQLite roll back the
-     * whole transaction. A SAVEPOINT would then start a new one, which
-     * its RELEASE would commit: the rest fail unrun instead (and the
-     * writes before, undone with it, fail at the COMMIT). */
-    if (sqlite3_get_autocommit(c->db)) {
-      j->rc = IDEM_ESTORE;
-      continue;
-    }
-    if ((j->rc = savepoint(c, ST_SAVEPOINT)) != IDEM_OK)
-      continue;
-    j->rc = j->fn(c, j->arg);
-    if (j->rc != IDEM_OK && savepoint(c, ST_ROLLBACK_TO) != IDEM_OK)
-      j->rc = IDEM_ESTORE;
-    if (savepoint(c, ST_RELEASE) != IDEM_OK && j->rc == IDEM_OK)
-      j->rc = IDEM_ESTORE;
-  }
-commit:
-  rc = write_end(s, c, 1);
-  for (struct job *j = jobs; j; j = j->next)
-    if (rc != IDEM_OK && j->rc == IDEM_OK)
-      j->rc = rc;
-}
-
-/* The writer's connection. Its transactions never spill changed pages
- * into the WAL before their COMMIT (cache_spill off): SQLite 3.40.1
- * (Debian 12's) can lose committed transactions in a crash after a
- * ROLLBACK TO in a transaction whose spilled frames were then rewritten
- * in place (the WAL's checksum chain breaks, and recovery stops there).
- * A batch rolls back to a savepoint whenever one of its writes fails, so
- * it must not spill. A standalone reproduction with SQLite alone kept 1
- * of 101 committed rows after a simulated crash; with cache_spill off,
- * all of them. The cost is memory: a transaction's changed pages stay in
- * memory until its COMMIT, and a batch holds at most MAX_BATCH writes,
- * each bounded by the request size limits (a sweep by its batch size). */
-static int writer_conn(sqlite_store_t *s, struct conn **out) {
-  int rc = conn_get(s, out);
-  if (rc == IDEM_OK && exec((*out)->db, "PRAGMA cache_spill = OFF") != SQLITE_OK) {
-    conn_put(s, *out);
-    *out = NULL;
-    rc = IDEM_ESTORE;
-  }
-  return rc;
-}
-
-/* Tells one write's caller its result. The job may be gone once told. */
-static void tell(struct job *j) {
-  if (j->cb) {
-    idem_store_done_fn cb = j->cb;
-    void *cb_arg = j->cb_arg;
-    int rc = j->rc;
-    free(j);
-    cb(cb_arg, rc); /* may queue more writes: q_lock is not held */
-  } else {
-    sem_post(&j->done);
-  }
-}
-
-/* Tells a committed batch's callers, those that answer a request first:
- * their answers go out while the writer makes the rest's provider calls
- * (three alternating pairs: 2.7-3.1 % more payments/s, a completion 40 us
- * sooner on average; docs/performance.md). */
-static void tell_callers(struct job *batch) {
-  struct job *rest = NULL, **tail = &rest;
-
-  for (struct job *j = batch, *next; j; j = next) {
-    next = j->next;
-    if (j->answers) {
-      tell(j);
-    } else {
-      *tail = j;
-      tail = &j->next;
-    }
-  }
-  *tail = NULL;
-  for (struct job *j = rest, *next; j; j = next) {
-    next = j->next;
-    tell(j);
-  }
-}
-
-static void *writer_loop(void *arg) {
-  sqlite_store_t *s = arg;
-  struct conn *c = NULL;
-
-  pthread_setname_np(pthread_self(), "idem-writer"); /* for top -H, perf */
-
-  pthread_mutex_lock(&s->q_lock);
-  for (;;) {
-    struct job *batch, *last;
-    int n = 1, rc;
-
-    while (s->q_head == NULL && !s->stopping)
-      pthread_cond_wait(&s->q_ready, &s->q_lock);
-    if (s->q_head == NULL)
-      break; /* stopping, and every queued write has run */
-    /* Take what is queued now: while this batch syncs, the next forms. */
-    batch = last = s->q_head;
-    while (last->next && n < MAX_BATCH) {
-      last = last->next;
-      n++;
-    }
-    s->q_head = last->next;
-    if (s->q_head == NULL)
-      s->q_tail = NULL;
-    last->next = NULL;
-    pthread_mutex_unlock(&s->q_lock);
-
-    if (c == NULL && (rc = writer_conn(s, &c)) != IDEM_OK) {
-      for (struct job *j = batch; j; j = j->next)
-        j->rc = rc;
-    } else {
-      run_batch(s, c, batch);
-      atomic_fetch_add(&s->commits, 1);
-      atomic_fetch_add(&s->writes, (uint_fast64_t)n);
-    }
-
-    tell_callers(batch);
-    pthread_mutex_lock(&s->q_lock);
-  }
-  pthread_mutex_unlock(&s->q_lock);
-  if (c)
-    conn_put(s, c);
-  return NULL;
-}
-
-/* Runs `fn` in a write transaction and returns once it is durable: IDEM_OK
- * when it returned IDEM_OK and the commit reached the disk; otherwise its
- * error, and nothing it did is kept. Every write of the store goes through
- * here, and through the writer thread, which commits many at a time. */
-static void enqueue(sqlite_store_t *s, struct job *j) {
-  int idle;
-
-  j->next = NULL;
-  pthread_mutex_lock(&s->q_lock);
-  idle = s->q_head == NULL; /* else the writer will find it queued */
-  if (s->q_tail)
-    s->q_tail->next = j;
-  else
-    s->q_head = j;
-  s->q_tail = j;
-  pthread_mutex_unlock(&s->q_lock);
-  if (idle)
-    pthread_cond_signal(&s->q_ready);
-}
-
-static int write_job(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg,
-                     int rerunnable) {
-  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK, .rerunnable = rerunnable,
-                  .answers = 1};
-
-  if (s->writer_running && pthread_equal(pthread_self(), s->writer)) {
-    /* A done callback that writes synchronously would wait on itself
-     * forever (store.h forbids it): fail loudly instead. */
-    idem__store_set_error("synchronous write from the writer thread");
-    return IDEM_EINVAL;
-  }
-  sem_init(&j.done, 0, 0);
-  enqueue(s, &j);
-  while (sem_wait(&j.done) != 0) /* EINTR only */
-    ;
-  sem_destroy(&j.done);
-  return j.rc;
-}
-
-static int write_tx(sqlite_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
-  return write_job(s, fn, arg, 0);
 }
 
 /* Copies the current row of a statement selecting RECORD_COLUMNS. */
@@ -884,7 +324,7 @@ static int row_to_record(sqlite3_stmt *st, idem_record_t *out) {
 }
 
 static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *out) {
-  sqlite3_stmt *st = stmt(c, ST_READ_RECORD);
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_READ_RECORD);
   int rc;
   if (st == NULL)
     return IDEM_ESTORE;
@@ -895,7 +335,7 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
   else if (rc == SQLITE_DONE)
     rc = IDEM_ENOTFOUND;
   else
-    rc = fail(c->db, rc, "read record");
+    rc = idem__sqlite_fail(c->db, rc, "read record");
   sqlite3_reset(st);
   return rc;
 }
@@ -908,7 +348,7 @@ static int complete_record(struct conn *c, const idem_scope_t *sc,
                            const char *owner, const idem_outcome_t *o,
                            int64_t now_ms, int64_t ttl_ms, int64_t row) {
   for (;; row = 0) {
-    sqlite3_stmt *st = stmt(c, row ? ST_COMPLETE_ROW : ST_COMPLETE);
+    sqlite3_stmt *st = idem__sqlite_stmt(c, row ? ST_COMPLETE_ROW : ST_COMPLETE);
     int rc;
 
     if (st == NULL)
@@ -928,7 +368,7 @@ static int complete_record(struct conn *c, const idem_scope_t *sc,
     bind_text(st, 12, owner);
     if (row)
       sqlite3_bind_int64(st, 13, row);
-    if ((rc = run(c, st, "complete")) != IDEM_OK)
+    if ((rc = idem__sqlite_run(c, st, "complete")) != IDEM_OK)
       return rc;
     if (sqlite3_changes(c->db) == 1)
       return IDEM_OK;
@@ -953,7 +393,7 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
     return rc;
 
   if (o->resource_status || o->resource_body || o->provider_ref) {
-    st = stmt(c, ST_UPDATE_RESOURCE);
+    st = idem__sqlite_stmt(c, ST_UPDATE_RESOURCE);
     if (st == NULL)
       return IDEM_ESTORE;
     bind_scope(st, sc);
@@ -962,16 +402,16 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
     bind_text(st, 6, o->provider_ref);
     sqlite3_bind_int64(st, 7, now_ms);
     bind_text(st, 8, o->resource_id);
-    if ((rc = run(c, st, "update resource")) != IDEM_OK)
+    if ((rc = idem__sqlite_run(c, st, "update resource")) != IDEM_OK)
       return rc;
   }
   if (outbox && o->state != IDEM_STATE_PENDING) {
-    st = stmt(c, ST_DELETE_OUTBOX);
+    st = idem__sqlite_stmt(c, ST_DELETE_OUTBOX);
     if (st == NULL)
       return IDEM_ESTORE;
     bind_scope(st, sc);
     bind_text(st, 4, o->resource_id);
-    if ((rc = run(c, st, "delete outbox")) != IDEM_OK)
+    if ((rc = idem__sqlite_run(c, st, "delete outbox")) != IDEM_OK)
       return rc;
   }
   return IDEM_OK;
@@ -1029,7 +469,7 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
                       const char *owner, idem_record_t *out,
                       idem_reserve_result_t *result) {
   const idem_resource_t *res = req->resource;
-  sqlite3_stmt *st = stmt(c, ST_RESERVE);
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_RESERVE);
   int64_t last = sqlite3_last_insert_rowid(c->db), row;
   int rc;
 
@@ -1042,7 +482,7 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   sqlite3_bind_int64(st, 7, req->now_ms + req->lease_ms);
   sqlite3_bind_int64(st, 8, req->now_ms);
   bind_text(st, 9, res ? res->id : NULL);
-  if ((rc = run(c, st, "reserve")) != IDEM_OK)
+  if ((rc = idem__sqlite_run(c, st, "reserve")) != IDEM_OK)
     return rc;
 
   if (sqlite3_changes(c->db) == 0) {
@@ -1060,7 +500,7 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
     row = 0;
 
   if (res) {
-    st = stmt(c, ST_INSERT_RESOURCE);
+    st = idem__sqlite_stmt(c, ST_INSERT_RESOURCE);
     if (st == NULL)
       return IDEM_ESTORE;
     bind_text(st, 1, res->id);
@@ -1070,10 +510,10 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
     bind_text(st, 5, res->body);
     bind_text(st, 6, res->provider_ref);
     sqlite3_bind_int64(st, 7, req->now_ms);
-    if ((rc = run(c, st, "insert resource")) != IDEM_OK)
+    if ((rc = idem__sqlite_run(c, st, "insert resource")) != IDEM_OK)
       return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
     if (req->enqueue_outbox) {
-      st = stmt(c, ST_INSERT_OUTBOX);
+      st = idem__sqlite_stmt(c, ST_INSERT_OUTBOX);
       if (st == NULL)
         return IDEM_ESTORE;
       bind_text(st, 1, res->id);
@@ -1081,7 +521,7 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
       bind_text(st, 3, req->scope.operation);
       bind_text(st, 4, req->scope.key);
       sqlite3_bind_int64(st, 5, req->now_ms);
-      if ((rc = run(c, st, "insert outbox")) != IDEM_OK)
+      if ((rc = idem__sqlite_run(c, st, "insert outbox")) != IDEM_OK)
         return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
     }
   }
@@ -1117,7 +557,7 @@ static int sq_reserve(idem_store_t *base, const idem_reserve_t *req,
 
   if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
     return IDEM_ECRYPTO;
-  rc = write_job((sqlite_store_t *)base, reserve_fn, &a, 1);
+  rc = idem__sqlite_write_job((sqlite_store_t *)base, reserve_fn, &a, 1);
   if (rc != IDEM_OK)
     idem_record_reset(out);
   return rc;
@@ -1145,7 +585,7 @@ static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
   ar->a = (struct reserve_args){req, ar->owner, out, result};
   ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .rerunnable = 1, .cb = done,
                          .cb_arg = arg, .answers = req->outcome != NULL};
-  enqueue((sqlite_store_t *)base, &ar->job);
+  idem__sqlite_enqueue((sqlite_store_t *)base, &ar->job);
   return IDEM_OK;
 }
 
@@ -1159,7 +599,7 @@ static int complete_fn(struct conn *c, void *arg) {
 }
 
 static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
-  return write_job((sqlite_store_t *)base, complete_fn, (void *)cp, 1);
+  return idem__sqlite_write_job((sqlite_store_t *)base, complete_fn, (void *)cp, 1);
 }
 
 static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
@@ -1170,7 +610,7 @@ static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
     return IDEM_ENOMEM;
   *j = (struct job){.fn = complete_fn, .arg = (void *)cp, .rerunnable = 1, .cb = done,
                     .cb_arg = arg, .answers = 1};
-  enqueue((sqlite_store_t *)base, j);
+  idem__sqlite_enqueue((sqlite_store_t *)base, j);
   return IDEM_OK;
 }
 
@@ -1181,20 +621,20 @@ static int caller_write_fn(struct conn *c, void *arg) {
 }
 
 static int sq_write(idem_store_t *base, const idem_effect_t *e) {
-  return write_job((sqlite_store_t *)base, caller_write_fn, (void *)e, 1);
+  return idem__sqlite_write_job((sqlite_store_t *)base, caller_write_fn, (void *)e, 1);
 }
 
 static int sq_read(idem_store_t *base, const idem_effect_t *e) {
   sqlite_store_t *s = (sqlite_store_t *)base;
   struct conn *c;
-  int rc = conn_get(s, &c);
+  int rc = idem__sqlite_conn_get(s, &c);
 
   if (rc != IDEM_OK)
     return rc;
   rc = idem__effect_run(e, "sqlite", c->db, idem_now_ms());
   if (sqlite3_get_autocommit(c->db) == 0) /* left open: not ours to keep */
-    (void)exec(c->db, "ROLLBACK");
-  conn_put(s, c);
+    (void)idem__sqlite_exec(c->db, "ROLLBACK");
+  idem__sqlite_conn_put(s, c);
   return rc;
 }
 
@@ -1204,10 +644,10 @@ static int sq_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
   struct conn *c;
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
     return rc;
   rc = read_record(c, sc, out);
-  conn_put(s, c);
+  idem__sqlite_conn_put(s, c);
   if (rc == IDEM_OK && out->expires_at != 0 && out->expires_at <= now_ms &&
       (out->state == IDEM_STATE_COMPLETED || out->state == IDEM_STATE_FAILED)) {
     idem_record_reset(out);
@@ -1223,10 +663,10 @@ static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
   sqlite3_stmt *st;
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
     return rc;
-  if ((st = stmt(c, ST_RESOURCE_GET)) == NULL) {
-    conn_put(s, c);
+  if ((st = idem__sqlite_stmt(c, ST_RESOURCE_GET)) == NULL) {
+    idem__sqlite_conn_put(s, c);
     return IDEM_ESTORE;
   }
   bind_text(st, 1, id);
@@ -1239,10 +679,10 @@ static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
   } else if (rc == SQLITE_DONE) {
     rc = IDEM_ENOTFOUND;
   } else {
-    rc = fail(c->db, rc, "resource get");
+    rc = idem__sqlite_fail(c->db, rc, "resource get");
   }
   sqlite3_reset(st);
-  conn_put(s, c);
+  idem__sqlite_conn_put(s, c);
   return rc;
 }
 
@@ -1377,7 +817,7 @@ static struct tenant_entry *tenant_slot(sqlite_store_t *s, const char *lookup) {
 
 static int tenant_create_fn(struct conn *c, void *arg) {
   idem_tenant_t *t = arg;
-  sqlite3_stmt *st = stmt(c, ST_TENANT_CREATE);
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_TENANT_CREATE);
   int rc;
 
   if (st == NULL)
@@ -1386,13 +826,13 @@ static int tenant_create_fn(struct conn *c, void *arg) {
   bind_text(st, 2, t->key_lookup);
   sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
   sqlite3_bind_int64(st, 4, t->created_at);
-  if ((rc = run(c, st, "tenant create")) == IDEM_OK)
+  if ((rc = idem__sqlite_run(c, st, "tenant create")) == IDEM_OK)
     t->id = sqlite3_last_insert_rowid(c->db);
   return rc;
 }
 
 static int sq_tenant_create(idem_store_t *base, idem_tenant_t *t) {
-  int rc = write_tx((sqlite_store_t *)base, tenant_create_fn, t);
+  int rc = idem__sqlite_write_tx((sqlite_store_t *)base, tenant_create_fn, t);
   if (rc != IDEM_EEXIST) /* it may have committed: count it */
     tenants_bump((sqlite_store_t *)base);
   return rc;
@@ -1418,10 +858,10 @@ static int tenant_query(sqlite_store_t *s, enum stmt_id id, const char *arg,
   int rc;
 
   memset(out, 0, sizeof *out);
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
     return rc;
-  if ((st = stmt(c, id)) == NULL) {
-    conn_put(s, c);
+  if ((st = idem__sqlite_stmt(c, id)) == NULL) {
+    idem__sqlite_conn_put(s, c);
     return IDEM_ESTORE;
   }
   bind_text(st, 1, arg);
@@ -1432,10 +872,10 @@ static int tenant_query(sqlite_store_t *s, enum stmt_id id, const char *arg,
   } else if (rc == SQLITE_DONE) {
     rc = IDEM_ENOTFOUND;
   } else {
-    rc = fail(c->db, rc, "tenant query");
+    rc = idem__sqlite_fail(c->db, rc, "tenant query");
   }
   sqlite3_reset(st);
-  conn_put(s, c);
+  idem__sqlite_conn_put(s, c);
   return rc;
 }
 
@@ -1476,7 +916,7 @@ static int sq_tenant_by_name(idem_store_t *base, const char *name,
 
 static int tenant_update_fn(struct conn *c, void *arg) {
   const idem_tenant_t *t = arg;
-  sqlite3_stmt *st = stmt(c, ST_TENANT_UPDATE);
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_TENANT_UPDATE);
   int rc;
 
   if (st == NULL)
@@ -1485,14 +925,14 @@ static int tenant_update_fn(struct conn *c, void *arg) {
   bind_text(st, 2, t->key_lookup);
   sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
   sqlite3_bind_int(st, 4, t->disabled);
-  rc = run(c, st, "tenant update");
+  rc = idem__sqlite_run(c, st, "tenant update");
   if (rc == IDEM_OK && sqlite3_changes(c->db) == 0)
     rc = IDEM_ENOTFOUND;
   return rc;
 }
 
 static int sq_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
-  int rc = write_tx((sqlite_store_t *)base, tenant_update_fn, (void *)t);
+  int rc = idem__sqlite_write_tx((sqlite_store_t *)base, tenant_update_fn, (void *)t);
   if (rc != IDEM_ENOTFOUND) /* it may have committed: count it */
     tenants_bump((sqlite_store_t *)base);
   return rc;
@@ -1504,18 +944,20 @@ static int sq_tenant_list(idem_store_t *base, idem_tenant_t *out, int max, int *
   sqlite3_stmt *st;
   int rc, found = 0;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
     return rc;
-  if ((st = stmt(c, ST_TENANT_LIST)) == NULL) {
-    conn_put(s, c);
+  if ((st = idem__sqlite_stmt(c, ST_TENANT_LIST)) == NULL) {
+    idem__sqlite_conn_put(s, c);
     return IDEM_ESTORE;
   }
   sqlite3_bind_int(st, 1, max);
   while (found < max && (rc = sqlite3_step(st)) == SQLITE_ROW)
     row_to_tenant(st, &out[found++]);
-  rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK : fail(c->db, rc, "tenant list");
+  rc = rc == SQLITE_ROW || rc == SQLITE_DONE
+           ? IDEM_OK
+           : idem__sqlite_fail(c->db, rc, "tenant list");
   sqlite3_reset(st);
-  conn_put(s, c);
+  idem__sqlite_conn_put(s, c);
   *n = found;
   return rc;
 }
@@ -1527,10 +969,10 @@ static int sq_records_list(idem_store_t *base, const idem_records_query_t *q,
   sqlite3_stmt *st;
   int rc, found = 0;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
     return rc;
-  if ((st = stmt(c, ST_RECORDS_LIST)) == NULL) {
-    conn_put(s, c);
+  if ((st = idem__sqlite_stmt(c, ST_RECORDS_LIST)) == NULL) {
+    idem__sqlite_conn_put(s, c);
     return IDEM_ESTORE;
   }
   sqlite3_bind_int64(st, 1, q->tenant_id);
@@ -1543,9 +985,11 @@ static int sq_records_list(idem_store_t *base, const idem_records_query_t *q,
       break;
     }
   }
-  rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK : fail(c->db, rc, "records list");
+  rc = rc == SQLITE_ROW || rc == SQLITE_DONE
+           ? IDEM_OK
+           : idem__sqlite_fail(c->db, rc, "records list");
   sqlite3_reset(st);
-  conn_put(s, c);
+  idem__sqlite_conn_put(s, c);
   if (rc != IDEM_OK) {
     for (int i = 0; i < found; i++)
       idem_record_reset(&out[i]);
@@ -1562,16 +1006,16 @@ struct meta_args {
 
 static int meta_fn(struct conn *c, void *arg) {
   struct meta_args *a = arg;
-  sqlite3_stmt *st = stmt(c, ST_META_PUT);
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_META_PUT);
   int rc;
 
   if (st == NULL)
     return IDEM_ESTORE;
   bind_text(st, 1, a->name);
   bind_text(st, 2, a->value);
-  if ((rc = run(c, st, "meta put")) != IDEM_OK)
+  if ((rc = idem__sqlite_run(c, st, "meta put")) != IDEM_OK)
     return rc;
-  if ((st = stmt(c, ST_META_GET)) == NULL)
+  if ((st = idem__sqlite_stmt(c, ST_META_GET)) == NULL)
     return IDEM_ESTORE;
   bind_text(st, 1, a->name);
   rc = sqlite3_step(st);
@@ -1579,7 +1023,7 @@ static int meta_fn(struct conn *c, void *arg) {
     *a->out = strdup(col_text(st, 0));
     rc = *a->out ? IDEM_OK : IDEM_ENOMEM;
   } else {
-    rc = fail(c->db, rc, "meta get");
+    rc = idem__sqlite_fail(c->db, rc, "meta get");
   }
   sqlite3_reset(st);
   return rc;
@@ -1588,7 +1032,7 @@ static int meta_fn(struct conn *c, void *arg) {
 static int sq_meta_get_or_put(idem_store_t *base, const char *name,
                               const char *value, char **out) {
   struct meta_args a = {name, value, out};
-  int rc = write_tx((sqlite_store_t *)base, meta_fn, &a);
+  int rc = idem__sqlite_write_tx((sqlite_store_t *)base, meta_fn, &a);
   if (rc != IDEM_OK) {
     free(*out);
     *out = NULL;
@@ -1604,21 +1048,21 @@ struct sweep_args {
 
 static int sweep_fn(struct conn *c, void *arg) {
   struct sweep_args *a = arg;
-  sqlite3_stmt *st = stmt(c, ST_SWEEP);
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_SWEEP);
   int rc;
 
   if (st == NULL)
     return IDEM_ESTORE;
   sqlite3_bind_int64(st, 1, a->now_ms);
   sqlite3_bind_int(st, 2, a->batch);
-  if ((rc = run(c, st, "sweep")) == IDEM_OK)
+  if ((rc = idem__sqlite_run(c, st, "sweep")) == IDEM_OK)
     *a->deleted = sqlite3_changes(c->db);
   return rc;
 }
 
 static int sq_sweep(idem_store_t *base, int64_t now_ms, int batch, int *deleted) {
   struct sweep_args a = {now_ms, batch, deleted};
-  return write_tx((sqlite_store_t *)base, sweep_fn, &a);
+  return idem__sqlite_write_tx((sqlite_store_t *)base, sweep_fn, &a);
 }
 
 static int sq_count(idem_store_t *base, const char *what, int64_t tenant_id,
@@ -1645,7 +1089,7 @@ static int sq_count(idem_store_t *base, const char *what, int64_t tenant_id,
       sql = queries[i].sql;
   if (sql == NULL)
     return IDEM_EINVAL;
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
     return rc;
   rc = sqlite3_prepare_v2(c->db, sql, -1, &st, NULL);
   if (rc == SQLITE_OK) {
@@ -1655,13 +1099,13 @@ static int sq_count(idem_store_t *base, const char *what, int64_t tenant_id,
       *n = sqlite3_column_int64(st, 0);
       rc = IDEM_OK;
     } else {
-      rc = fail(c->db, rc, "count");
+      rc = idem__sqlite_fail(c->db, rc, "count");
     }
   } else {
-    rc = fail(c->db, rc, "count");
+    rc = idem__sqlite_fail(c->db, rc, "count");
   }
   sqlite3_finalize(st);
-  conn_put(s, c);
+  idem__sqlite_conn_put(s, c);
   return rc;
 }
 
@@ -1671,132 +1115,24 @@ static int sq_ping(idem_store_t *base) {
   sqlite3_stmt *st;
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
+  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
     return rc;
-  if ((st = stmt(c, ST_PING)) == NULL) {
-    conn_put(s, c);
+  if ((st = idem__sqlite_stmt(c, ST_PING)) == NULL) {
+    idem__sqlite_conn_put(s, c);
     return IDEM_ESTORE;
   }
   rc = sqlite3_step(st);
-  rc = rc == SQLITE_ROW ? IDEM_OK : fail(c->db, rc, "ping");
+  rc = rc == SQLITE_ROW ? IDEM_OK : idem__sqlite_fail(c->db, rc, "ping");
   sqlite3_reset(st);
-  conn_put(s, c);
+  idem__sqlite_conn_put(s, c);
   return rc;
-}
-
-/* Versions 3 and 4 copy tables into new ones (3: idempotency_records,
- * resources and outbox; 4: idempotency_records): an index or trigger of
- * an operator's on them would silently go, and a view or trigger of theirs
- * that names them would make the renames fail. Such objects stop the
- * migration to `version` here, by name, before anything changes (IDEM_OK
- * at once for a version that copies nothing). */
-static int check_foreign_objects(sqlite3 *db, int version) {
-  static const struct {
-    int version;
-    const char *tables; /* for the message */
-    const char *sql;
-  } checks[] = {
-      {3, "the tables idempotency_records, resources and outbox",
-       "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
-       "WHERE type IN ('view', 'trigger', 'index') "
-       "AND name NOT LIKE 'sqlite_autoindex_%' AND name NOT IN (" OWN_OBJECTS ") "
-       "AND (type <> 'index' OR tbl_name IN ('idempotency_records', "
-       "'resources', 'outbox'))"},
-      /* Any view, and a trigger on any table, that names the records:
-       * the rename checks them all. */
-      {4, "the table idempotency_records",
-       "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
-       "WHERE type IN ('view', 'trigger', 'index') "
-       "AND name NOT LIKE 'sqlite_autoindex_%' AND name NOT IN (" OWN_OBJECTS ") "
-       "AND (tbl_name = 'idempotency_records' OR (type <> 'index' "
-       "AND sql LIKE '%idempotency_records%'))"},
-  };
-  sqlite3_stmt *st = NULL;
-  int rc = IDEM_OK;
-  size_t i = 0;
-
-  while (i < sizeof checks / sizeof *checks && checks[i].version != version)
-    i++;
-  if (i == sizeof checks / sizeof *checks)
-    return IDEM_OK;
-  if (sqlite3_prepare_v2(db, checks[i].sql, -1, &st, NULL) != SQLITE_OK ||
-      sqlite3_step(st) != SQLITE_ROW) {
-    rc = fail(db, sqlite3_errcode(db), "read schema");
-  } else if (sqlite3_column_type(st, 0) != SQLITE_NULL) {
-    idem__store_set_error(
-        "schema version %d rebuilds %s; drop these objects first and make "
-        "them again after the migration: %s",
-        version, checks[i].tables, (const char *)sqlite3_column_text(st, 0));
-    rc = IDEM_ESCHEMA;
-  }
-  sqlite3_finalize(st);
-  return rc;
-}
-
-static int migrate_to(sqlite_store_t *s, int target) {
-  struct conn *c;
-  sqlite3_stmt *st = NULL;
-  int rc, version = 0;
-
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((rc = write_begin(s, c)) != IDEM_OK) {
-    conn_put(s, c);
-    return rc;
-  }
-  if (sqlite3_prepare_v2(c->db, "PRAGMA user_version", -1, &st, NULL) == SQLITE_OK &&
-      sqlite3_step(st) == SQLITE_ROW)
-    version = sqlite3_column_int(st, 0);
-  else
-    rc = fail(c->db, sqlite3_errcode(c->db), "read schema version");
-  sqlite3_finalize(st);
-
-  if (rc == IDEM_OK && version > SCHEMA_VERSION) {
-    idem__store_set_error("schema version %d is newer than this program's %d",
-                          version, SCHEMA_VERSION);
-    rc = IDEM_ESCHEMA;
-  }
-  for (int v = version; rc == IDEM_OK && v < target; v++) {
-    char pragma[64];
-    snprintf(pragma, sizeof pragma, "PRAGMA user_version = %d", v + 1);
-    if ((rc = check_foreign_objects(c->db, v + 1)) != IDEM_OK)
-      break;
-    if (exec(c->db, migrations[v]) != SQLITE_OK || exec(c->db, pragma) != SQLITE_OK)
-      rc = IDEM_ESTORE;
-  }
-  int end = write_end(s, c, rc == IDEM_OK);
-  if (rc == IDEM_OK)
-    rc = end;
-  /* Statements prepared before the schema existed are stale: drop them. */
-  for (int i = 0; i < ST_COUNT_; i++) {
-    sqlite3_finalize(c->st[i]);
-    c->st[i] = NULL;
-  }
-  conn_put(s, c);
-  return rc;
-}
-
-static int sq_migrate(idem_store_t *base) {
-  return migrate_to((sqlite_store_t *)base, SCHEMA_VERSION);
-}
-
-int idem__sqlite_migrate_to(idem_store_t *store, int version) {
-  if (version < 0 || version > SCHEMA_VERSION)
-    return IDEM_EINVAL;
-  return migrate_to((sqlite_store_t *)store, version);
 }
 
 static void sq_close(idem_store_t *base) {
   sqlite_store_t *s = (sqlite_store_t *)base;
   struct conn *c;
 
-  if (s->writer_running) {
-    pthread_mutex_lock(&s->q_lock);
-    s->stopping = 1;
-    pthread_cond_signal(&s->q_ready);
-    pthread_mutex_unlock(&s->q_lock);
-    pthread_join(s->writer, NULL);
-  }
+  idem__sqlite_writer_stop(s);
   c = s->free_conns;
   while (c) {
     struct conn *next = c->next;
@@ -1875,12 +1211,11 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
     return rc;
   }
   tenants_open(s, c->db);
-  conn_put(s, c);
-  if (pthread_create(&s->writer, NULL, writer_loop, s) != 0) {
+  idem__sqlite_conn_put(s, c);
+  if ((rc = idem__sqlite_writer_start(s)) != IDEM_OK) {
     sq_close(&s->base);
-    return IDEM_ENOMEM;
+    return rc;
   }
-  s->writer_running = 1;
   *out = &s->base;
   return IDEM_OK;
 }
@@ -1894,7 +1229,7 @@ struct claim_args {
 
 static int claim_fn(struct conn *c, void *arg) {
   struct claim_args *a = arg;
-  sqlite3_stmt *st = stmt(c, ST_CLAIM_SELECT);
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_CLAIM_SELECT);
   int rc;
 
   /* Inside the write transaction nobody else can change these rows, so
@@ -1909,7 +1244,8 @@ static int claim_fn(struct conn *c, void *arg) {
     idem_copy(r->operation, sizeof r->operation, col_text(st, 1));
     idem_copy(r->key, sizeof r->key, col_text(st, 2));
   }
-  rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK : fail(c->db, rc, "claim");
+  rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK
+                                             : idem__sqlite_fail(c->db, rc, "claim");
   sqlite3_reset(st);
   for (int i = 0; rc == IDEM_OK && i < a->found; i++) {
     char op[IDEM_OPERATION_MAX + 1], key[IDEM_KEY_MAX + 1];
@@ -1920,21 +1256,21 @@ static int claim_fn(struct conn *c, void *arg) {
     memcpy(key, a->out[i].key, sizeof key);
     if (idem_random_token(token, IDEM_TOKEN_MAX) != IDEM_OK)
       return IDEM_ECRYPTO;
-    if ((st = stmt(c, ST_CLAIM_UPDATE)) == NULL)
+    if ((st = idem__sqlite_stmt(c, ST_CLAIM_UPDATE)) == NULL)
       return IDEM_ESTORE;
     bind_scope(st, &sc);
     bind_text(st, 4, token);
     sqlite3_bind_int64(st, 5, a->now_ms + a->lease_ms);
     sqlite3_bind_int64(st, 6, a->now_ms);
-    if ((rc = run(c, st, "claim update")) == IDEM_OK)
+    if ((rc = idem__sqlite_run(c, st, "claim update")) == IDEM_OK)
       rc = read_record(c, &sc, &a->out[i]);
     if (rc == IDEM_OK && a->out[i].resource_id[0] != '\0') {
-      if ((st = stmt(c, ST_CLAIM_OUTBOX)) == NULL)
+      if ((st = idem__sqlite_stmt(c, ST_CLAIM_OUTBOX)) == NULL)
         return IDEM_ESTORE;
       bind_text(st, 1, a->out[i].resource_id);
       sqlite3_bind_int64(st, 2, a->out[i].tenant_id);
       sqlite3_bind_int64(st, 3, a->now_ms);
-      rc = run(c, st, "claim outbox");
+      rc = idem__sqlite_run(c, st, "claim outbox");
     }
   }
   return rc;
@@ -1943,7 +1279,7 @@ static int claim_fn(struct conn *c, void *arg) {
 static int sq_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
                     int max, idem_record_t *out, int *n) {
   struct claim_args a = {now_ms, lease_ms, max, out, 0};
-  int rc = write_tx((sqlite_store_t *)base, claim_fn, &a);
+  int rc = idem__sqlite_write_tx((sqlite_store_t *)base, claim_fn, &a);
   if (rc == IDEM_OK) {
     *n = a.found;
   } else {
@@ -1967,7 +1303,7 @@ static const idem_store_methods_t sqlite_methods = {
     .reserve_async = sq_reserve_async,
     .complete_async = sq_complete_async,
     .close = sq_close,
-    .migrate = sq_migrate,
+    .migrate = idem__sqlite_migrate,
     .ping = sq_ping,
     .reserve = sq_reserve,
     .complete = sq_complete,
