@@ -41,6 +41,10 @@ typedef struct idem_effect {
   void *arg;
 } idem_effect_t;
 
+/* How many statements of its own a program may keep per connection
+ * (idem_tx_statement()). */
+#define IDEM_TX_STATEMENTS 32
+
 /* The backend of `tx`: "sqlite" or "postgresql", as idem_store_backend(). */
 const char *idem_tx_backend(const idem_tx_t *tx);
 
@@ -49,6 +53,29 @@ const char *idem_tx_backend(const idem_tx_t *tx);
  * it, never BEGIN, COMMIT, ROLLBACK or close. (SQLite: the one idem was
  * built with, whose functions a program linking libidem calls.) */
 void *idem_tx_handle(const idem_tx_t *tx);
+
+/* The caller's statement `slot` (0 to IDEM_TX_STATEMENTS - 1) on the
+ * connection `tx` runs on, made from `sql` the first time this connection
+ * is asked for that slot and kept for its later transactions, so that an
+ * effect does not pay for parsing its SQL on every write. A program gives
+ * each of its statements a slot of its own (asking for a slot with other
+ * SQL makes it again). SQLite: a `sqlite3_stmt *`, reset, with no
+ * bindings, to bind and step; PostgreSQL: the name of a statement
+ * prepared on the connection, for PQexecPrepared(). NULL when it cannot
+ * be made (idem_store_last_error() says why). Lent for the effect's call. */
+void *idem_tx_statement(idem_tx_t *tx, unsigned slot, const char *sql);
+
+/* Inside a write (an effect or idem_store_write(), not idem_store_read()):
+ * takes over the record of `scope` when it is pending or processing and
+ * no owner's lease holds it at the transaction's time (its owner died, or
+ * it was left pending), giving it a new owner token
+ * and a lease of `lease_ms`, and reads it into `out` (reset it after).
+ * This is how the work of an owner that died is taken over: its own
+ * completion is refused from then on (IDEM_ELOST). Returns IDEM_OK,
+ * IDEM_ENOTFOUND when there is no such record (none, finished, or held
+ * under a live lease), IDEM_EINVAL in a read, or a store error. */
+IDEM_WARN_UNUSED int idem_tx_take_over(idem_tx_t *tx, const idem_scope_t *scope,
+                                       int64_t lease_ms, idem_record_t *out);
 
 /* The time (ms since the epoch) of the write the effect is part of: the
  * reservation's or completion's now_ms. */

@@ -45,6 +45,7 @@ enum stmt_id {
   ST_TENANT_UPDATE,
   ST_TENANT_LIST,
   ST_RECORDS_LIST,
+  ST_TAKE_OVER,
   ST_COUNT_
 };
 
@@ -147,6 +148,12 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "r.location, r.resource_id, r.provider_ref, r.correlation_id, "
         "r.owner_token, r.lease_expires_at, r.created_at, r.updated_at, "
         "r.expires_at",
+    /* idem_tx_take_over(): a record left behind, given a new owner. */
+    [ST_TAKE_OVER] =
+        "UPDATE idempotency_records SET owner_token = $4, lease_expires_at = $5, "
+        "updated_at = $6 WHERE " SCOPE_MATCH " AND state IN ('pending', "
+        "'processing') AND (lease_expires_at IS NULL OR lease_expires_at <= $6) "
+        "RETURNING " RECORD_COLUMNS,
 };
 
 /* Schema versions, applied in order under an advisory lock so that
@@ -234,8 +241,15 @@ static const char *const migrations[] = {
 struct conn {
   PGconn *pg;
   unsigned prepared; /* bit i: stmt i is prepared on this connection */
+  /* The caller's statements (idem_tx_statement()): bit i, slot i is
+   * prepared, from caller_sql[i], as caller_name[i]. */
+  uint32_t caller_prepared;
+  const char *caller_sql[IDEM_TX_STATEMENTS];
+  char caller_name[IDEM_TX_STATEMENTS][16];
   struct conn *next;
 };
+_Static_assert(ST_COUNT_ <= 32, "`prepared` has a bit per statement");
+_Static_assert(IDEM_TX_STATEMENTS <= 32, "`caller_prepared` has a bit per slot");
 
 typedef struct pg_store {
   struct idem_store base;
@@ -441,6 +455,62 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
   return err;
 }
 
+/* idem_tx_statement(): prepared once per connection, again for other SQL. */
+static void *tx_statement(idem_tx_t *tx, unsigned slot, const char *sql) {
+  struct conn *c = tx->conn;
+  char *name = c->caller_name[slot];
+  PGresult *res;
+
+  if ((c->caller_prepared & (1u << slot)) && c->caller_sql[slot] != sql &&
+      strcmp(c->caller_sql[slot], sql) != 0) {
+    char drop[48];
+    snprintf(drop, sizeof drop, "DEALLOCATE %s", name);
+    PQclear(PQexec(c->pg, drop));
+    c->caller_prepared &= ~(1u << slot);
+  }
+  if (!(c->caller_prepared & (1u << slot))) {
+    snprintf(name, sizeof c->caller_name[slot], "idem_caller_%u", slot);
+    res = PQprepare(c->pg, name, sql, 0, NULL);
+    if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+      (void)fail(c, res, "prepare the caller's statement");
+      PQclear(res);
+      return NULL;
+    }
+    PQclear(res);
+    c->caller_sql[slot] = sql;
+    c->caller_prepared |= 1u << slot;
+  }
+  return name;
+}
+
+static int tx_take_over(idem_tx_t *tx, const idem_scope_t *sc, const char *owner,
+                        int64_t lease_expires_at, idem_record_t *out) {
+  struct conn *c = tx->conn;
+  char t[24], lease[24], now[24];
+  const char *p[6] = {num(t, sizeof t, sc->tenant_id), sc->operation, sc->key, owner,
+                      num(lease, sizeof lease, lease_expires_at),
+                      num(now, sizeof now, tx->now_ms)};
+  PGresult *res;
+  int err;
+
+  if ((res = run(c, ST_TAKE_OVER, 6, p, &err)) == NULL)
+    return err;
+  err = PQntuples(res) == 0 ? IDEM_ENOTFOUND : row_to_record(res, 0, out);
+  PQclear(res);
+  return err;
+}
+
+static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over};
+
+/* Runs the caller's effect `e` on connection `c`. */
+static int run_effect(struct conn *c, const idem_effect_t *e, int64_t now_ms,
+                      int writable) {
+  idem_tx_t tx = {"postgresql", c->pg, now_ms, &tx_ops, c, writable};
+  if (e == NULL || e->fn == NULL)
+    return IDEM_OK;
+  return idem__effect_run(e, &tx);
+}
+
 /* The NOTIFY payload that names a scope: "tenant\noperation\nkey". */
 static int notify(struct conn *c, const idem_scope_t *sc) {
   char payload[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
@@ -513,7 +583,7 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
         return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
     }
   }
-  if ((rc = idem__effect_run(&req->effect, "postgresql", c->pg, req->now_ms)) != IDEM_OK)
+  if ((rc = run_effect(c, &req->effect, req->now_ms, 1)) != IDEM_OK)
     return rc;
   if (req->outcome) {
     rc = apply_outcome(c, &req->scope, owner, req->outcome, req->now_ms,
@@ -573,7 +643,7 @@ static int complete_fn(struct conn *c, void *arg) {
                          cp->ttl_ms);
   if (rc != IDEM_OK)
     return rc;
-  return idem__effect_run(&cp->effect, "postgresql", c->pg, cp->now_ms);
+  return run_effect(c, &cp->effect, cp->now_ms, 1);
 }
 
 static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
@@ -581,7 +651,7 @@ static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
 }
 
 static int caller_write_fn(struct conn *c, void *arg) {
-  return idem__effect_run(arg, "postgresql", c->pg, idem_now_ms());
+  return run_effect(c, arg, idem_now_ms(), 1);
 }
 
 static int pg_write(idem_store_t *base, const idem_effect_t *e) {
@@ -595,7 +665,7 @@ static int pg_read(idem_store_t *base, const idem_effect_t *e) {
 
   if ((rc = conn_get(s, &c)) != IDEM_OK)
     return rc;
-  rc = idem__effect_run(e, "postgresql", c->pg, idem_now_ms());
+  rc = run_effect(c, e, idem_now_ms(), 0);
   (void)tx_end(c, 0); /* a transaction left open is not kept */
   conn_put(s, c);
   return rc;

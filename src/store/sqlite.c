@@ -135,6 +135,12 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "WHERE (r.state = 'pending' OR r.state = 'processing') "
         "AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= ?1) "
         "ORDER BY o.next_attempt_at LIMIT ?2",
+    /* idem_tx_take_over(): a record left behind, given a new owner. */
+    [ST_TAKE_OVER] =
+        "UPDATE idempotency_records SET owner_token = ?4, lease_expires_at = ?5, "
+        "updated_at = ?6 WHERE " SCOPE_MATCH " AND (state = 'pending' OR "
+        "state = 'processing') AND (lease_expires_at IS NULL OR "
+        "lease_expires_at <= ?6) RETURNING " RECORD_COLUMNS,
     [ST_CLAIM_UPDATE] =
         "UPDATE idempotency_records SET owner_token = ?4, "
         "lease_expires_at = ?5, updated_at = ?6 WHERE " SCOPE_MATCH,
@@ -170,6 +176,8 @@ static void conn_free(struct conn *c) {
     return;
   for (int i = 0; i < ST_COUNT_; i++)
     sqlite3_finalize(c->st[i]);
+  for (int i = 0; i < IDEM_TX_STATEMENTS; i++)
+    sqlite3_finalize(c->caller_st[i]);
   sqlite3_close_v2(c->db);
   free(c);
 }
@@ -338,6 +346,69 @@ static int read_record(struct conn *c, const idem_scope_t *sc, idem_record_t *ou
     rc = idem__sqlite_fail(c->db, rc, "read record");
   sqlite3_reset(st);
   return rc;
+}
+
+/* idem_tx_statement(): kept on the connection, made again for other SQL. */
+static void *tx_statement(idem_tx_t *tx, unsigned slot, const char *sql) {
+  struct conn *c = tx->conn;
+  sqlite3_stmt **st = &c->caller_st[slot];
+
+  if (*st && c->caller_sql[slot] != sql && strcmp(c->caller_sql[slot], sql) != 0) {
+    sqlite3_finalize(*st);
+    *st = NULL;
+  }
+  if (*st == NULL) {
+    int rc = sqlite3_prepare_v3(c->db, sql, -1, SQLITE_PREPARE_PERSISTENT, st, NULL);
+    if (rc != SQLITE_OK) {
+      (void)idem__sqlite_fail(c->db, rc, "prepare the caller's statement");
+      sqlite3_finalize(*st);
+      *st = NULL;
+      return NULL;
+    }
+    c->caller_sql[slot] = sql;
+  }
+  sqlite3_reset(*st);
+  sqlite3_clear_bindings(*st);
+  return *st;
+}
+
+static int tx_take_over(idem_tx_t *tx, const idem_scope_t *sc, const char *owner,
+                        int64_t lease_expires_at, idem_record_t *out) {
+  struct conn *c = tx->conn;
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_TAKE_OVER);
+  int rc;
+
+  if (st == NULL)
+    return IDEM_ESTORE;
+  bind_scope(st, sc);
+  bind_text(st, 4, owner);
+  sqlite3_bind_int64(st, 5, lease_expires_at);
+  sqlite3_bind_int64(st, 6, tx->now_ms);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW) {
+    rc = row_to_record(st, out);
+    if (rc == IDEM_OK && (rc = sqlite3_step(st)) == SQLITE_DONE)
+      rc = IDEM_OK;
+    else if (rc != IDEM_OK && rc != IDEM_ENOMEM)
+      rc = idem__sqlite_fail(c->db, rc, "take over");
+  } else if (rc == SQLITE_DONE) {
+    rc = IDEM_ENOTFOUND;
+  } else {
+    rc = idem__sqlite_fail(c->db, rc, "take over");
+  }
+  sqlite3_reset(st);
+  return rc;
+}
+
+static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over};
+
+/* Runs the caller's effect `e` on connection `c`. */
+static int run_effect(struct conn *c, const idem_effect_t *e, int64_t now_ms,
+                      int writable) {
+  idem_tx_t tx = {"sqlite", c->db, now_ms, &tx_ops, c, writable};
+  if (e == NULL || e->fn == NULL)
+    return IDEM_OK;
+  return idem__effect_run(e, &tx);
 }
 
 /* Writes an outcome into the record of `sc` owned by `owner`: first at
@@ -525,7 +596,7 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
         return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
     }
   }
-  if ((rc = idem__effect_run(&req->effect, "sqlite", c->db, req->now_ms)) != IDEM_OK)
+  if ((rc = run_effect(c, &req->effect, req->now_ms, 1)) != IDEM_OK)
     return rc;
   if (req->outcome) {
     rc = apply_outcome(c, &req->scope, owner, req->outcome, req->now_ms,
@@ -595,7 +666,7 @@ static int complete_fn(struct conn *c, void *arg) {
                          cp->ttl_ms, 1, cp->row);
   if (rc != IDEM_OK)
     return rc;
-  return idem__effect_run(&cp->effect, "sqlite", c->db, cp->now_ms);
+  return run_effect(c, &cp->effect, cp->now_ms, 1);
 }
 
 static int sq_complete(idem_store_t *base, const idem_complete_t *cp) {
@@ -617,7 +688,7 @@ static int sq_complete_async(idem_store_t *base, const idem_complete_t *cp,
 /* A caller's own write, in a transaction of the group commit; it may run
  * again after a rollback, as the caller was told (store.h). */
 static int caller_write_fn(struct conn *c, void *arg) {
-  return idem__effect_run(arg, "sqlite", c->db, idem_now_ms());
+  return run_effect(c, arg, idem_now_ms(), 1);
 }
 
 static int sq_write(idem_store_t *base, const idem_effect_t *e) {
@@ -631,7 +702,7 @@ static int sq_read(idem_store_t *base, const idem_effect_t *e) {
 
   if (rc != IDEM_OK)
     return rc;
-  rc = idem__effect_run(e, "sqlite", c->db, idem_now_ms());
+  rc = run_effect(c, e, idem_now_ms(), 0);
   if (sqlite3_get_autocommit(c->db) == 0) /* left open: not ours to keep */
     (void)idem__sqlite_exec(c->db, "ROLLBACK");
   idem__sqlite_conn_put(s, c);

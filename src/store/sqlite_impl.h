@@ -42,12 +42,16 @@ enum stmt_id {
   ST_TENANT_UPDATE,
   ST_TENANT_LIST,
   ST_RECORDS_LIST,
+  ST_TAKE_OVER,
   ST_COUNT_
 };
 
 struct conn {
   sqlite3 *db;
   sqlite3_stmt *st[ST_COUNT_];
+  /* The caller's (idem_tx_statement()), with the SQL each was made from. */
+  sqlite3_stmt *caller_st[IDEM_TX_STATEMENTS];
+  const char *caller_sql[IDEM_TX_STATEMENTS];
   struct conn *next;
 };
 

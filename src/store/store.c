@@ -9,6 +9,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "idem/crypto.h"
+
 static __thread char last_error[512];
 
 /* Fault injection for tests: when IDEM_FAULT_FILE names a file that
@@ -115,14 +117,17 @@ int idem_store_ping(idem_store_t *store) {
   return store->methods->ping(store);
 }
 
-static int check_reserve(const idem_reserve_t *req) {
-  if (req->scope.operation == NULL || req->scope.key == NULL ||
-      req->fingerprint == NULL || req->correlation_id == NULL)
-    return IDEM_EINVAL;
-  if (strlen(req->scope.operation) > IDEM_OPERATION_MAX ||
-      strlen(req->scope.key) > IDEM_KEY_MAX)
+static int check_scope(const idem_scope_t *sc) {
+  if (sc->operation == NULL || sc->key == NULL ||
+      strlen(sc->operation) > IDEM_OPERATION_MAX || strlen(sc->key) > IDEM_KEY_MAX)
     return IDEM_EINVAL;
   return IDEM_OK;
+}
+
+static int check_reserve(const idem_reserve_t *req) {
+  if (req->fingerprint == NULL || req->correlation_id == NULL)
+    return IDEM_EINVAL;
+  return check_scope(&req->scope);
 }
 
 static int check_complete(const idem_complete_t *c) {
@@ -233,14 +238,32 @@ void *idem_tx_handle(const idem_tx_t *tx) { return tx->handle; }
 
 int64_t idem_tx_now_ms(const idem_tx_t *tx) { return tx->now_ms; }
 
-int idem__effect_run(const idem_effect_t *e, const char *backend, void *handle,
-                     int64_t now_ms) {
-  idem_tx_t tx = {backend, handle, now_ms};
+void *idem_tx_statement(idem_tx_t *tx, unsigned slot, const char *sql) {
+  if (slot >= IDEM_TX_STATEMENTS || sql == NULL) {
+    idem__store_set_error("statement slot %u: out of range, or no SQL", slot);
+    return NULL;
+  }
+  return tx->ops->statement(tx, slot, sql);
+}
+
+int idem_tx_take_over(idem_tx_t *tx, const idem_scope_t *scope, int64_t lease_ms,
+                      idem_record_t *out) {
+  char owner[IDEM_TOKEN_MAX + 1];
+
+  if (!tx->writable || scope == NULL || lease_ms <= 0 ||
+      check_scope(scope) != IDEM_OK)
+    return IDEM_EINVAL;
+  if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
+    return IDEM_ECRYPTO;
+  return tx->ops->take_over(tx, scope, owner, tx->now_ms + lease_ms, out);
+}
+
+int idem__effect_run(const idem_effect_t *e, idem_tx_t *tx) {
   int rc;
 
   if (e == NULL || e->fn == NULL)
     return IDEM_OK;
-  rc = e->fn(e->arg, &tx);
+  rc = e->fn(e->arg, tx);
   if (rc != IDEM_OK)
     idem__store_set_error("the caller's effect failed: %s", idem_err_name(rc));
   return rc;

@@ -11,16 +11,27 @@ struct idem_store {
   idem__waitset_t *waits;
 };
 
+/* What a backend does for idem_tx_statement() and idem_tx_take_over(), on
+ * the backend's connection `tx->conn`; the owner token is made by the
+ * caller. */
+typedef struct idem__tx_ops {
+  void *(*statement)(idem_tx_t *tx, unsigned slot, const char *sql);
+  int (*take_over)(idem_tx_t *tx, const idem_scope_t *scope, const char *owner,
+                   int64_t lease_expires_at, idem_record_t *out);
+} idem__tx_ops_t;
+
 /* What an effect is lent (store.h): set up by the backend around the call. */
 struct idem_tx {
   const char *backend;
   void *handle;
   int64_t now_ms;
+  const idem__tx_ops_t *ops;
+  void *conn;   /* the backend's connection, for `ops` */
+  int writable; /* 0 in idem_store_read() */
 };
 
-/* Calls `e` (when it has a function) with a transaction on `handle`. */
-int idem__effect_run(const idem_effect_t *e, const char *backend, void *handle,
-                     int64_t now_ms);
+/* Calls `e` (when it has a function) with `tx`. */
+int idem__effect_run(const idem_effect_t *e, idem_tx_t *tx);
 
 /* Records `fmt` as this thread's last store error (for logs). */
 void idem__store_set_error(const char *fmt, ...)

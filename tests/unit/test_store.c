@@ -1309,6 +1309,145 @@ static void test_caller_write_and_read(void **state) {
   assert_int_equal(idem_store_read(fx->store, NULL), IDEM_EINVAL);
 }
 
+/* Inserts (tenant, key, note) with the statement kept in `slot`. */
+struct kept_insert {
+  int64_t tenant;
+  const char *key, *sql;
+  unsigned slot;
+  void *got; /* what idem_tx_statement() gave */
+};
+
+static int insert_kept(void *arg, idem_tx_t *tx) {
+  struct kept_insert *a = arg;
+  char t[24];
+  const char *p[3] = {t, a->key, "kept"};
+
+  snprintf(t, sizeof t, "%lld", (long long)a->tenant);
+  if ((a->got = idem_tx_statement(tx, a->slot, a->sql)) == NULL)
+    return IDEM_ESTORE;
+  if (strcmp(idem_tx_backend(tx), "sqlite") == 0) {
+    sqlite3_stmt *st = a->got;
+    for (int i = 0; i < 3; i++)
+      sqlite3_bind_text(st, i + 1, p[i], -1, SQLITE_TRANSIENT);
+    return sqlite3_step(st) == SQLITE_DONE ? IDEM_OK : IDEM_ESTORE;
+  }
+  PGresult *res = PQexecPrepared(idem_tx_handle(tx), a->got, 3, p, NULL, NULL, 0);
+  int ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+  PQclear(res);
+  return ok ? IDEM_OK : IDEM_ESTORE;
+}
+
+/* A caller's statement is made once per connection and kept: the same
+ * one comes back for its slot (SQLite's writer has one connection); other
+ * SQL in a slot makes it again; a slot out of range or bad SQL is an
+ * error, with nothing written. */
+static void test_caller_statements_kept(void **state) {
+  fixture_t *fx = *state;
+  static const char ins[] = "INSERT INTO app_rows (tenant, k, note) VALUES ($1, $2, $3)";
+  static const char upsert[] = "INSERT INTO app_rows (tenant, k, note) VALUES ($1, $2, $3) "
+                               "ON CONFLICT (tenant, k) DO NOTHING";
+  struct kept_insert a = {fx->tenant.id, "s-1", ins, 3, NULL};
+  idem_effect_t e = {insert_kept, &a};
+  void *first;
+
+  app_table(fx);
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  first = a.got;
+  a.key = "s-2";
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  if (strcmp(idem_store_backend(fx->store), "sqlite") == 0)
+    assert_ptr_equal(a.got, first);
+  else
+    assert_string_equal(a.got, "idem_caller_3");
+  assert_int_equal(app_rows(fx, NULL), 2);
+
+  a.sql = upsert; /* s-2 again: no second row, no error */
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  assert_int_equal(app_rows(fx, NULL), 2);
+  a.sql = ins;
+  a.key = "s-3";
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  assert_int_equal(app_rows(fx, "s-3"), 1);
+
+  a.key = "s-4";
+  a.slot = IDEM_TX_STATEMENTS;
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_ESTORE);
+  a.slot = 4;
+  a.sql = "INSERT INTO no_such_table VALUES ($1, $2, $3)";
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_ESTORE);
+  assert_int_equal(app_rows(fx, "s-4"), 0);
+}
+
+/* Takes over `scope` in a write of its own: the result and the record. */
+struct take_over {
+  idem_scope_t scope;
+  int64_t lease_ms;
+  int rc;
+  idem_record_t rec;
+};
+
+static int take_over_fn(void *arg, idem_tx_t *tx) {
+  struct take_over *t = arg;
+  idem_record_reset(&t->rec);
+  t->rc = idem_tx_take_over(tx, &t->scope, t->lease_ms, &t->rec);
+  return IDEM_OK;
+}
+
+static int take_over(fixture_t *fx, struct take_over *t) {
+  idem_effect_t e = {take_over_fn, t};
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  return t->rc;
+}
+
+/* A processing record whose lease ran out, or a pending one, is taken
+ * over under a new owner token (the old owner is then refused); one held
+ * under a live lease, a finished one or none is not; nor in a read. */
+static void test_take_over(void **state) {
+  static const char fp[] = "00000000000000000000000000000000000000000000000000000000000000ab";
+  fixture_t *fx = *state;
+  idem_reserve_t req = request(fx, OP_PAY, "t-1", fp);
+  idem_outcome_t pending = {.state = IDEM_STATE_PENDING, .status = 202, .body = "{}"};
+  idem_outcome_t done = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+  idem_record_t rec = {0};
+  struct take_over t = {.scope = req.scope, .lease_ms = 60000};
+  char first[IDEM_TOKEN_MAX + 1], second[IDEM_TOKEN_MAX + 1];
+  idem_effect_t in_read = {take_over_fn, &t};
+
+  req.now_ms = idem_now_ms() - 1000;
+  req.lease_ms = 1; /* ran out a second ago */
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  idem_copy(first, sizeof first, rec.owner_token);
+  idem_record_reset(&rec);
+
+  assert_int_equal(take_over(fx, &t), IDEM_OK);
+  assert_int_equal(t.rec.state, IDEM_STATE_PROCESSING);
+  assert_string_equal(t.rec.key, "t-1");
+  assert_string_equal(t.rec.fingerprint, fp);
+  assert_string_not_equal(t.rec.owner_token, first);
+  assert_true(t.rec.lease_expires_at > idem_now_ms() + 30000);
+  idem_copy(second, sizeof second, t.rec.owner_token);
+  assert_int_equal(take_over(fx, &t), IDEM_ENOTFOUND); /* its lease holds it */
+  assert_int_equal(complete(fx, &req.scope, first, idem_now_ms(), TTL_MS, &done), IDEM_ELOST);
+
+  /* Left pending by its new owner: taken over again at once. */
+  assert_int_equal(complete(fx, &req.scope, second, idem_now_ms(), TTL_MS, &pending), IDEM_OK);
+  assert_int_equal(take_over(fx, &t), IDEM_OK);
+  assert_int_equal(t.rec.state, IDEM_STATE_PENDING);
+  assert_string_not_equal(t.rec.owner_token, second);
+  assert_int_equal(complete(fx, &req.scope, t.rec.owner_token, idem_now_ms(), TTL_MS, &done),
+                   IDEM_OK);
+  assert_int_equal(take_over(fx, &t), IDEM_ENOTFOUND); /* completed */
+
+  t.scope.key = "t-none";
+  assert_int_equal(take_over(fx, &t), IDEM_ENOTFOUND);
+  t.rc = -1;
+  assert_int_equal(idem_store_read(fx->store, &in_read), IDEM_OK);
+  assert_int_equal(t.rc, IDEM_EINVAL);
+  t.lease_ms = 0;
+  assert_int_equal(take_over(fx, &t), IDEM_EINVAL);
+  idem_record_reset(&t.rec);
+}
+
 /* ---- claims by the reconciler ----------------------------------------- */
 
 #define MAX_OURS 8
@@ -1936,6 +2075,8 @@ int main(int argc, char **argv) {
       STORE_TEST(test_effect_with_completion),
       STORE_TEST(test_effects_in_a_failed_batch),
       STORE_TEST(test_caller_write_and_read),
+      STORE_TEST(test_caller_statements_kept),
+      STORE_TEST(test_take_over),
       STORE_TEST(test_claim),
       STORE_TEST(test_claim_takes_turns),
       STORE_TEST(test_concurrent_same_key),
