@@ -87,18 +87,17 @@ typedef struct idem_begin {
   const char *fingerprint;    /* idem_fingerprint() of the validated command */
   const char *correlation_id; /* stored with the record (a request id) */
   /* Written in the transaction that wins the key, and only then: the
-   * caller's own rows (`effect`, store.h), libidem's resource row and an
-   * outbox row for it, and, for a request whose whole effect is those
-   * rows, its final outcome (the record is then completed at once). All
-   * optional. */
+   * caller's own rows (`effect`, store.h) and, for a request whose whole
+   * effect is those rows, its final outcome (the record is then completed
+   * at once). `resource_id` is stored with the record (what the request
+   * makes, for the caller's own use). All optional. */
   idem_effect_t effect;
-  const idem_resource_t *resource;
-  int enqueue_outbox;
+  const char *resource_id;
   const idem_outcome_t *outcome;
   /* Optional: called once, just before the first reservation, to fill in
-   * what `resource` and `outcome` point at (a new id, say), so a replay
-   * never pays for it. Returns IDEM_OK, or an error idem_engine_begin()
-   * then returns with nothing written. */
+   * what `resource_id`, `outcome` and the effect point at (a new id,
+   * say), so a replay never pays for it. Returns IDEM_OK, or an error
+   * idem_engine_begin() then returns with nothing written. */
   int (*prepare)(void *arg);
   void *arg;
   /* When a wait for a duplicate in flight ends, on the idem_mono_ms()

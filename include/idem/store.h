@@ -1,5 +1,6 @@
-/* The store interface: where idempotency records, the resources they
- * created, tenants and outbox rows live. Each backend (SQLite, PostgreSQL)
+/* The store interface: where idempotency records (and, for now, idemd's
+ * tenants) live; a program's own rows go through effects (idem_effect_t)
+ * into its own tables. Each backend (SQLite, PostgreSQL)
  * fills in a table of functions; callers only use the idem_store_*()
  * wrappers below, so a new backend needs no change in callers.
  *
@@ -81,31 +82,19 @@ IDEM_WARN_UNUSED int idem_tx_take_over(idem_tx_t *tx, const idem_scope_t *scope,
  * reservation's or completion's now_ms. */
 int64_t idem_tx_now_ms(const idem_tx_t *tx);
 
-/* A resource created by an operation (a payment, an order): the effect
- * that is written in the same transaction as its record. Borrowed. */
-typedef struct idem_resource {
-  const char *kind;         /* "payment", "order" */
-  const char *id;           /* "pay_...", unique across kinds */
-  const char *status;       /* "pending", "succeeded", "created", ... */
-  const char *body;         /* the resource as a JSON object */
-  const char *provider_ref; /* may be NULL */
-} idem_resource_t;
-
 /* How a record ends (or pauses): its new state and the response replays
- * will get, plus the resource's new status and body. Borrowed. */
+ * will get. Borrowed. */
 typedef struct idem_outcome {
   idem_state_t state;      /* COMPLETED, PENDING or FAILED */
   int status;              /* HTTP status to replay */
   const char *body;        /* response body to replay (JSON object) */
   const char *location;    /* may be NULL */
-  const char *resource_id; /* may be NULL: keep the record's */
-  const char *resource_status; /* NULL: leave the resource alone */
-  const char *resource_body;   /* NULL: keep the resource's body */
-  const char *provider_ref;    /* NULL: keep */
+  const char *resource_id; /* what the request made; NULL: keep the record's */
+  const char *provider_ref; /* its reference at an outside party; NULL: keep */
 } idem_outcome_t;
 
-/* One reservation. The resource, outbox row and outcome are optional; what
- * is given is written in the one transaction that wins the key. */
+/* One reservation. The outcome and the effect are optional; what is given
+ * is written in the one transaction that wins the key. */
 typedef struct idem_reserve {
   idem_scope_t scope;
   const char *fingerprint;
@@ -113,10 +102,9 @@ typedef struct idem_reserve {
   int64_t now_ms;
   int64_t lease_ms; /* how long a processing owner keeps the record */
   int64_t ttl_ms;   /* lifetime of completed and failed records */
-  const idem_resource_t *resource; /* inserted when the key is won */
-  int enqueue_outbox;              /* with resource: add an outbox row */
-  const idem_outcome_t *outcome;   /* complete at once (single-step ops) */
-  idem_effect_t effect;            /* run when the key is won, after the above */
+  const char *resource_id;       /* stored with the record; may be NULL */
+  const idem_outcome_t *outcome; /* complete at once (single-step ops) */
+  idem_effect_t effect;          /* run when the key is won, before the outcome */
 } idem_reserve_t;
 
 typedef enum idem_reserve_result {
@@ -190,16 +178,12 @@ typedef struct idem_store_methods {
   int (*complete)(idem_store_t *, const idem_complete_t *);
   int (*lookup)(idem_store_t *, const idem_scope_t *, int64_t now_ms,
                 idem_record_t *);
-  int (*resource_get)(idem_store_t *, int64_t tenant_id, const char *kind,
-                      const char *id, char **body);
   int (*tenant_create)(idem_store_t *, idem_tenant_t *);
   int (*tenant_find)(idem_store_t *, const char *key_lookup, idem_tenant_t *);
   int (*meta_get_or_put)(idem_store_t *, const char *name, const char *value,
                          char **out);
   int (*sweep)(idem_store_t *, int64_t now_ms, int batch, int *deleted);
   int (*count)(idem_store_t *, const char *what, int64_t tenant_id, int64_t *n);
-  int (*claim)(idem_store_t *, int64_t now_ms, int64_t lease_ms, int max,
-               idem_record_t *out, int *n);
   int (*tenant_by_name)(idem_store_t *, const char *name, idem_tenant_t *);
   int (*tenant_update)(idem_store_t *, const idem_tenant_t *);
   int (*tenant_list)(idem_store_t *, idem_tenant_t *out, int max, int *n);
@@ -231,8 +215,7 @@ void idem_store_close(idem_store_t *store);
 /* The backend's name ("sqlite", "postgresql"). */
 const char *idem_store_backend(const idem_store_t *store);
 
-/* 1 when the store's reads (lookup, resource_get, tenant_find, count,
- * ping) are served locally without waiting on writers or a network round
+/* 1 when the store's reads (lookup, tenant_find, count, ping, read) are served locally without waiting on writers or a network round
  * trip, so an event loop may make them inline; 0 when they may block. */
 int idem_store_local_reads(const idem_store_t *store);
 
@@ -252,8 +235,8 @@ IDEM_WARN_UNUSED int idem_store_ping(idem_store_t *store);
  * constraint (never select-then-insert). A key with no record, an expired
  * record, or a failed record with the same fingerprint is won: `*result` is
  * IDEM_RESERVE_WON and `out` is the new processing record with its owner
- * token (or, with `req->outcome`, the completed record), and the resource,
- * outbox row and outcome are committed in the same transaction. Otherwise
+ * token (or, with `req->outcome`, the completed record), and the effect
+ * and outcome are committed in the same transaction. Otherwise
  * `*result` is IDEM_RESERVE_EXISTS, `out` is the record that holds the key,
  * and nothing was written. `out` must be reset by the caller either way. */
 IDEM_WARN_UNUSED int idem_store_reserve(idem_store_t *store,
@@ -261,12 +244,12 @@ IDEM_WARN_UNUSED int idem_store_reserve(idem_store_t *store,
                                         idem_record_t *out,
                                         idem_reserve_result_t *result);
 
-/* Moves a processing record, or a pending one claimed by
- * idem_store_claim(), to `c->outcome` (and updates its resource, and
- * removes its outbox row unless the outcome is pending) in one transaction,
- * only if `c->owner_token` still owns it. Returns IDEM_ELOST when it does
- * not (nothing written). The owner token is cleared: a pending outcome
- * releases the record for the next claim. Wakes requests waiting on it. */
+/* Moves a processing record, or a pending one taken over with
+ * idem_tx_take_over(), to `c->outcome`, and runs `c->effect`, in one
+ * transaction, only if `c->owner_token` still owns it. Returns IDEM_ELOST
+ * when it does not (nothing written, the effect not run). The owner token
+ * is cleared: a pending outcome leaves the record for the next take-over.
+ * Wakes requests waiting on it. */
 IDEM_WARN_UNUSED int idem_store_complete(idem_store_t *store,
                                          const idem_complete_t *c);
 
@@ -343,14 +326,6 @@ int idem_store_park(idem_store_t *store, const idem_scope_t *scope,
  * `now_ms` (INT64_MAX: all of them). Returns how many it woke. */
 int idem_store_expire_waiters(idem_store_t *store, int64_t now_ms);
 
-/* Reads a tenant's resource of `kind` by id; `*body` gets a malloc'd JSON
- * document the caller frees. IDEM_ENOTFOUND for an unknown id or one of
- * another tenant. */
-IDEM_WARN_UNUSED int idem_store_resource_get(idem_store_t *store,
-                                             int64_t tenant_id,
-                                             const char *kind, const char *id,
-                                             char **body);
-
 /* Inserts a tenant from `t` (name, key_lookup, key_hash, created_at) and
  * sets `t->id`. IDEM_EEXIST when the name is taken. */
 IDEM_WARN_UNUSED int idem_store_tenant_create(idem_store_t *store,
@@ -374,24 +349,12 @@ IDEM_WARN_UNUSED int idem_store_meta_get_or_put(idem_store_t *store,
 IDEM_WARN_UNUSED int idem_store_sweep(idem_store_t *store, int64_t now_ms,
                                       int batch, int *deleted);
 
-/* Counts rows for tests, tools and metrics: `what` is "records",
- * "processing", "pending", "outbox", "payments" or "orders"; or
+/* Counts records for tests, tools and metrics: `what` is "records",
+ * "processing" or "pending"; or
  * "oldest_pending", the creation time (ms) of the oldest pending record, 0
  * when there is none. `tenant_id` 0 means all tenants. */
 IDEM_WARN_UNUSED int idem_store_count(idem_store_t *store, const char *what,
                                       int64_t tenant_id, int64_t *n);
-
-/* Claims up to `max` records that need the reconciler: `pending` ones
- * (provider outcome unknown) and `processing` ones whose lease expired at
- * `now_ms` (their worker died), both only with an outbox row, and none
- * whose claim lease is still running. Each claimed record gets a new owner
- * token and a lease of `lease_ms`, atomically, so the original worker can
- * no longer complete it and no other reconciler takes it meanwhile. `out`
- * (an array of `max` records, zeroed) gets the claimed records with their
- * new tokens; `*n` their number. Reset each record after use. */
-IDEM_WARN_UNUSED int idem_store_claim(idem_store_t *store, int64_t now_ms,
-                                      int64_t lease_ms, int max,
-                                      idem_record_t *out, int *n);
 
 /* Finds a tenant by name. IDEM_ENOTFOUND when none. */
 IDEM_WARN_UNUSED int idem_store_tenant_by_name(idem_store_t *store,

@@ -153,9 +153,8 @@ static idem_reserve_t reservation(const idem_engine_t *e, const idem_begin_t *b)
                           .now_ms = idem_now_ms(),
                           .lease_ms = e->cfg.lease_ms,
                           .ttl_ms = e->cfg.ttl_ms,
-                          .resource = b->resource,
+                          .resource_id = b->resource_id,
                           .effect = b->effect,
-                          .enqueue_outbox = b->enqueue_outbox,
                           .outcome = b->outcome};
 }
 

@@ -125,8 +125,7 @@ int idem_payment_settle(const idem_payment_t *p, const idem_charge_result_t *r,
   o->body = s->response_body;
   o->location = o->state == IDEM_STATE_FAILED ? NULL : s->location;
   o->resource_id = p->id;
-  o->resource_status = status;
-  o->resource_body = s->resource_body;
+  s->status = status;
   o->provider_ref = s->provider_ref[0] ? s->provider_ref : NULL;
   return IDEM_OK;
 }

@@ -22,6 +22,7 @@ typedef struct idem_payment {
  * release it with idem_settlement_free(). */
 typedef struct idem_settlement {
   idem_outcome_t outcome;
+  const char *status;  /* the payment's new status: "succeeded", ... */
   char *resource_body; /* the payment with its new status */
   char *response_body; /* what the client gets */
   char location[64];

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "data/resources.h"
 #include "idem/clock.h"
 #include "provider/payment.h"
 #include "util/ticker.h"
@@ -32,7 +33,7 @@ static int settle_one(idem_store_t *store, idem_provider_t *provider,
   char *body = NULL;
   int rc;
 
-  rc = idem_store_resource_get(store, rec->tenant_id, "payment", rec->resource_id, &body);
+  rc = idemd_resource_get(store, rec->tenant_id, "payment", rec->resource_id, &body);
   if (rc != IDEM_OK || idem_payment_parse(body, &payment) != IDEM_OK) {
     free(body);
     emit(opts, IDEM_RECONCILE_ERROR, rec, 0);
@@ -54,9 +55,15 @@ static int settle_one(idem_store_t *store, idem_provider_t *provider,
     emit(opts, IDEM_RECONCILE_ERROR, rec, 0);
     return -1;
   }
+  idemd_resource_update_t update = {.tenant_id = rec->tenant_id, .id = payment.id,
+                                    .status = settled.status,
+                                    .body = settled.resource_body,
+                                    .provider_ref = settled.outcome.provider_ref,
+                                    .state = settled.outcome.state};
   idem_complete_t c = {.scope = scope, .owner_token = rec->owner_token,
                        .now_ms = idem_now_ms(), .ttl_ms = opts->ttl_ms,
-                       .outcome = settled.outcome};
+                       .outcome = settled.outcome,
+                       .effect = {idemd_resource_update, &update}};
   rc = idem_store_complete(store, &c);
   idem_settlement_free(&settled);
   if (rc == IDEM_ELOST)
@@ -82,7 +89,7 @@ int idem_reconcile_once(idem_store_t *store, idem_provider_t *provider,
 
   if (recs == NULL)
     return IDEM_ENOMEM;
-  rc = idem_store_claim(store, idem_now_ms(), opts->lease_ms, batch, recs, &n);
+  rc = idemd_outbox_claim(store, opts->lease_ms, batch, recs, &n);
   for (int i = 0; i < n; i++) {
     int r = settle_one(store, provider, opts, &recs[i]);
     if (r > 0)

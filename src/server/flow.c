@@ -93,11 +93,12 @@ static int answer_from_memory(idemd_request_t *r, const idem_scope_t *scope,
 /* Step 2 of a multi-step operation, once its key is won: the effect's
  * call, outside any transaction, with `out` the outcome it gives. */
 static void execute(const idemd_effect_t *e, const idem_record_t *rec,
-                    idem_outcome_t *out) {
+                    idem_outcome_t *out, idem_effect_t *then) {
   memset(out, 0, sizeof *out);
+  memset(then, 0, sizeof *then);
   if (!e->execute_never_waits) /* a provider call: a worker waits on it */
     idemd_workers_wait_begin();
-  e->execute(e->ctx, rec, out);
+  e->execute(e->ctx, rec, out, then);
   if (!e->execute_never_waits)
     idemd_workers_wait_end();
 }
@@ -183,6 +184,7 @@ struct idemd_async_flow {
    * it (idem_store_last_error() is per thread); for the log only. */
   char *detail;
   idem_outcome_t out;  /* the execution's, from EXECUTING on */
+  idem_effect_t then;  /* its rows, written with the completion */
   int64_t expires_at;  /* of a completed `out` */
   idem_async_t a;      /* the engine's request */
 };
@@ -268,12 +270,12 @@ static void execute_then_complete(struct idemd_async_flow *af) {
   idemd_server_t *srv = af->r->srv;
   int rc;
 
-  execute(af->e, &af->a.rec, &af->out);
+  execute(af->e, &af->a.rec, &af->out, &af->then);
   /* Not later than the store's: memory must not replay a record the
    * store has let expire. */
   af->expires_at = idem_now_ms() + srv->cfg.key_ttl_ms;
   af->stage = COMPLETING;
-  rc = idem_engine_complete_async(srv->engine, &af->a, &af->out, NULL);
+  rc = idem_engine_complete_async(srv->engine, &af->a, &af->out, &af->then);
   if (rc != IDEM_EAGAIN) { /* not queued: as a failed write */
     af->a.rc = rc;
     woken(&af->a);
@@ -433,8 +435,8 @@ static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effec
   af->a.begin = (idem_begin_t){.scope = *scope,
                                .fingerprint = e->fingerprint,
                                .correlation_id = r->request_id,
-                               .resource = e->resource,
-                               .enqueue_outbox = e->enqueue_outbox,
+                               .resource_id = e->resource_id,
+                               .effect = e->written,
                                .outcome = e->outcome,
                                .prepare = e->prepare,
                                .arg = e->ctx,
@@ -475,8 +477,8 @@ static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e
   idem_begin_t b = {.scope = *scope,
                     .fingerprint = e->fingerprint,
                     .correlation_id = r->request_id,
-                    .resource = e->resource,
-                    .enqueue_outbox = e->enqueue_outbox,
+                    .resource_id = e->resource_id,
+                    .effect = e->written,
                     .outcome = e->outcome,
                     .prepare = e->prepare,
                     .arg = e->ctx,
@@ -490,6 +492,7 @@ static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e
   for (int pass = 0; pass < 1000; pass++) {
     idem_decision_t d;
     idem_outcome_t out;
+    idem_effect_t then;
     int64_t expires_at;
     int rc = idem_engine_begin(srv->engine, &b, &rec, &d);
 
@@ -504,11 +507,11 @@ static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e
       idem_record_reset(&rec);
       return ret;
     }
-    execute(e, &rec, &out);
+    execute(e, &rec, &out, &then);
     /* Not later than the store's: memory must not replay a record the
      * store has let expire. */
     expires_at = idem_now_ms() + srv->cfg.key_ttl_ms;
-    rc = idem_engine_complete(srv->engine, &rec, &out, NULL);
+    rc = idem_engine_complete(srv->engine, &rec, &out, &then);
     idem_record_reset(&rec);
     if (rc == IDEM_ELOST) /* our lease ran out and another owner took over */
       continue;

@@ -12,20 +12,25 @@
 typedef struct idemd_effect {
   const char *operation;   /* "create_payment" */
   const char *fingerprint; /* of the validated command */
-  const idem_resource_t *resource; /* written when the key is won */
+  const char *resource_id; /* stored with the record; may be NULL */
+  /* The route's own rows (src/data/resources.h), written in the
+   * transaction that wins the key, and only then. */
+  idem_effect_t written;
   /* Optional: called once, before the first reservation, to fill in what
-   * `resource` and `outcome` point at (a new id, a body). A key that is
+   * `resource_id`, `written` and `outcome` point at (a new id, a body). A
+   * key that is
    * found finished (a replay) never pays for it. Returns IDEM_OK or the
    * error to answer with. */
   int (*prepare)(void *ctx);
-  int enqueue_outbox;
   /* Single-step operations: the final outcome, written in the same
    * transaction as the reservation. */
   const idem_outcome_t *outcome;
   /* Multi-step operations: called once the key is won, outside any
-   * transaction; fills `out`, whose strings must stay valid until
-   * idemd_flow_run() returns. */
-  void (*execute)(void *ctx, const idem_record_t *rec, idem_outcome_t *out);
+   * transaction; fills `out`, and `then`, an effect written with the
+   * completion (both zeroed before; `then` may stay so), whose strings
+   * must stay valid until the request is freed. */
+  void (*execute)(void *ctx, const idem_record_t *rec, idem_outcome_t *out,
+                  idem_effect_t *then);
   /* 1 when execute() is cheap, never waits and never calls the store:
    * it is then called on the store's writer thread (flow.c). */
   int execute_never_waits;

@@ -7,6 +7,7 @@
 #include "idem/canon.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
+#include "data/resources.h"
 #include "server/flow.h"
 #include "server/reply.h"
 #include "server/order_cmd.h"
@@ -19,7 +20,7 @@ typedef struct order_call {
   char fingerprint[IDEM_FINGERPRINT_LEN];
   char id[32], location[64];
   char *text; /* the order, made by prepare() */
-  idem_resource_t resource;
+  idemd_resource_t row;
   idem_outcome_t done;
   idemd_effect_t effect;
 } order_call_t;
@@ -53,8 +54,8 @@ static int prepare(void *ctx) {
   oc->text = idemd_order_json(oc->cmd, oc->id, oc->total, created_at);
   if (oc->text == NULL)
     return IDEM_ENOMEM;
-  oc->resource = (idem_resource_t){.kind = "order", .id = oc->id,
-                                   .status = "created", .body = oc->text};
+  oc->row = (idemd_resource_t){.tenant_id = oc->row.tenant_id, .kind = "order",
+                               .id = oc->id, .status = "created", .body = oc->text};
   oc->done = (idem_outcome_t){.state = IDEM_STATE_COMPLETED, .status = 201,
                               .body = oc->text, .location = oc->location,
                               .resource_id = oc->id};
@@ -84,6 +85,7 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
   r->call = oc;
   r->call_free = order_call_free;
   oc->cmd = cmd;
+  oc->row.tenant_id = r->tenant.id;
   oc->total = total;
   canon = idemd_order_canon(cmd, &len);
   if (canon == NULL)
@@ -93,7 +95,9 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
   if (rc != IDEM_OK)
     return idemd_reply_store_error(r, rc);
   oc->effect = (idemd_effect_t){.operation = OPERATION, .fingerprint = oc->fingerprint,
-                                .resource = &oc->resource, .outcome = &oc->done,
+                                .resource_id = oc->id,
+                                .written = {idemd_resource_insert, &oc->row},
+                                .outcome = &oc->done,
                                 .prepare = prepare, .ctx = oc};
   return idemd_flow_run(r, &oc->effect);
 }

@@ -1,17 +1,20 @@
 /* POST /payments and GET /payments/{id}: the three steps of
  * docs/idempotency.md, section 4.1.
  * 1. reserve the key, insert the payment as pending and an outbox row, in
- *    one transaction (idemd_flow_run -> idem_store_reserve);
+ *    one transaction (idemd_flow_run -> the engine's reservation, with
+ *    the rows as its effect, src/data/resources.h);
  * 2. call the provider outside any transaction, under a provider key
  *    derived from the payment (its id), so every retry reuses it;
- * 3. store the outcome, the reference and the response in one transaction
- *    (idem_store_complete). */
+ * 3. store the outcome, the reference, the payment's new status and the
+ *    response in one transaction (the engine's completion, with the
+ *    payment's update as its effect). */
 #include <stdlib.h>
 #include <string.h>
 
 #include "idem/canon.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
+#include "data/resources.h"
 #include "provider/payment.h"
 #include "server/flow.h"
 #include "server/log.h"
@@ -24,9 +27,11 @@ typedef struct payment_call {
   idemd_server_t *srv;
   idem_payment_t payment;
   char fingerprint[IDEM_FINGERPRINT_LEN];
-  char *pending_body;       /* step 1's payment, made by prepare() */
-  idem_resource_t resource; /* points at the two above */
+  const char *key;           /* the request's Idempotency-Key */
+  char *pending_body;        /* step 1's payment, made by prepare() */
+  idemd_resource_t row;      /* step 1's rows: points at the above */
   idem_settlement_t settled;
+  idemd_resource_update_t update; /* step 3's: points at `settled` */
   idemd_effect_t effect;
 } payment_call_t;
 
@@ -55,13 +60,16 @@ static int prepare(void *ctx) {
   free(pc->pending_body);
   if ((pc->pending_body = idem_payment_json(p, "pending", NULL)) == NULL)
     return IDEM_ENOMEM;
-  pc->resource = (idem_resource_t){.kind = "payment", .id = p->id,
-                                   .status = "pending", .body = pc->pending_body};
+  pc->row = (idemd_resource_t){.tenant_id = pc->row.tenant_id, .kind = "payment",
+                               .id = p->id, .status = "pending",
+                               .body = pc->pending_body, .operation = OPERATION,
+                               .key = pc->key, .due_after_ms = pc->srv->cfg.lease_ms};
   return IDEM_OK;
 }
 
 /* Step 2, and the outcome step 3 stores. */
-static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out) {
+static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out,
+                   idem_effect_t *then) {
   payment_call_t *pc = ctx;
   idem_charge_t c = {.provider_key = pc->payment.id,
                      .amount = pc->payment.amount,
@@ -82,6 +90,11 @@ static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out) {
     return;
   }
   *out = pc->settled.outcome;
+  pc->update = (idemd_resource_update_t){
+      .tenant_id = pc->row.tenant_id, .id = pc->payment.id, .status = pc->settled.status,
+      .body = pc->settled.resource_body, .provider_ref = out->provider_ref,
+      .state = out->state};
+  *then = (idem_effect_t){idemd_resource_update, &pc->update};
 }
 
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
@@ -106,6 +119,8 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   r->call = pc;
   r->call_free = payment_call_free;
   pc->srv = r->srv;
+  pc->key = r->key;
+  pc->row.tenant_id = r->tenant.id;
   p = &pc->payment;
   /* The canonical command written directly: building it in jansson and
    * dumping it was 4 % of a new payment's instructions (docs/performance.md). */
@@ -120,8 +135,9 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
 
   /* Step 1 writes the payment as pending, with an outbox row. */
   pc->effect = (idemd_effect_t){.operation = OPERATION, .fingerprint = pc->fingerprint,
-                                .resource = &pc->resource, .prepare = prepare,
-                                .enqueue_outbox = 1, .execute = charge,
+                                .resource_id = p->id,
+                                .written = {idemd_resource_insert, &pc->row},
+                                .prepare = prepare, .execute = charge,
                                 .execute_never_waits = r->srv->provider->never_waits,
                                 .ctx = pc};
   return idemd_flow_run(r, &pc->effect);

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <strings.h>
 
+#include "data/resources.h"
 #include "idem/clock.h"
 #include "idem/engine.h"
 #include "idem/key.h"
@@ -119,8 +120,7 @@ static enum MHD_Result serve_resource(idemd_request_t *r, const char *kind,
                                       const char *not_found) {
   char *body = NULL;
   enum MHD_Result ret;
-  int rc = idem_store_resource_get(r->srv->store, r->tenant.id, kind,
-                                   r->resource_id, &body);
+  int rc = idemd_resource_get(r->srv->store, r->tenant.id, kind, r->resource_id, &body);
   if (rc == IDEM_ENOTFOUND) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_error(r, 404, not_found, NULL);

@@ -27,20 +27,14 @@
 enum stmt_id {
   ST_RESERVE,
   ST_READ_RECORD,
-  ST_INSERT_RESOURCE,
-  ST_INSERT_OUTBOX,
   ST_COMPLETE,
-  ST_UPDATE_RESOURCE,
-  ST_DELETE_OUTBOX,
   ST_NOTIFY,
-  ST_RESOURCE_GET,
   ST_TENANT_CREATE,
   ST_TENANT_FIND,
   ST_META_PUT,
   ST_META_GET,
   ST_SWEEP,
   ST_PING,
-  ST_CLAIM,
   ST_TENANT_BY_NAME,
   ST_TENANT_UPDATE,
   ST_TENANT_LIST,
@@ -78,14 +72,6 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "RETURNING 1",
     [ST_READ_RECORD] = "SELECT " RECORD_COLUMNS
                        " FROM idempotency_records WHERE " SCOPE_MATCH,
-    [ST_INSERT_RESOURCE] =
-        "INSERT INTO resources (id, tenant_id, kind, status, body, "
-        "provider_ref, created_at, updated_at) "
-        "VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
-    [ST_INSERT_OUTBOX] =
-        "INSERT INTO outbox (resource_id, tenant_id, operation, key, "
-        "created_at, attempts, next_attempt_at) "
-        "VALUES ($1, $2, $3, $4, $5, 0, $5)",
     [ST_COMPLETE] =
         "UPDATE idempotency_records SET state = $4, response_status = $5, "
         "response_body = $6, location = $7, "
@@ -94,16 +80,7 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "lease_expires_at = NULL, updated_at = $10, expires_at = $11 "
         "WHERE " SCOPE_MATCH " AND state IN ('processing', 'pending') "
         "AND owner_token = $12",
-    [ST_UPDATE_RESOURCE] =
-        "UPDATE resources SET status = COALESCE($4, status), "
-        "body = COALESCE($5, body), provider_ref = COALESCE($6, provider_ref), "
-        "updated_at = $7 WHERE id = (SELECT resource_id FROM "
-        "idempotency_records WHERE " SCOPE_MATCH ")",
-    [ST_DELETE_OUTBOX] = "DELETE FROM outbox WHERE resource_id = (SELECT "
-                         "resource_id FROM idempotency_records WHERE " SCOPE_MATCH ")",
     [ST_NOTIFY] = "SELECT pg_notify('" NOTIFY_CHANNEL "', $1)",
-    [ST_RESOURCE_GET] = "SELECT body FROM resources WHERE id = $1 AND "
-                        "tenant_id = $2 AND kind = $3",
     [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
                          "disabled, created_at) VALUES ($1, $2, $3, 0, $4) "
                          "RETURNING id",
@@ -124,30 +101,6 @@ static const char *const stmt_sql[ST_COUNT_] = {
                  "idempotency_records WHERE expires_at <= $1 AND state IN "
                  "('completed', 'failed') LIMIT $2 FOR UPDATE SKIP LOCKED)",
     [ST_PING] = "SELECT 1",
-    /* Records the reconciler must settle (see idem_store_claim), each given
-     * a fresh owner token; SKIP LOCKED lets several instances reconcile
-     * side by side without taking the same record. A claimed payment goes
-     * to the back of the queue (its outbox row's next_attempt_at), so one
-     * the provider cannot settle yet is not claimed again before all the
-     * others. */
-    [ST_CLAIM] =
-        "WITH d AS (SELECT c.tenant_id, c.operation, c.key, o.resource_id "
-        "FROM outbox o JOIN idempotency_records c ON c.tenant_id = o.tenant_id "
-        "AND c.operation = o.operation AND c.key = o.key "
-        "WHERE c.state IN ('pending', 'processing') "
-        "AND (c.lease_expires_at IS NULL OR c.lease_expires_at <= $1) "
-        "ORDER BY o.next_attempt_at LIMIT $3 FOR UPDATE OF c SKIP LOCKED), "
-        "turn AS (UPDATE outbox o SET attempts = o.attempts + 1, next_attempt_at = $1 "
-        "FROM d WHERE o.resource_id = d.resource_id) "
-        "UPDATE idempotency_records r SET "
-        "owner_token = replace(gen_random_uuid()::text, '-', ''), "
-        "lease_expires_at = $2, updated_at = $1 FROM d "
-        "WHERE r.tenant_id = d.tenant_id AND r.operation = d.operation "
-        "AND r.key = d.key RETURNING r.tenant_id, r.operation, r.key, "
-        "r.fingerprint, r.state, r.response_status, r.response_body, "
-        "r.location, r.resource_id, r.provider_ref, r.correlation_id, "
-        "r.owner_token, r.lease_expires_at, r.created_at, r.updated_at, "
-        "r.expires_at",
     /* idem_tx_take_over(): a record left behind, given a new owner. */
     [ST_TAKE_OVER] =
         "UPDATE idempotency_records SET owner_token = $4, lease_expires_at = $5, "
@@ -524,11 +477,11 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
                          const char *owner, const idem_outcome_t *o,
                          int64_t now_ms, int64_t ttl_ms) {
   char t[24], status[16], now[24], exp[24];
-  const char *tenant = num(t, sizeof t, sc->tenant_id);
-  const char *nowp = num(now, sizeof now, now_ms);
-  const char *p[12] = {tenant, sc->operation, sc->key, idem_state_name(o->state),
+  const char *p[12] = {num(t, sizeof t, sc->tenant_id), sc->operation, sc->key,
+                       idem_state_name(o->state),
                        num(status, sizeof status, o->status), o->body,
-                       o->location, o->resource_id, o->provider_ref, nowp,
+                       o->location, o->resource_id, o->provider_ref,
+                       num(now, sizeof now, now_ms),
                        o->state == IDEM_STATE_PENDING
                            ? NULL
                            : num(exp, sizeof exp, now_ms + ttl_ms),
@@ -539,29 +492,17 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
     return rc;
   if (changed != 1)
     return IDEM_ELOST;
-  if (o->resource_status || o->resource_body || o->provider_ref) {
-    const char *q[7] = {tenant, sc->operation, sc->key, o->resource_status,
-                        o->resource_body, o->provider_ref, nowp};
-    if ((rc = run_cmd(c, ST_UPDATE_RESOURCE, 7, q, NULL)) != IDEM_OK)
-      return rc;
-  }
-  if (o->state != IDEM_STATE_PENDING &&
-      (rc = run_cmd(c, ST_DELETE_OUTBOX, 3, p, NULL)) != IDEM_OK)
-    return rc;
   return notify(c, sc); /* delivered to every instance at commit */
 }
 
 static int reserve_tx(struct conn *c, const idem_reserve_t *req,
                       const char *owner, idem_record_t *out,
                       idem_reserve_result_t *result) {
-  const idem_resource_t *res = req->resource;
   char t[24], lease[24], now[24];
-  const char *tenant = num(t, sizeof t, req->scope.tenant_id);
-  const char *nowp = num(now, sizeof now, req->now_ms);
-  const char *p[9] = {tenant, req->scope.operation, req->scope.key,
-                      req->fingerprint, req->correlation_id, owner,
+  const char *p[9] = {num(t, sizeof t, req->scope.tenant_id), req->scope.operation,
+                      req->scope.key, req->fingerprint, req->correlation_id, owner,
                       num(lease, sizeof lease, req->now_ms + req->lease_ms),
-                      nowp, res ? res->id : NULL};
+                      num(now, sizeof now, req->now_ms), req->resource_id};
   int rc, won = 0;
 
   if ((rc = run_cmd(c, ST_RESERVE, 9, p, &won)) != IDEM_OK)
@@ -571,18 +512,6 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
     return read_record(c, &req->scope, out);
   }
   *result = IDEM_RESERVE_WON;
-  if (res) {
-    const char *q[7] = {res->id, tenant, res->kind, res->status, res->body,
-                        res->provider_ref, nowp};
-    if ((rc = run_cmd(c, ST_INSERT_RESOURCE, 7, q, NULL)) != IDEM_OK)
-      return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
-    if (req->enqueue_outbox) {
-      const char *o[5] = {res->id, tenant, req->scope.operation,
-                          req->scope.key, nowp};
-      if ((rc = run_cmd(c, ST_INSERT_OUTBOX, 5, o, NULL)) != IDEM_OK)
-        return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
-    }
-  }
   if ((rc = run_effect(c, &req->effect, req->now_ms, 1)) != IDEM_OK)
     return rc;
   if (req->outcome) {
@@ -731,19 +660,6 @@ static int query_row(pg_store_t *s, enum stmt_id id, int n,
     return IDEM_ENOTFOUND;
   }
   return IDEM_OK;
-}
-
-static int pg_resource_get(idem_store_t *base, int64_t tenant_id,
-                           const char *kind, const char *id, char **body) {
-  char t[24];
-  const char *p[3] = {id, num(t, sizeof t, tenant_id), kind};
-  PGresult *res;
-  int rc = query_row((pg_store_t *)base, ST_RESOURCE_GET, 3, p, &res);
-  if (rc != IDEM_OK)
-    return rc;
-  *body = strdup(PQgetvalue(res, 0, 0));
-  PQclear(res);
-  return *body ? IDEM_OK : IDEM_ENOMEM;
 }
 
 static int pg_tenant_create(idem_store_t *base, idem_tenant_t *t) {
@@ -898,9 +814,6 @@ static int pg_count(idem_store_t *base, const char *what, int64_t tenant_id,
       {"records", "SELECT count(*) FROM idempotency_records WHERE ($1::bigint = 0 OR tenant_id = $1)"},
       {"processing", "SELECT count(*) FROM idempotency_records WHERE state = 'processing' AND ($1::bigint = 0 OR tenant_id = $1)"},
       {"pending", "SELECT count(*) FROM idempotency_records WHERE state = 'pending' AND ($1::bigint = 0 OR tenant_id = $1)"},
-      {"outbox", "SELECT count(*) FROM outbox WHERE ($1::bigint = 0 OR tenant_id = $1)"},
-      {"payments", "SELECT count(*) FROM resources WHERE kind = 'payment' AND ($1::bigint = 0 OR tenant_id = $1)"},
-      {"orders", "SELECT count(*) FROM resources WHERE kind = 'order' AND ($1::bigint = 0 OR tenant_id = $1)"},
       {"oldest_pending", "SELECT coalesce(min(created_at), 0) FROM idempotency_records WHERE state = 'pending' AND ($1::bigint = 0 OR tenant_id = $1)"},
   };
   pg_store_t *s = (pg_store_t *)base;
@@ -1110,31 +1023,6 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
   return IDEM_OK;
 }
 
-static int pg_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
-                    int max, idem_record_t *out, int *n) {
-  pg_store_t *s = (pg_store_t *)base;
-  char now[24], lease[24], lim[16];
-  const char *p[3] = {num(now, sizeof now, now_ms),
-                      num(lease, sizeof lease, now_ms + lease_ms),
-                      num(lim, sizeof lim, max)};
-  PGresult *res;
-  int rc, rows;
-
-  if ((res = pooled_run(s, ST_CLAIM, 3, p, &rc)) == NULL)
-    return rc;
-  rows = PQntuples(res) < max ? PQntuples(res) : max;
-  for (int i = 0; rc == IDEM_OK && i < rows; i++)
-    rc = row_to_record(res, i, &out[i]);
-  PQclear(res);
-  if (rc != IDEM_OK) {
-    for (int i = 0; i < rows; i++)
-      idem_record_reset(&out[i]);
-    return rc;
-  }
-  *n = rows;
-  return IDEM_OK;
-}
-
 static const idem_store_methods_t pg_methods = {
     .version = 1,
     .name = "postgresql",
@@ -1145,13 +1033,11 @@ static const idem_store_methods_t pg_methods = {
     .reserve = pg_reserve,
     .complete = pg_complete,
     .lookup = pg_lookup,
-    .resource_get = pg_resource_get,
     .tenant_create = pg_tenant_create,
     .tenant_find = pg_tenant_find,
     .meta_get_or_put = pg_meta_get_or_put,
     .sweep = pg_sweep,
     .count = pg_count,
-    .claim = pg_claim,
     .tenant_by_name = pg_tenant_by_name,
     .tenant_update = pg_tenant_update,
     .tenant_list = pg_tenant_list,

@@ -81,33 +81,12 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "AND idempotency_records.fingerprint = excluded.fingerprint)",
     [ST_READ_RECORD] = "SELECT " RECORD_COLUMNS
                        " FROM idempotency_records WHERE " SCOPE_MATCH,
-    [ST_INSERT_RESOURCE] =
-        "INSERT INTO resources (id, tenant_id, kind, status, body, "
-        "provider_ref, created_at, updated_at) "
-        "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?7)",
-    [ST_INSERT_OUTBOX] =
-        "INSERT INTO outbox (resource_id, tenant_id, operation, key, "
-        "created_at, attempts, next_attempt_at) "
-        "VALUES (?1, ?2, ?3, ?4, ?5, 0, ?5)",
     [ST_COMPLETE] = COMPLETE_SET SCOPE_MATCH " AND " COMPLETE_OWNED,
     /* The same, the record found by the rowid its reservation inserted
      * (?13) instead of through the key's index: 4,200 fewer instructions
      * per completion. The key and owner must still match. */
     [ST_COMPLETE_ROW] =
         COMPLETE_SET "rowid = ?13 AND " SCOPE_MATCH " AND " COMPLETE_OWNED,
-    [ST_UPDATE_RESOURCE] =
-        "UPDATE resources SET status = COALESCE(?4, status), "
-        "body = COALESCE(?5, body), provider_ref = COALESCE(?6, provider_ref), "
-        "updated_at = ?7 WHERE id = COALESCE(?8, (SELECT resource_id FROM "
-        "idempotency_records WHERE " SCOPE_MATCH ")) AND tenant_id = ?1",
-    /* ?4, like ?8 above, is the outcome's resource id when it names one:
-     * ST_COMPLETE has just stored it in the record, so the lookup would
-     * find the same id. */
-    [ST_DELETE_OUTBOX] = "DELETE FROM outbox WHERE resource_id = COALESCE(?4, "
-                         "(SELECT resource_id FROM idempotency_records WHERE "
-                         SCOPE_MATCH ")) AND tenant_id = ?1",
-    [ST_RESOURCE_GET] = "SELECT body FROM resources WHERE id = ?1 AND "
-                        "tenant_id = ?2 AND kind = ?3",
     [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
                          "disabled, created_at) VALUES (?1, ?2, ?3, 0, ?4)",
     [ST_TENANT_FIND] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE key_lookup = ?1",
@@ -115,6 +94,12 @@ static const char *const stmt_sql[ST_COUNT_] = {
     [ST_TENANT_UPDATE] = "UPDATE tenants SET key_lookup = ?2, key_hash = ?3, "
                          "disabled = ?4 WHERE name = ?1",
     [ST_TENANT_LIST] = "SELECT " TENANT_COLUMNS " FROM tenants ORDER BY name LIMIT ?1",
+    /* idem_tx_take_over(): a record left behind, given a new owner. */
+    [ST_TAKE_OVER] =
+        "UPDATE idempotency_records SET owner_token = ?4, lease_expires_at = ?5, "
+        "updated_at = ?6 WHERE " SCOPE_MATCH " AND (state = 'pending' OR "
+        "state = 'processing') AND (lease_expires_at IS NULL OR "
+        "lease_expires_at <= ?6) RETURNING " RECORD_COLUMNS,
     [ST_RECORDS_LIST] = "SELECT " RECORD_COLUMNS " FROM idempotency_records "
                         "WHERE tenant_id = ?1 AND (?2 IS NULL OR state = ?2) "
                         "AND (?3 = 0 OR updated_at < ?3) "
@@ -126,29 +111,6 @@ static const char *const stmt_sql[ST_COUNT_] = {
                  "rowid FROM idempotency_records WHERE expires_at <= ?1 AND "
                  "state IN ('completed', 'failed') LIMIT ?2)",
     [ST_PING] = "SELECT count(*) FROM meta",
-    /* Records the reconciler must settle: unknown outcomes, and work whose
-     * worker's lease ran out; only payments (they have an outbox row). */
-    [ST_CLAIM_SELECT] =
-        "SELECT r.tenant_id, r.operation, r.key FROM outbox o "
-        "JOIN idempotency_records r ON r.tenant_id = o.tenant_id "
-        "AND r.operation = o.operation AND r.key = o.key "
-        "WHERE (r.state = 'pending' OR r.state = 'processing') "
-        "AND (r.lease_expires_at IS NULL OR r.lease_expires_at <= ?1) "
-        "ORDER BY o.next_attempt_at LIMIT ?2",
-    /* idem_tx_take_over(): a record left behind, given a new owner. */
-    [ST_TAKE_OVER] =
-        "UPDATE idempotency_records SET owner_token = ?4, lease_expires_at = ?5, "
-        "updated_at = ?6 WHERE " SCOPE_MATCH " AND (state = 'pending' OR "
-        "state = 'processing') AND (lease_expires_at IS NULL OR "
-        "lease_expires_at <= ?6) RETURNING " RECORD_COLUMNS,
-    [ST_CLAIM_UPDATE] =
-        "UPDATE idempotency_records SET owner_token = ?4, "
-        "lease_expires_at = ?5, updated_at = ?6 WHERE " SCOPE_MATCH,
-    /* A claimed payment goes to the back of the queue: one the provider
-     * cannot settle yet must not be claimed again before all the others,
-     * which a full batch of them would otherwise keep out for good. */
-    [ST_CLAIM_OUTBOX] = "UPDATE outbox SET attempts = attempts + 1, "
-                        "next_attempt_at = ?3 WHERE resource_id = ?1 AND tenant_id = ?2",
 };
 
 /* The VFS connections open with (configure_sqlite()); NULL: the default. */
@@ -448,60 +410,18 @@ static int complete_record(struct conn *c, const idem_scope_t *sc,
   }
 }
 
-/* Applies an outcome to a record owned by `owner` (inside a write
- * transaction). IDEM_ELOST, with nothing written, when the owner no
- * longer holds it (its first statement finds that out). `outbox`:
- * the record may have an outbox row to remove (0 when the caller knows it
- * has none: a single-step reservation that enqueued none). `row`: where
- * the record is, if known (idem_complete_t.row). */
-static int apply_outcome(struct conn *c, const idem_scope_t *sc,
-                         const char *owner, const idem_outcome_t *o,
-                         int64_t now_ms, int64_t ttl_ms, int outbox, int64_t row) {
-  sqlite3_stmt *st;
-  int rc = complete_record(c, sc, owner, o, now_ms, ttl_ms, row);
-
-  if (rc != IDEM_OK)
-    return rc;
-
-  if (o->resource_status || o->resource_body || o->provider_ref) {
-    st = idem__sqlite_stmt(c, ST_UPDATE_RESOURCE);
-    if (st == NULL)
-      return IDEM_ESTORE;
-    bind_scope(st, sc);
-    bind_text(st, 4, o->resource_status);
-    bind_text(st, 5, o->resource_body);
-    bind_text(st, 6, o->provider_ref);
-    sqlite3_bind_int64(st, 7, now_ms);
-    bind_text(st, 8, o->resource_id);
-    if ((rc = idem__sqlite_run(c, st, "update resource")) != IDEM_OK)
-      return rc;
-  }
-  if (outbox && o->state != IDEM_STATE_PENDING) {
-    st = idem__sqlite_stmt(c, ST_DELETE_OUTBOX);
-    if (st == NULL)
-      return IDEM_ESTORE;
-    bind_scope(st, sc);
-    bind_text(st, 4, o->resource_id);
-    if ((rc = idem__sqlite_run(c, st, "delete outbox")) != IDEM_OK)
-      return rc;
-  }
-  return IDEM_OK;
-}
-
 /* The record a won reservation left, without reading it back: ST_RESERVE
  * writes these values whether it inserted the row or took an old one
  * over (its DO UPDATE sets every column, to the same values). */
 static int won_record(const idem_reserve_t *req, const char *owner, int64_t row,
                       idem_record_t *out) {
-  const idem_resource_t *res = req->resource;
-
   /* Copied as row_to_record() copies what it reads. */
   idem_record_reset(out);
   out->tenant_id = req->scope.tenant_id;
   idem_copy(out->operation, sizeof out->operation, req->scope.operation);
   idem_copy(out->key, sizeof out->key, req->scope.key);
   idem_copy(out->fingerprint, sizeof out->fingerprint, req->fingerprint);
-  idem_copy(out->resource_id, sizeof out->resource_id, res ? res->id : NULL);
+  idem_copy(out->resource_id, sizeof out->resource_id, req->resource_id);
   idem_copy(out->correlation_id, sizeof out->correlation_id, req->correlation_id);
   idem_copy(out->owner_token, sizeof out->owner_token, owner);
   out->state = IDEM_STATE_PROCESSING;
@@ -512,7 +432,7 @@ static int won_record(const idem_reserve_t *req, const char *owner, int64_t row,
   return IDEM_OK;
 }
 
-/* The record a single-step reservation left once apply_outcome() wrote
+/* The record a single-step reservation left once complete_record() wrote
  * req->outcome over the won one: as ST_COMPLETE sets it. */
 static int settled_record(const idem_reserve_t *req, const char *owner, int64_t row,
                           idem_record_t *out) {
@@ -539,7 +459,6 @@ static int settled_record(const idem_reserve_t *req, const char *owner, int64_t 
 static int reserve_tx(struct conn *c, const idem_reserve_t *req,
                       const char *owner, idem_record_t *out,
                       idem_reserve_result_t *result) {
-  const idem_resource_t *res = req->resource;
   sqlite3_stmt *st = idem__sqlite_stmt(c, ST_RESERVE);
   int64_t last = sqlite3_last_insert_rowid(c->db), row;
   int rc;
@@ -552,7 +471,7 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   bind_text(st, 6, owner);
   sqlite3_bind_int64(st, 7, req->now_ms + req->lease_ms);
   sqlite3_bind_int64(st, 8, req->now_ms);
-  bind_text(st, 9, res ? res->id : NULL);
+  bind_text(st, 9, req->resource_id);
   if ((rc = idem__sqlite_run(c, st, "reserve")) != IDEM_OK)
     return rc;
 
@@ -570,37 +489,11 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   if (row == last)
     row = 0;
 
-  if (res) {
-    st = idem__sqlite_stmt(c, ST_INSERT_RESOURCE);
-    if (st == NULL)
-      return IDEM_ESTORE;
-    bind_text(st, 1, res->id);
-    sqlite3_bind_int64(st, 2, req->scope.tenant_id);
-    bind_text(st, 3, res->kind);
-    bind_text(st, 4, res->status);
-    bind_text(st, 5, res->body);
-    bind_text(st, 6, res->provider_ref);
-    sqlite3_bind_int64(st, 7, req->now_ms);
-    if ((rc = idem__sqlite_run(c, st, "insert resource")) != IDEM_OK)
-      return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
-    if (req->enqueue_outbox) {
-      st = idem__sqlite_stmt(c, ST_INSERT_OUTBOX);
-      if (st == NULL)
-        return IDEM_ESTORE;
-      bind_text(st, 1, res->id);
-      sqlite3_bind_int64(st, 2, req->scope.tenant_id);
-      bind_text(st, 3, req->scope.operation);
-      bind_text(st, 4, req->scope.key);
-      sqlite3_bind_int64(st, 5, req->now_ms);
-      if ((rc = idem__sqlite_run(c, st, "insert outbox")) != IDEM_OK)
-        return rc == IDEM_EEXIST ? IDEM_ESTORE : rc;
-    }
-  }
   if ((rc = run_effect(c, &req->effect, req->now_ms, 1)) != IDEM_OK)
     return rc;
   if (req->outcome) {
-    rc = apply_outcome(c, &req->scope, owner, req->outcome, req->now_ms,
-                       req->ttl_ms, req->enqueue_outbox, row);
+    rc = complete_record(c, &req->scope, owner, req->outcome, req->now_ms,
+                         req->ttl_ms, row);
     if (rc != IDEM_OK)
       return rc == IDEM_ELOST ? IDEM_ESTORE : rc;
     return settled_record(req, owner, row, out);
@@ -662,8 +555,8 @@ static int sq_reserve_async(idem_store_t *base, const idem_reserve_t *req,
 
 static int complete_fn(struct conn *c, void *arg) {
   const idem_complete_t *cp = arg;
-  int rc = apply_outcome(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
-                         cp->ttl_ms, 1, cp->row);
+  int rc = complete_record(c, &cp->scope, cp->owner_token, &cp->outcome, cp->now_ms,
+                           cp->ttl_ms, cp->row);
   if (rc != IDEM_OK)
     return rc;
   return run_effect(c, &cp->effect, cp->now_ms, 1);
@@ -724,36 +617,6 @@ static int sq_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
     idem_record_reset(out);
     rc = IDEM_ENOTFOUND;
   }
-  return rc;
-}
-
-static int sq_resource_get(idem_store_t *base, int64_t tenant_id,
-                           const char *kind, const char *id, char **body) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c;
-  sqlite3_stmt *st;
-  int rc;
-
-  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((st = idem__sqlite_stmt(c, ST_RESOURCE_GET)) == NULL) {
-    idem__sqlite_conn_put(s, c);
-    return IDEM_ESTORE;
-  }
-  bind_text(st, 1, id);
-  sqlite3_bind_int64(st, 2, tenant_id);
-  bind_text(st, 3, kind);
-  rc = sqlite3_step(st);
-  if (rc == SQLITE_ROW) {
-    *body = strdup(col_text(st, 0));
-    rc = *body ? IDEM_OK : IDEM_ENOMEM;
-  } else if (rc == SQLITE_DONE) {
-    rc = IDEM_ENOTFOUND;
-  } else {
-    rc = idem__sqlite_fail(c->db, rc, "resource get");
-  }
-  sqlite3_reset(st);
-  idem__sqlite_conn_put(s, c);
   return rc;
 }
 
@@ -1144,9 +1007,6 @@ static int sq_count(idem_store_t *base, const char *what, int64_t tenant_id,
       {"records", "SELECT count(*) FROM idempotency_records WHERE (?1 = 0 OR tenant_id = ?1)"},
       {"processing", "SELECT count(*) FROM idempotency_records WHERE state = 'processing' AND (?1 = 0 OR tenant_id = ?1)"},
       {"pending", "SELECT count(*) FROM idempotency_records WHERE state = 'pending' AND (?1 = 0 OR tenant_id = ?1)"},
-      {"outbox", "SELECT count(*) FROM outbox WHERE (?1 = 0 OR tenant_id = ?1)"},
-      {"payments", "SELECT count(*) FROM resources WHERE kind = 'payment' AND (?1 = 0 OR tenant_id = ?1)"},
-      {"orders", "SELECT count(*) FROM resources WHERE kind = 'order' AND (?1 = 0 OR tenant_id = ?1)"},
       {"oldest_pending", "SELECT coalesce(min(created_at), 0) FROM idempotency_records WHERE state = 'pending' AND (?1 = 0 OR tenant_id = ?1)"},
   };
   sqlite_store_t *s = (sqlite_store_t *)base;
@@ -1298,68 +1158,6 @@ struct claim_args {
   int found;
 };
 
-static int claim_fn(struct conn *c, void *arg) {
-  struct claim_args *a = arg;
-  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_CLAIM_SELECT);
-  int rc;
-
-  /* Inside the write transaction nobody else can change these rows, so
-   * selecting and then updating them is one atomic step. */
-  if (st == NULL)
-    return IDEM_ESTORE;
-  sqlite3_bind_int64(st, 1, a->now_ms);
-  sqlite3_bind_int(st, 2, a->max);
-  while (a->found < a->max && (rc = sqlite3_step(st)) == SQLITE_ROW) {
-    idem_record_t *r = &a->out[a->found++];
-    r->tenant_id = sqlite3_column_int64(st, 0);
-    idem_copy(r->operation, sizeof r->operation, col_text(st, 1));
-    idem_copy(r->key, sizeof r->key, col_text(st, 2));
-  }
-  rc = rc == SQLITE_ROW || rc == SQLITE_DONE ? IDEM_OK
-                                             : idem__sqlite_fail(c->db, rc, "claim");
-  sqlite3_reset(st);
-  for (int i = 0; rc == IDEM_OK && i < a->found; i++) {
-    char op[IDEM_OPERATION_MAX + 1], key[IDEM_KEY_MAX + 1];
-    char token[IDEM_TOKEN_MAX + 1];
-    idem_scope_t sc = {a->out[i].tenant_id, op, key};
-
-    memcpy(op, a->out[i].operation, sizeof op);
-    memcpy(key, a->out[i].key, sizeof key);
-    if (idem_random_token(token, IDEM_TOKEN_MAX) != IDEM_OK)
-      return IDEM_ECRYPTO;
-    if ((st = idem__sqlite_stmt(c, ST_CLAIM_UPDATE)) == NULL)
-      return IDEM_ESTORE;
-    bind_scope(st, &sc);
-    bind_text(st, 4, token);
-    sqlite3_bind_int64(st, 5, a->now_ms + a->lease_ms);
-    sqlite3_bind_int64(st, 6, a->now_ms);
-    if ((rc = idem__sqlite_run(c, st, "claim update")) == IDEM_OK)
-      rc = read_record(c, &sc, &a->out[i]);
-    if (rc == IDEM_OK && a->out[i].resource_id[0] != '\0') {
-      if ((st = idem__sqlite_stmt(c, ST_CLAIM_OUTBOX)) == NULL)
-        return IDEM_ESTORE;
-      bind_text(st, 1, a->out[i].resource_id);
-      sqlite3_bind_int64(st, 2, a->out[i].tenant_id);
-      sqlite3_bind_int64(st, 3, a->now_ms);
-      rc = idem__sqlite_run(c, st, "claim outbox");
-    }
-  }
-  return rc;
-}
-
-static int sq_claim(idem_store_t *base, int64_t now_ms, int64_t lease_ms,
-                    int max, idem_record_t *out, int *n) {
-  struct claim_args a = {now_ms, lease_ms, max, out, 0};
-  int rc = idem__sqlite_write_tx((sqlite_store_t *)base, claim_fn, &a);
-  if (rc == IDEM_OK) {
-    *n = a.found;
-  } else {
-    for (int i = 0; i < a.found; i++)
-      idem_record_reset(&out[i]);
-  }
-  return rc;
-}
-
 static void sq_stats(idem_store_t *base, idem_store_stats_t *out) {
   sqlite_store_t *s = (sqlite_store_t *)base;
   out->commits = atomic_load(&s->commits);
@@ -1379,13 +1177,11 @@ static const idem_store_methods_t sqlite_methods = {
     .reserve = sq_reserve,
     .complete = sq_complete,
     .lookup = sq_lookup,
-    .resource_get = sq_resource_get,
     .tenant_create = sq_tenant_create,
     .tenant_find = sq_tenant_find,
     .meta_get_or_put = sq_meta_get_or_put,
     .sweep = sq_sweep,
     .count = sq_count,
-    .claim = sq_claim,
     .tenant_by_name = sq_tenant_by_name,
     .tenant_update = sq_tenant_update,
     .tenant_list = sq_tenant_list,

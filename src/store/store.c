@@ -307,13 +307,6 @@ int idem_store_wait(idem_store_t *store, const idem_scope_t *scope,
   return idem__waitset_wait(store->waits, scope, ticket, timeout_ms);
 }
 
-int idem_store_resource_get(idem_store_t *store, int64_t tenant_id,
-                            const char *kind, const char *id, char **body) {
-  FAULT_POINT();
-  *body = NULL;
-  return store->methods->resource_get(store, tenant_id, kind, id, body);
-}
-
 int idem_store_tenant_create(idem_store_t *store, idem_tenant_t *t) {
   return store->methods->tenant_create(store, t);
 }
@@ -343,15 +336,6 @@ int idem_store_count(idem_store_t *store, const char *what, int64_t tenant_id,
                      int64_t *n) {
   *n = 0;
   return store->methods->count(store, what, tenant_id, n);
-}
-
-int idem_store_claim(idem_store_t *store, int64_t now_ms, int64_t lease_ms,
-                     int max, idem_record_t *out, int *n) {
-  FAULT_POINT();
-  *n = 0;
-  if (max <= 0 || lease_ms <= 0)
-    return IDEM_EINVAL;
-  return store->methods->claim(store, now_ms, lease_ms, max, out, n);
 }
 
 int idem_store_tenant_by_name(idem_store_t *store, const char *name,

@@ -224,10 +224,10 @@ static void test_from_version_2(void **state) {
   assert_int_equal(rec.state, IDEM_STATE_PENDING);
   assert_string_equal(rec.resource_id, "pay_1");
   idem_record_reset(&rec);
-  assert_int_equal(idem_store_resource_get(store, 1, "order", "ord_1", &body), IDEM_OK);
+  assert_int_equal(idemd_resource_get(store, 1, "order", "ord_1", &body), IDEM_OK);
   assert_string_equal(body, "{\"id\":\"ord_1\",\"total\":7}");
   free(body);
-  assert_int_equal(idem_store_claim(store, 10, 1000, 4, claimed, &n), IDEM_OK);
+  assert_int_equal(idemd_outbox_claim(store, 1000, 4, claimed, &n), IDEM_OK);
   assert_int_equal(n, 1);
   assert_string_equal(claimed[0].key, "key-pending");
   idem_record_reset(&claimed[0]);

@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "data/resources.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "idem/store.h"
@@ -85,10 +86,15 @@ static int complete(fixture_t *fx, const idem_scope_t *scope, const char *owner,
   return idem_store_complete(fx->store, &c);
 }
 
-/* Counts `what` in the fixture's tenant. */
+/* Counts `what` in the fixture's tenant: records (idem_store_count()),
+ * or idemd's payments, orders and outbox rows (idemd_resource_count()),
+ * which the tests write as idemd does, through effects. */
 static int64_t count(fixture_t *fx, const char *what) {
   int64_t n = -1;
-  assert_int_equal(idem_store_count(fx->store, what, fx->tenant.id, &n), IDEM_OK);
+  int rc = idemd_resource_count(fx->store, what, fx->tenant.id, &n);
+  if (rc == IDEM_EINVAL)
+    rc = idem_store_count(fx->store, what, fx->tenant.id, &n);
+  assert_int_equal(rc, IDEM_OK);
   return n;
 }
 
@@ -104,19 +110,48 @@ static void assert_same_json(const char *got, const char *want) {
   json_decref(w);
 }
 
-/* A payment resource with a fresh id, as POST /payments inserts it. */
+/* A payment with a fresh id, as POST /payments inserts it (its row, and
+ * its outbox row once it is given a scope: with_payment()). */
 struct payment {
   char id[40];
   char body[128];
-  idem_resource_t res;
+  idemd_resource_t res;
+  idemd_resource_update_t settle;
 };
 
 static void new_payment(struct payment *p) {
   random_name(p->id, sizeof p->id, "pay_");
   snprintf(p->body, sizeof p->body,
            "{\"id\":\"%s\",\"amount\":15990,\"status\":\"pending\"}", p->id);
-  p->res = (idem_resource_t){.kind = "payment", .id = p->id, .status = "pending",
-                             .body = p->body};
+  p->res = (idemd_resource_t){.kind = "payment", .id = p->id, .status = "pending",
+                              .body = p->body};
+}
+
+/* Makes `req` write payment `p` (and, with `outbox`, its outbox row) when
+ * it wins its key, as POST /payments does. */
+static void with_payment(idem_reserve_t *req, struct payment *p, int outbox) {
+  p->res.tenant_id = req->scope.tenant_id;
+  p->res.operation = outbox ? req->scope.operation : NULL;
+  p->res.key = req->scope.key;
+  p->res.due_after_ms = req->lease_ms;
+  req->resource_id = p->id;
+  req->effect = (idem_effect_t){idemd_resource_insert, &p->res};
+}
+
+/* Completes `scope` as a payment's completion does: the record, and the
+ * payment `p` updated to `status` (and `body` when not NULL), in one
+ * transaction. */
+static int complete_payment(fixture_t *fx, const idem_scope_t *scope, const char *owner,
+                            int64_t now, int64_t ttl, const idem_outcome_t *outcome,
+                            struct payment *p, const char *status, const char *body) {
+  p->settle = (idemd_resource_update_t){.tenant_id = scope->tenant_id, .id = p->id,
+                                        .status = status, .body = body,
+                                        .provider_ref = outcome->provider_ref,
+                                        .state = outcome->state};
+  idem_complete_t c = {.scope = *scope, .owner_token = owner, .now_ms = now,
+                       .ttl_ms = ttl, .outcome = *outcome,
+                       .effect = {idemd_resource_update, &p->settle}};
+  return idem_store_complete(fx->store, &c);
 }
 
 /* The record a reservation returned is the stored one, field by field
@@ -159,9 +194,8 @@ static idem_reserve_t reserve_payment(fixture_t *fx, const char *key,
   idem_reserve_t req = request(fx, OP_PAY, key, fp);
 
   new_payment(p);
-  req.resource = &p->res;
-  req.enqueue_outbox = 1;
   req.lease_ms = lease_ms;
+  with_payment(&req, p, 1);
   assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
   assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
   assert_string_equal(rec.resource_id, p->id);
@@ -476,7 +510,7 @@ static void test_resource_outbox_and_complete(void **state) {
   assert_int_equal(count(fx, "payments"), 1);
   assert_int_equal(count(fx, "outbox"), 1);
   assert_int_equal(count(fx, "orders"), 0);
-  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment", p.id,
+  assert_int_equal(idemd_resource_get(fx->store, fx->tenant.id, "payment", p.id,
                                            &body),
                    IDEM_OK);
   assert_same_json(body, p.body);
@@ -485,9 +519,10 @@ static void test_resource_outbox_and_complete(void **state) {
   snprintf(location, sizeof location, "/payments/%s", p.id);
   idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201,
                         .body = response, .location = location,
-                        .resource_status = "succeeded", .resource_body = done,
                         .provider_ref = "ch_123"};
-  assert_int_equal(complete(fx, &req.scope, token, fx->now + 5, TTL_MS, &out), IDEM_OK);
+  assert_int_equal(complete_payment(fx, &req.scope, token, fx->now + 5, TTL_MS, &out, &p,
+                                    "succeeded", done),
+                   IDEM_OK);
   assert_int_equal(count(fx, "outbox"), 0);
   assert_int_equal(count(fx, "payments"), 1);
 
@@ -504,21 +539,23 @@ static void test_resource_outbox_and_complete(void **state) {
   assert_int_equal(rec.expires_at, fx->now + 5 + TTL_MS);
   idem_record_reset(&rec);
 
-  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment", p.id,
+  assert_int_equal(idemd_resource_get(fx->store, fx->tenant.id, "payment", p.id,
                                            &body),
                    IDEM_OK);
   assert_same_json(body, done);
   free(body);
   /* Another tenant, another kind, an unknown id: not found. */
-  assert_int_equal(idem_store_resource_get(fx->store, other.id, "payment", p.id, &body),
+  assert_int_equal(idemd_resource_get(fx->store, other.id, "payment", p.id, &body),
                    IDEM_ENOTFOUND);
   assert_null(body);
-  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "order", p.id,
+  assert_int_equal(idemd_resource_get(fx->store, fx->tenant.id, "order", p.id,
                                            &body),
                    IDEM_ENOTFOUND);
-  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment",
+  assert_int_equal(idemd_resource_get(fx->store, fx->tenant.id, "payment",
                                            "pay_unknown", &body),
                    IDEM_ENOTFOUND);
+  int64_t n = -1;
+  assert_int_equal(idemd_resource_count(fx->store, "refunds", fx->tenant.id, &n), IDEM_EINVAL);
 }
 
 /* An asynchronous write's callback: records its result, once. */
@@ -695,7 +732,7 @@ static void test_failed_write_among_others(void **state) {
   new_payment(&taken);
   {
     idem_reserve_t first = request(fx, OP_PAY, "holds-the-id", fp);
-    first.resource = &taken.res;
+    with_payment(&first, &taken, 0);
     assert_int_equal(reserve(fx, &first, &rec), IDEM_RESERVE_WON);
     idem_record_reset(&rec);
   }
@@ -705,8 +742,9 @@ static void test_failed_write_among_others(void **state) {
     snprintf(keys[i], sizeof keys[i], "batch-%d", i);
     new_payment(&pays[i]);
     reqs[i] = request(fx, OP_PAY, keys[i], fp);
-    reqs[i].resource = i == BAD ? &taken.res : &pays[i].res;
-    reqs[i].enqueue_outbox = 1;
+    if (i == BAD) /* the id `taken` has: the effect fails */
+      pays[i].res.id = taken.id;
+    with_payment(&reqs[i], &pays[i], 1);
     slots[i] = (struct async_slot){&m, i};
   }
   /* Queued back to back: most land in one batch with the bad one. */
@@ -746,11 +784,12 @@ static void test_complete_needs_the_owner(void **state) {
   idem_record_t rec = {0};
   struct payment p;
   char *body = NULL;
-  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = first,
-                        .resource_status = "succeeded", .resource_body = first};
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = first};
   idem_reserve_t req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);
+  const char *row = first; /* the payment's body a completion writes */
 
-  assert_int_equal(complete(fx, &req.scope, "not-the-owner", fx->now, TTL_MS, &out),
+  assert_int_equal(complete_payment(fx, &req.scope, "not-the-owner", fx->now, TTL_MS, &out,
+                                    &p, "succeeded", row),
                    IDEM_ELOST);
   /* Nothing changed: record, outbox and resource are as reserved. */
   assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
@@ -760,26 +799,31 @@ static void test_complete_needs_the_owner(void **state) {
   assert_null(rec.response_body);
   idem_record_reset(&rec);
   assert_int_equal(count(fx, "outbox"), 1);
-  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment", p.id,
+  assert_int_equal(idemd_resource_get(fx->store, fx->tenant.id, "payment", p.id,
                                            &body),
                    IDEM_OK);
   assert_same_json(body, p.body);
   free(body);
 
-  assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_OK);
+  assert_int_equal(complete_payment(fx, &req.scope, token, fx->now, TTL_MS, &out, &p,
+                                    "succeeded", row),
+                   IDEM_OK);
   /* A second completion, even by the owner, finds the record done. */
   out.status = 500;
   out.body = second;
-  out.resource_body = second;
-  assert_int_equal(complete(fx, &req.scope, token, fx->now, TTL_MS, &out), IDEM_ELOST);
-  assert_int_equal(complete(fx, &req.scope, "not-the-owner", fx->now, TTL_MS, &out),
+  row = second;
+  assert_int_equal(complete_payment(fx, &req.scope, token, fx->now, TTL_MS, &out, &p,
+                                    "succeeded", row),
+                   IDEM_ELOST);
+  assert_int_equal(complete_payment(fx, &req.scope, "not-the-owner", fx->now, TTL_MS, &out,
+                                    &p, "succeeded", row),
                    IDEM_ELOST);
   assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
   assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
   assert_int_equal(rec.response_status, 201);
   assert_same_json(rec.response_body, first);
   idem_record_reset(&rec);
-  assert_int_equal(idem_store_resource_get(fx->store, fx->tenant.id, "payment", p.id,
+  assert_int_equal(idemd_resource_get(fx->store, fx->tenant.id, "payment", p.id,
                                            &body),
                    IDEM_OK);
   assert_same_json(body, first);
@@ -803,8 +847,7 @@ static void test_complete_row_is_a_hint(void **state) {
   char token_c[IDEM_TOKEN_MAX + 1];
   idem_record_t rec = {0};
   struct payment pa, pb;
-  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = body,
-                        .resource_status = "succeeded", .resource_body = body};
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = body};
   idem_reserve_t req_a = reserve_payment(fx, "key-a", LEASE_MS, &pa, token_a);
   idem_reserve_t req_b = reserve_payment(fx, "key-b", LEASE_MS, &pb, token_b);
   idem_reserve_t req_c = request(fx, OP_PAY, "key-c", fp_c);
@@ -875,11 +918,13 @@ static void test_single_step_reserve(void **state) {
   make_fp(fp, 3);
   random_name(id, sizeof id, "ord_");
   snprintf(location, sizeof location, "/orders/%s", id);
-  idem_resource_t res = {.kind = "order", .id = id, .status = "created", .body = order};
+  idemd_resource_t res = {.tenant_id = fx->tenant.id, .kind = "order", .id = id,
+                          .status = "created", .body = order};
   idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = order,
                         .location = location};
   req = request(fx, OP_ORDER, "key-1", fp);
-  req.resource = &res;
+  req.resource_id = id;
+  req.effect = (idem_effect_t){idemd_resource_insert, &res};
   req.outcome = &out;
   assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
   assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
@@ -899,13 +944,14 @@ static void test_single_step_reserve(void **state) {
     /* A pending outcome that names its resource and provider reference,
      * with no body. */
     char id2[40];
-    idem_resource_t res2 = {.kind = "order", .status = "created", .body = order};
+    idemd_resource_t res2 = {.tenant_id = fx->tenant.id, .kind = "order",
+                             .status = "created", .body = order};
     idem_outcome_t pending = {.state = IDEM_STATE_PENDING, .status = 202,
                               .resource_id = id2, .provider_ref = "ref-9"};
     idem_reserve_t req2 = request(fx, OP_ORDER, "key-pending", fp);
     random_name(id2, sizeof id2, "ord_");
     res2.id = id2;
-    req2.resource = &res2;
+    req2.effect = (idem_effect_t){idemd_resource_insert, &res2};
     req2.outcome = &pending;
     assert_int_equal(reserve(fx, &req2, &rec), IDEM_RESERVE_WON);
     assert_int_equal(rec.state, IDEM_STATE_PENDING);
@@ -932,10 +978,12 @@ static void test_pending_outcome(void **state) {
   idem_record_t rec = {0};
   struct payment p;
   idem_outcome_t out = {.state = IDEM_STATE_PENDING, .status = 202, .body = accepted,
-                        .location = "/payments/x", .resource_status = "pending"};
+                        .location = "/payments/x"};
   idem_reserve_t req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);
 
-  assert_int_equal(complete(fx, &req.scope, token, fx->now, 1, &out), IDEM_OK);
+  assert_int_equal(complete_payment(fx, &req.scope, token, fx->now, 1, &out, &p, "pending",
+                                    NULL),
+                   IDEM_OK);
 
   assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_OK);
   assert_int_equal(rec.state, IDEM_STATE_PENDING);
@@ -1175,14 +1223,11 @@ static void test_effect_failure_undoes_reservation(void **state) {
   make_fp(fp, 2);
   new_payment(&pay);
   req = request(fx, OP_PAY, "eff-2", fp);
-  req.resource = &pay.res;
-  req.enqueue_outbox = 1;
+  req.resource_id = pay.id;
   req.effect = (idem_effect_t){insert_row, &row};
   assert_int_equal(idem_store_reserve(fx->store, &req, &rec, &result), IDEM_EEXIST);
   assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now, &rec), IDEM_ENOTFOUND);
   assert_int_equal(count(fx, "records"), 0);
-  assert_int_equal(count(fx, "payments"), 0);
-  assert_int_equal(count(fx, "outbox"), 0);
 
   /* A statement of the effect's own that fails (a duplicate row) is the
    * same: here the row is there already, from a write of its own. */
@@ -1448,24 +1493,22 @@ static void test_take_over(void **state) {
   idem_record_reset(&t.rec);
 }
 
-/* ---- claims by the reconciler ----------------------------------------- */
+/* ---- claims by the reconciler (idemd's outbox, libidem's take-over) --- */
 
 #define MAX_OURS 8
 
-/* Claims at `now` until nothing claimable is left, keeping this tenant's
- * records in `ours` and releasing the rest; returns how many are ours. On
- * a shared database other tenants' records get claimed too, which only
+/* Claims until nothing claimable is left, keeping this tenant's records
+ * in `ours` and releasing the rest; returns how many are ours. On a
+ * shared database other tenants' records get claimed too, which only
  * delays their reconciliation by `lease_ms`. */
-static int claim_ours(fixture_t *fx, int64_t now, int64_t lease_ms,
-                      idem_record_t ours[MAX_OURS]) {
+static int claim_ours(fixture_t *fx, int64_t lease_ms, idem_record_t ours[MAX_OURS]) {
   int mine = 0;
   for (int round = 0; round < 100000; round++) {
     idem_record_t batch[16];
     int n = -1;
     memset(batch, 0, sizeof batch);
-    assert_int_equal(idem_store_claim(fx->store, now, lease_ms, (int)ARRAY_LEN(batch),
-                                      batch, &n),
-                     IDEM_OK);
+    assert_int_equal(
+        idemd_outbox_claim(fx->store, lease_ms, (int)ARRAY_LEN(batch), batch, &n), IDEM_OK);
     assert_in_range(n, 0, ARRAY_LEN(batch));
     if (n == 0)
       return mine;
@@ -1488,11 +1531,12 @@ static void release_all(idem_record_t *recs, int n) {
 }
 
 /* Pending payments and payments whose worker's lease ran out are claimed,
- * each under a new owner token; nothing else is, and the old owner loses
- * the record. */
+ * each under a new owner token, with its payment's id; nothing else is,
+ * and the old owner loses the record. Written ten seconds in the past, so
+ * that the leases of a second ran out long ago. */
 static void test_claim(void **state) {
   fixture_t *fx = *state;
-  const int64_t t1 = fx->now + 2000, claim_lease = 5000;
+  const int64_t claim_lease = 300;
   char pending_token[IDEM_TOKEN_MAX + 1], dead_token[IDEM_TOKEN_MAX + 1];
   char live_token[IDEM_TOKEN_MAX + 1], done_token[IDEM_TOKEN_MAX + 1];
   char first_claim[IDEM_TOKEN_MAX + 1];
@@ -1501,54 +1545,68 @@ static void test_claim(void **state) {
   idem_record_t *claimed_pending, *claimed_dead;
   idem_reserve_t req;
   idem_outcome_t unknown = {.state = IDEM_STATE_PENDING, .status = 202, .body = "{}"};
-  idem_outcome_t ok = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}",
-                       .resource_status = "succeeded"};
+  idem_outcome_t ok = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+  int64_t t1;
   int n;
 
+  fx->now = idem_now_ms() - 10000;
   idem_reserve_t pend = reserve_payment(fx, "pending", LEASE_MS, &pending, pending_token);
-  assert_int_equal(complete(fx, &pend.scope, pending_token, fx->now, TTL_MS, &unknown),
+  assert_int_equal(complete_payment(fx, &pend.scope, pending_token, fx->now, TTL_MS,
+                                    &unknown, &pending, "pending", NULL),
                    IDEM_OK);
   idem_reserve_t died = reserve_payment(fx, "dead-worker", 1000, &dead, dead_token);
   idem_reserve_t alive = reserve_payment(fx, "live-worker", 60000, &live, live_token);
   idem_reserve_t fin = reserve_payment(fx, "completed", 1000, &done, done_token);
-  assert_int_equal(complete(fx, &fin.scope, done_token, fx->now, TTL_MS, &ok), IDEM_OK);
+  assert_int_equal(complete_payment(fx, &fin.scope, done_token, fx->now, TTL_MS, &ok, &done,
+                                    "succeeded", NULL),
+                   IDEM_OK);
   /* Processing with an expired lease but no outbox row: not a payment. */
   req = request(fx, OP_ORDER, "no-outbox", "f");
   req.lease_ms = 1000;
   assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
   idem_record_reset(&rec);
 
-  n = claim_ours(fx, t1, claim_lease, ours);
+  t1 = idem_now_ms();
+  n = claim_ours(fx, claim_lease, ours);
   assert_int_equal(n, 2);
   claimed_pending = strcmp(ours[0].key, "pending") == 0 ? &ours[0] : &ours[1];
   claimed_dead = claimed_pending == &ours[0] ? &ours[1] : &ours[0];
   assert_string_equal(claimed_pending->key, "pending");
   assert_int_equal(claimed_pending->state, IDEM_STATE_PENDING);
+  assert_string_equal(claimed_pending->resource_id, pending.id);
   assert_string_equal(claimed_dead->key, "dead-worker");
   assert_int_equal(claimed_dead->state, IDEM_STATE_PROCESSING);
+  assert_string_equal(claimed_dead->resource_id, dead.id);
   for (int i = 0; i < n; i++) {
     assert_true(ours[i].owner_token[0] != '\0');
-    assert_int_equal(ours[i].lease_expires_at, t1 + claim_lease);
+    assert_in_range(ours[i].lease_expires_at, t1 + claim_lease, idem_now_ms() + claim_lease);
   }
   assert_string_not_equal(claimed_dead->owner_token, dead_token);
   idem_copy(first_claim, sizeof first_claim, claimed_pending->owner_token);
 
   /* The dead worker, back to life, can no longer complete; the claim can. */
-  assert_int_equal(complete(fx, &died.scope, dead_token, t1, TTL_MS, &ok), IDEM_ELOST);
-  assert_int_equal(complete(fx, &died.scope, claimed_dead->owner_token, t1, TTL_MS, &ok),
+  assert_int_equal(complete_payment(fx, &died.scope, dead_token, t1, TTL_MS, &ok, &dead,
+                                    "succeeded", NULL),
+                   IDEM_ELOST);
+  assert_int_equal(complete_payment(fx, &died.scope, claimed_dead->owner_token, t1, TTL_MS,
+                                    &ok, &dead, "succeeded", NULL),
                    IDEM_OK);
   release_all(ours, n);
 
   /* While the claim's lease runs, nobody else gets the pending record. */
-  assert_int_equal(claim_ours(fx, t1, claim_lease, ours), 0);
+  assert_int_equal(claim_ours(fx, claim_lease, ours), 0);
 
   /* Once it ran out, it is claimed again, under yet another token. */
-  n = claim_ours(fx, t1 + claim_lease + 1, claim_lease, ours);
+  usleep((useconds_t)(claim_lease + 100) * 1000);
+  n = claim_ours(fx, claim_lease, ours);
   assert_int_equal(n, 1);
   assert_string_equal(ours[0].key, "pending");
   assert_string_not_equal(ours[0].owner_token, first_claim);
-  assert_int_equal(complete(fx, &pend.scope, first_claim, t1, TTL_MS, &ok), IDEM_ELOST);
-  assert_int_equal(complete(fx, &pend.scope, ours[0].owner_token, t1, TTL_MS, &ok),
+  assert_int_equal(complete_payment(fx, &pend.scope, first_claim, t1, TTL_MS, &ok, &pending,
+                                    "succeeded", NULL),
+                   IDEM_ELOST);
+  assert_int_equal(complete_payment(fx, &pend.scope, ours[0].owner_token, t1, TTL_MS, &ok,
+                                    &pending, "succeeded", NULL),
                    IDEM_OK);
   release_all(ours, n);
 
@@ -1558,7 +1616,7 @@ static void test_claim(void **state) {
   assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
   assert_string_equal(rec.owner_token, live_token);
   idem_record_reset(&rec);
-  assert_int_equal(idem_store_claim(fx->store, t1, claim_lease, 0, ours, &n), IDEM_EINVAL);
+  assert_int_equal(idemd_outbox_claim(fx->store, claim_lease, 0, ours, &n), IDEM_EINVAL);
 }
 
 /* Payments the provider cannot settle yet take turns: a claim puts each
@@ -1568,22 +1626,24 @@ static void test_claim(void **state) {
  * claim takes one a second time before a claim has taken all three. */
 static void test_claim_takes_turns(void **state) {
   fixture_t *fx = *state;
-  const int64_t t = fx->now + 2000;
   static const char *const keys[] = {"turn-0", "turn-1", "turn-2"};
   idem_outcome_t unknown = {.state = IDEM_STATE_PENDING, .status = 202, .body = "{}"};
   char tokens[3][IDEM_TOKEN_MAX + 1];
   struct payment pays[3];
   int seen[3] = {0}, distinct = 0;
 
+  fx->now = idem_now_ms() - 10000;
   for (int i = 0; i < 3; i++) {
     idem_reserve_t r = reserve_payment(fx, keys[i], LEASE_MS, &pays[i], tokens[i]);
-    assert_int_equal(complete(fx, &r.scope, tokens[i], fx->now, TTL_MS, &unknown), IDEM_OK);
+    assert_int_equal(complete_payment(fx, &r.scope, tokens[i], fx->now, TTL_MS, &unknown,
+                                      &pays[i], "pending", NULL),
+                     IDEM_OK);
   }
   for (int round = 0; round < 1000 && distinct < 3; round++) {
     idem_record_t batch[2];
     int n = -1;
     memset(batch, 0, sizeof batch);
-    assert_int_equal(idem_store_claim(fx->store, t, 5000, 2, batch, &n), IDEM_OK);
+    assert_int_equal(idemd_outbox_claim(fx->store, 5000, 2, batch, &n), IDEM_OK);
     if (n == 0)
       break;
     for (int i = 0; i < n; i++) {
@@ -1594,10 +1654,11 @@ static void test_claim_takes_turns(void **state) {
             continue;
           if (seen[k]++ == 0)
             distinct++;
+          /* Unsettled: back to pending, claimable again at once. */
+          assert_int_equal(complete_payment(fx, &sc, batch[i].owner_token, idem_now_ms(),
+                                            TTL_MS, &unknown, &pays[k], "pending", NULL),
+                           IDEM_OK);
         }
-        /* Unsettled: back to pending, claimable again at once. */
-        assert_int_equal(complete(fx, &sc, batch[i].owner_token, t, TTL_MS, &unknown),
-                         IDEM_OK);
       }
       idem_record_reset(&batch[i]);
     }
@@ -1625,8 +1686,7 @@ struct racer {
 static void *race(void *arg) {
   struct racer *r = arg;
   idem_reserve_t req = request(r->fx, OP_PAY, r->key, r->fp);
-  req.resource = &r->payment.res;
-  req.enqueue_outbox = 1;
+  with_payment(&req, &r->payment, 1);
   pthread_barrier_wait(r->start);
   r->rc = idem_store_reserve(r->fx->store, &req, &r->rec, &r->result);
   return NULL;

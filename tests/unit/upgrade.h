@@ -1,5 +1,6 @@
 /* A database of the schema deployed today, filled through the store's own
- * calls (what the current release writes), and the checks that a
+ * calls and idemd's rows through their effects (what the current release
+ * writes, src/data/resources.h), and the checks that a
  * migration kept every row and field of it and that the store still works
  * on it. Shared by test_sqlite_schema and test_pg_schema; each adds the
  * checks of its backend's schema. */
@@ -9,9 +10,11 @@
 #include "support.h"
 
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "idem/clock.h"
 #include "idem/crypto.h"
+#include "data/resources.h"
 #include "idem/store.h"
 
 /* One record in each state, the order completed with its reservation,
@@ -23,9 +26,16 @@ enum { OLD_FAILED, OLD_PROCESSING, OLD_PENDING, OLD_COMPLETED, OLD_ORDER, OLD_N 
 static const char *const old_keys[OLD_N] = {"key-failed", "key-processing", "key-pending",
                                             "key-completed", "key-order"};
 
-/* The counts idem_store_count() reads for the tenant. */
+/* The counts read for the tenant: the records' by idem_store_count(),
+ * idemd's rows' by idemd_resource_count(). */
 static const char *const old_counted[] = {"records", "processing", "pending",
                                           "outbox",  "payments",   "orders"};
+
+static int old_count(idem_store_t *store, const char *what, int64_t tenant_id, int64_t *n) {
+  if (idemd_resource_count(store, what, tenant_id, n) == IDEM_EINVAL)
+    return idem_store_count(store, what, tenant_id, n);
+  return IDEM_OK;
+}
 
 #define OLD_LEASE_MS 60000
 #define OLD_TTL_MS 86400000
@@ -64,7 +74,8 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
     char correlation[16];
     idem_record_t rec = {0};
     idem_reserve_result_t result = 0;
-    idem_resource_t res;
+    idemd_resource_t res;
+    idemd_resource_update_t settle = {0};
     idem_outcome_t out = {0};
     idem_reserve_t req = {
         .scope = {d->tenant.id, order ? "create_order" : "create_payment", old_keys[i]},
@@ -87,13 +98,18 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
     snprintf(reply, sizeof reply, "{\"id\":\"%s\",\"n\":%d}", d->ids[i], i);
     snprintf(location, sizeof location, "/%s/%s", order ? "orders" : "payments",
              d->ids[i]);
-    res = (idem_resource_t){.kind = order ? "order" : "payment",
-                            .id = d->ids[i],
-                            .status = order ? "created" : "pending",
-                            .body = body};
+    res = (idemd_resource_t){.tenant_id = d->tenant.id,
+                             .kind = order ? "order" : "payment",
+                             .id = d->ids[i],
+                             .status = order ? "created" : "pending",
+                             .body = body,
+                             .operation = order ? NULL : req.scope.operation,
+                             .key = req.scope.key,
+                             .due_after_ms = OLD_LEASE_MS};
+    settle = (idemd_resource_update_t){.tenant_id = d->tenant.id, .id = d->ids[i]};
     if (i != OLD_FAILED) {
-      req.resource = &res;
-      req.enqueue_outbox = !order;
+      req.resource_id = d->ids[i];
+      req.effect = (idem_effect_t){idemd_resource_insert, &res};
     }
     switch (i) {
     case OLD_PENDING:
@@ -101,17 +117,21 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
                              .status = 202,
                              .body = reply,
                              .location = location,
-                             .resource_status = "pending",
                              .provider_ref = "ref_pending"};
+      settle.status = "pending";
+      settle.provider_ref = "ref_pending";
+      settle.state = IDEM_STATE_PENDING;
       break;
     case OLD_COMPLETED:
       out = (idem_outcome_t){.state = IDEM_STATE_COMPLETED,
                              .status = 201,
                              .body = reply,
                              .location = location,
-                             .resource_status = "succeeded",
-                             .resource_body = done,
                              .provider_ref = "ch_completed"};
+      settle.status = "succeeded";
+      settle.body = done;
+      settle.provider_ref = "ch_completed";
+      settle.state = IDEM_STATE_COMPLETED;
       break;
     case OLD_FAILED:
       out = (idem_outcome_t){.state = IDEM_STATE_FAILED,
@@ -139,6 +159,8 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
                            .ttl_ms = OLD_TTL_MS,
                            .outcome = out,
                            .row = rec.row};
+      if (i != OLD_FAILED)
+        c.effect = (idem_effect_t){idemd_resource_update, &settle};
       assert_int_equal(idem_store_complete(store, &c), IDEM_OK);
     }
     idem_record_reset(&rec);
@@ -148,13 +170,13 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
     assert_int_equal(idem_store_lookup(store, &d->scopes[i], d->now + 20, &d->before[i]),
                      IDEM_OK);
     if (d->ids[i][0])
-      assert_int_equal(idem_store_resource_get(store, d->tenant.id,
-                                               i == OLD_ORDER ? "order" : "payment",
-                                               d->ids[i], &d->bodies[i]),
+      assert_int_equal(idemd_resource_get(store, d->tenant.id,
+                                          i == OLD_ORDER ? "order" : "payment",
+                                          d->ids[i], &d->bodies[i]),
                        IDEM_OK);
   }
   for (size_t i = 0; i < ARRAY_LEN(old_counted); i++)
-    assert_int_equal(idem_store_count(store, old_counted[i], d->tenant.id, &d->counts[i]),
+    assert_int_equal(old_count(store, old_counted[i], d->tenant.id, &d->counts[i]),
                      IDEM_OK);
   /* What was written is what each state looks like. */
   assert_int_equal(d->before[OLD_PROCESSING].state, IDEM_STATE_PROCESSING);
@@ -208,16 +230,16 @@ static void old_check_kept(idem_store_t *store, const struct old_data *d) {
     idem_record_reset(&rec);
     if (d->ids[i][0] == '\0')
       continue;
-    assert_int_equal(idem_store_resource_get(store, d->tenant.id,
-                                             i == OLD_ORDER ? "order" : "payment",
-                                             d->ids[i], &body),
+    assert_int_equal(idemd_resource_get(store, d->tenant.id,
+                                        i == OLD_ORDER ? "order" : "payment", d->ids[i],
+                                        &body),
                      IDEM_OK);
     assert_string_equal(body, d->bodies[i]);
     free(body);
   }
   for (size_t i = 0; i < ARRAY_LEN(old_counted); i++) {
     int64_t n = -1;
-    assert_int_equal(idem_store_count(store, old_counted[i], d->tenant.id, &n), IDEM_OK);
+    assert_int_equal(old_count(store, old_counted[i], d->tenant.id, &n), IDEM_OK);
     if (n != d->counts[i])
       fail_msg("%s: %lld after the migration, %lld before", old_counted[i], (long long)n,
                (long long)d->counts[i]);
@@ -276,12 +298,16 @@ static int reserve_tenantless(idem_store_t *store, int64_t tenant_id, const char
 static void old_check_usable(idem_store_t *store, const struct old_data *d) {
   const int64_t t = d->now + 100;
   idem_record_t claimed[4] = {{0}}, rec = {0};
+  idemd_resource_update_t settle = {.tenant_id = d->tenant.id,
+                                    .id = d->ids[OLD_PROCESSING],
+                                    .status = "succeeded",
+                                    .state = IDEM_STATE_COMPLETED};
   idem_complete_t c = {.now_ms = t,
                        .ttl_ms = OLD_TTL_MS,
                        .outcome = {.state = IDEM_STATE_COMPLETED,
                                    .status = 201,
-                                   .body = "{\"n\":1}",
-                                   .resource_status = "succeeded"}};
+                                   .body = "{\"n\":1}"},
+                       .effect = {idemd_resource_update, &settle}};
   int n = -1;
   int64_t left = -1;
 
@@ -294,16 +320,21 @@ static void old_check_usable(idem_store_t *store, const struct old_data *d) {
   assert_string_equal(rec.fingerprint, d->before[OLD_PROCESSING].fingerprint);
   idem_record_reset(&rec);
 
-  assert_int_equal(idem_store_claim(store, t, 5000, (int)ARRAY_LEN(claimed), claimed, &n),
+  /* The claim runs at the clock's time: let it pass the times written. */
+  while (idem_now_ms() <= t)
+    usleep(1000);
+  assert_int_equal(idemd_outbox_claim(store, 5000, (int)ARRAY_LEN(claimed), claimed, &n),
                    IDEM_OK);
   assert_int_equal(n, 1);
   assert_string_equal(claimed[0].key, old_keys[OLD_PENDING]);
+  assert_string_equal(claimed[0].resource_id, d->ids[OLD_PENDING]);
+  settle.id = d->ids[OLD_PENDING];
   c.scope = d->scopes[OLD_PENDING];
   c.owner_token = claimed[0].owner_token;
   c.row = 0;
   assert_int_equal(idem_store_complete(store, &c), IDEM_OK);
   idem_record_reset(&claimed[0]);
-  assert_int_equal(idem_store_count(store, "outbox", d->tenant.id, &left), IDEM_OK);
+  assert_int_equal(idemd_resource_count(store, "outbox", d->tenant.id, &left), IDEM_OK);
   assert_int_equal(left, 0);
 
   assert_int_equal(reserve_tenantless(store, d->tenant.id + 1000, "key-free", t),
