@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "idem/client.h"
+#include "idem_version.h"
 
 #define EXIT_DONE 0
 #define EXIT_LOCAL 1
@@ -21,7 +22,7 @@
 
 static const char usage_text[] =
     "usage: idem request [options] METHOD URL [JSON]\n"
-    "       idem --help\n"
+    "       idem --help | --version\n"
     "\n"
     "Sends METHOD URL with an Idempotency-Key, and sends the same request again,\n"
     "with the same key, after a connection error, a timeout, a 5xx or a 409\n"
@@ -207,6 +208,10 @@ int main(int argc, char **argv) {
   if (argc >= 2 && (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 ||
                     strcmp(argv[1], "help") == 0)) {
     fputs(usage_text, stdout);
+    return EXIT_DONE;
+  }
+  if (argc == 2 && strcmp(argv[1], "--version") == 0) {
+    printf("idem %s\n", IDEM_VERSION_STRING);
     return EXIT_DONE;
   }
   if (argc < 2 || strcmp(argv[1], "request") != 0) {

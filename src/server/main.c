@@ -4,11 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "idem_version.h"
 #include "server/commands.h"
-
-#ifndef IDEM_VERSION
-#define IDEM_VERSION "dev"
-#endif
 
 static int parse_flags(idemd_config_t *cfg, int argc, char **argv) {
   int used = idemd_config_parse(cfg, argc, argv, stderr);
@@ -77,7 +74,7 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (strcmp(cmd, "--version") == 0) {
-    printf("idemd %s\n", IDEM_VERSION);
+    printf("idemd %s\n", IDEM_VERSION_STRING);
     return 0;
   }
   if (strncmp(cmd, "--", 2) == 0) /* "idemd --listen ..." means serve */

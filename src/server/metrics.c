@@ -2,6 +2,8 @@
  * GET /metrics. */
 #include "server/metrics.h"
 
+#include "idem_version.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -54,6 +56,13 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
 
   if (f == NULL)
     return NULL;
+  /* The version as --version prints it, split as Prometheus' own
+   * build_info metrics are: the release, and the git revision ("" when
+   * not built from a git checkout). */
+  fprintf(f, "# HELP idem_build_info idemd's version, git revision and store backend; "
+             "always 1.\n# TYPE idem_build_info gauge\n"
+             "idem_build_info{version=\"%s\",revision=\"%s\",store=\"%s\"} 1\n",
+          IDEM_VERSION, IDEM_REVISION, g->store_backend ? g->store_backend : "");
   fprintf(f, "# HELP idem_requests_total Requests answered, by operation and "
              "idempotency outcome.\n# TYPE idem_requests_total counter\n");
   for (int op = 0; op < OP_COUNT_; op++)

@@ -67,6 +67,7 @@ typedef struct idemd_store_gauges {
   uint64_t store_batch_reruns;   /* counter: batches run again write by write */
   uint64_t replay_cache_hits;    /* counter: replays answered from memory */
   int64_t parked;                /* duplicates waiting without a thread */
+  const char *store_backend;     /* idem_store_backend(): "sqlite", "postgresql" */
 } idemd_store_gauges_t;
 
 /* Renders all metrics. Returns a malloc'd text the caller frees, or NULL

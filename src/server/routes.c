@@ -89,7 +89,8 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
                            .processing = -1,
                            .connections_cut = idemd_guard_cut(r->srv->guard),
                            .connections_refused = idemd_guard_refused(r->srv->guard),
-                           .parked = idem_engine_parked(r->srv->engine)};
+                           .parked = idem_engine_parked(r->srv->engine),
+                           .store_backend = idem_store_backend(r->srv->store)};
   int64_t oldest = 0;
   enum MHD_Result ret;
   char *text;

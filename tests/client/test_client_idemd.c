@@ -269,8 +269,49 @@ static void test_chaos_payments(void **state) {
   assert_int_equal(ct_db_int(g.db, "SELECT count(*) FROM payments"), NPAYMENTS);
 }
 
+/* `PROGRAM --version` exits 0 and prints one line "NAME VERSION"; returns
+ * VERSION (malloc'd). */
+static char *version_of(const char *path, const char *name) {
+  ct_run_t r;
+  size_t n = strlen(name);
+  char *v;
+
+  ct_run(&r, (const char *const[]){path, "--version", NULL}, NULL, 30);
+  if (r.exit_code != 0 || strncmp(r.out, name, n) != 0 || r.out[n] != ' ' ||
+      r.out_len < n + 3 || r.out[r.out_len - 1] != '\n' ||
+      memchr(r.out, '\n', r.out_len - 1) != NULL)
+    fail_msg("%s --version: exit %d, stdout '%s', stderr '%s'", name, r.exit_code, r.out,
+             r.err);
+  v = strndup(r.out + n + 1, r.out_len - n - 2);
+  ct_run_free(&r);
+  return v;
+}
+
+/* idemd, idem and idem-psp print one version: the project's (CMake's
+ * project(VERSION), in IDEM_TEST_VERSION), with the same git revision. */
+static void test_versions_agree(void **state) {
+  const char *want = getenv("IDEM_TEST_VERSION");
+  char *d = version_of(ct_idemd_path(), "idemd");
+  char *c = version_of(ct_cli_path(), "idem");
+  char *p = version_of(ct_psp_path(), "idem-psp");
+  size_t n = want ? strlen(want) : 0;
+  (void)state;
+
+  if (want == NULL || n == 0)
+    fail_msg("set IDEM_TEST_VERSION to the project's version");
+  if (strncmp(d, want, n) != 0 || (d[n] != '\0' && strncmp(d + n, " (git ", 6) != 0) ||
+      (d[n] != '\0' && d[strlen(d) - 1] != ')'))
+    fail_msg("idemd --version says '%s', not %s or %s (git ...)", d, want, want);
+  assert_string_equal(c, d);
+  assert_string_equal(p, d);
+  free(d);
+  free(c);
+  free(p);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_versions_agree),
       cmocka_unit_test_setup_teardown(test_lost_answers_one_charge, setup, teardown),
       cmocka_unit_test_setup_teardown(test_idemd_started_late, setup, teardown),
       cmocka_unit_test_setup_teardown(test_chaos_payments, setup, teardown),

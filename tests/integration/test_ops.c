@@ -644,6 +644,32 @@ static char *cli_ok(h_server_t *s, const char *const *args) {
   return out;
 }
 
+/* /metrics names the build as `idemd --version` does: idem_build_info's
+ * version and revision are what --version prints ("idemd VERSION" or
+ * "idemd VERSION (git REVISION)"), its store the backend serving. */
+static void test_build_info(void **state) {
+  h_server_t *s = h_server_start(NULL);
+  char *out = cli_ok(s, (const char *const[]){"--version", NULL});
+  char want[512], version[128] = "", revision[128] = "";
+  const char *store = h_store_is_pg() ? "postgresql" : "sqlite";
+  h_resp_t r;
+  (void)state;
+
+  if (sscanf(out, "idemd %127s (git %127[^)])", version, revision) < 1)
+    fail_msg("idemd --version printed '%s'", out);
+  snprintf(want, sizeof want,
+           "\nidem_build_info{version=\"%s\",revision=\"%s\",store=\"%s\"} 1\n", version,
+           revision, store);
+  get_metrics(s, &r);
+  if (strstr(r.body, want) == NULL)
+    fail_msg("/metrics lacks%sfor `idemd --version` '%s'", want, out);
+  if (strstr(r.body, "\n# TYPE idem_build_info gauge\n") == NULL)
+    fail_msg("idem_build_info is not declared a gauge");
+  h_resp_free(&r);
+  free(out);
+  h_server_stop(s);
+}
+
 /* The value printed after `label` on a line of `idemd records show`
  * ("label<spaces>value"), copied into `val`; fails if there is none. */
 static void show_field(const char *out, const char *label, char *val, size_t cap) {
@@ -1226,6 +1252,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_log_lines_hide_keys, h_teardown),
       cmocka_unit_test_teardown(test_request_id, h_teardown),
       cmocka_unit_test_teardown(test_health_and_metrics, h_teardown),
+      cmocka_unit_test_teardown(test_build_info, h_teardown),
       cmocka_unit_test_teardown(test_request_counters, h_teardown),
       cmocka_unit_test_teardown(test_client_leaves_before_answer, h_teardown),
       cmocka_unit_test_teardown(test_sigterm_lets_request_finish, h_teardown),

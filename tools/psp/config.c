@@ -67,6 +67,7 @@ void psp_usage(FILE *out) {
         "  --chaos P                 with probability P, a random fault per request\n"
         "  --seed S                  seed of --chaos (default: random, logged)\n"
         "  --help                    this text\n"
+        "  --version                 the version, as idemd --version prints it\n"
         "\n"
         "DUR is 500ms, 2s, or a bare number of seconds. Each option can also be\n"
         "set by its environment variable: IDEM_PSP_LISTEN, IDEM_PSP_DB,\n"
@@ -207,6 +208,9 @@ int psp_config_load(psp_config_t *cfg, int argc, char **argv, char *err, size_t 
   for (int i = 1; i < argc; i++)
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0)
       return PSP_HELP;
+  for (int i = 1; i < argc; i++)
+    if (strcmp(argv[i], "--version") == 0)
+      return PSP_VERSION;
   for (size_t i = 0; i < sizeof options / sizeof *options; i++) {
     const char *v = getenv(options[i].env);
     if (v && set_or_explain(cfg, &options[i], v, err, errlen) != 0)

@@ -11,6 +11,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "idem_version.h"
 #include "psp.h"
 
 /* A seed for --chaos when none was given; logged, so a run can be replayed. */
@@ -48,6 +49,10 @@ int main(int argc, char **argv) {
   rc = psp_config_load(&cfg, argc, argv, err, sizeof err);
   if (rc == PSP_HELP) {
     psp_usage(stdout);
+    return 0;
+  }
+  if (rc == PSP_VERSION) {
+    printf("idem-psp %s\n", IDEM_VERSION_STRING);
     return 0;
   }
   if (rc != PSP_RUN) {

@@ -41,11 +41,11 @@ typedef struct psp_config {
 
 /* ---- config.c ---- */
 
-enum { PSP_RUN = 0, PSP_HELP = 1, PSP_BAD_USAGE = -1 };
+enum { PSP_RUN = 0, PSP_HELP = 1, PSP_VERSION = 2, PSP_BAD_USAGE = -1 };
 
 /* Fills `cfg` from the IDEM_PSP_* environment, then from argv (flags win).
- * Returns PSP_RUN, PSP_HELP, or PSP_BAD_USAGE with a one-line reason in
- * `err`. */
+ * Returns PSP_RUN, PSP_HELP (--help anywhere), PSP_VERSION (--version
+ * anywhere), or PSP_BAD_USAGE with a one-line reason in `err`. */
 int psp_config_load(psp_config_t *cfg, int argc, char **argv, char *err, size_t errlen);
 void psp_usage(FILE *out);
 /* Is `amount` one of the --decline-amount values? */
