@@ -1,5 +1,5 @@
-/* idemd's commands: serving with a clean shutdown on SIGTERM/SIGINT,
- * migrating and sweeping (the tenant and record tools are in admin.c). */
+/* idemd's commands: serving with a clean shutdown on SIGTERM/SIGINT
+ * (SIGHUP logged and ignored, SIGPIPE ignored), migrating and sweeping (the tenant and record tools are in admin.c). */
 #include "server/commands.h"
 
 #include <malloc.h>
@@ -22,10 +22,16 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
   int sig = 0;
 
   /* Block the stop signals before any thread starts, so the threads
-   * inherit the mask and only this one receives them (in sigwait). */
+   * inherit the mask and only this one receives them (in sigwait). SIGHUP
+   * too: `systemctl reload` and a closed terminal send it, and its default
+   * action would end idemd at once with payments in flight. idemd has
+   * nothing to reload (its configuration is read at start, its log is
+   * stderr, which it never opens), so it only says so. A write to a peer
+   * that has gone must fail with EPIPE, not raise SIGPIPE. */
   sigemptyset(&stop);
   sigaddset(&stop, SIGTERM);
   sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop, NULL);
   signal(SIGPIPE, SIG_IGN);
   /* Keep freed memory for reuse instead of handing it back at once: the
@@ -45,7 +51,12 @@ int idemd_cmd_serve(const idemd_config_t *cfg) {
     idemd_log_batch_stop();
     return 1;
   }
-  sigwait(&stop, &sig);
+  for (;;) {
+    if (sigwait(&stop, &sig) != 0 || sig != SIGHUP) /* fails only on a bad set */
+      break;
+    idemd_log_event("info", "SIGHUP: ignored", "signal", "SIGHUP", "note",
+                    "the configuration is read at start only, the log is stderr", NULL);
+  }
   idemd_log_event("info", "shutting down", "signal",
                   sig == SIGTERM ? "SIGTERM" : "SIGINT", NULL);
   int left = idemd_server_drain(&srv);

@@ -446,6 +446,54 @@ static void nap_ms(int ms) {
   nanosleep(&ts, NULL);
 }
 
+/* The event lines of the log whose "msg" is `msg`. */
+static size_t count_events(h_server_t *s, const char *msg) {
+  json_t *lines = read_log(s), *l;
+  size_t i, n = 0;
+  json_array_foreach(lines, i, l) {
+    const char *m = json_string_value(json_object_get(l, "msg"));
+    n += m && strcmp(m, msg) == 0;
+  }
+  json_decref(lines);
+  return n;
+}
+
+/* SIGHUP (systemctl reload, a closed terminal) does not end idemd: with a
+ * payment at the provider, two SIGHUPs are each logged as ignored, the
+ * payment still gets its 201, idemd keeps serving, and SIGTERM still stops
+ * it cleanly (exit 0, checked by h_server_stop). */
+static void test_sighup_ignored(void **state) {
+  static const char *const flags[] = {"--sandbox-delay", "1s", NULL};
+  h_server_t *s = h_server_start(flags);
+  struct bg b = {.s = s};
+  pthread_t t;
+  h_resp_t r;
+  (void)state;
+
+  b.tok = h_tenant(s, "acme");
+  assert_int_equal(pthread_create(&t, NULL, bg_main, &b), 0);
+  if (!h_db_wait(s, 10000,
+                 "SELECT count(*) FROM idempotency_records WHERE "
+                 "key = 'in-flight-at-stop' AND state = 'processing'"))
+    fail_msg("the request never reached the provider");
+  for (int i = 1; i <= 2; i++) {
+    assert_int_equal(kill(s->pid, SIGHUP), 0);
+    for (double deadline = h_now() + 5; count_events(s, "SIGHUP: ignored") < (size_t)i;
+         nap_ms(20))
+      if (h_now() > deadline)
+        fail_msg("no log line 'SIGHUP: ignored' (%d) in %s", i, s->log);
+  }
+  pthread_join(t, NULL);
+  h_assert_first(&b.resp, 201);
+  h_assert_healthy(s);
+  h_post(s, "/payments", b.tok, "in-flight-at-stop", PAYMENT, &r);
+  h_assert_replay_of(&r, &b.resp);
+  h_resp_free(&r);
+  h_resp_free(&b.resp);
+  assert_int_equal(count_events(s, "shutting down"), 0);
+  h_server_stop(s);
+}
+
 /* Sends `key`'s payment on a new connection with request id `rid`, and
  * closes the connection after `ms`, before the answer. */
 static void post_and_leave(h_server_t *s, const char *tok, const char *key, const char *rid,
@@ -1256,6 +1304,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_request_counters, h_teardown),
       cmocka_unit_test_teardown(test_client_leaves_before_answer, h_teardown),
       cmocka_unit_test_teardown(test_sigterm_lets_request_finish, h_teardown),
+      cmocka_unit_test_teardown(test_sighup_ignored, h_teardown),
       cmocka_unit_test_teardown(test_sigterm_drains_load, h_teardown),
       cmocka_unit_test_teardown(test_sweeper_deletes_only_expired, h_teardown),
       cmocka_unit_test_teardown(test_tenant_rotate_disable_enable, h_teardown),
