@@ -1,5 +1,5 @@
-/* Request counters and latency histogram, as relaxed atomics: no lock on
- * the request path. Rendered in the Prometheus text format. */
+/* Request counters and latency histograms by operation, as atomics: no
+ * lock on the request path. Rendered in the Prometheus text format. */
 #ifndef IDEMD_METRICS_H
 #define IDEMD_METRICS_H
 
@@ -30,13 +30,42 @@ typedef enum idemd_outcome {
   OUTCOME_COUNT_
 } idemd_outcome_t;
 
-#define IDEMD_LATENCY_BUCKETS 12
+/* The latency histogram's upper bounds: 0.5 ms to 30 s (above the 10 s
+ * provider deadline and the 5 s in-flight wait), then +Inf. */
+#define IDEMD_LATENCY_BUCKETS 15
 
+/* Half of a histogram: what the observations made in it add up to. The
+ * buckets are not cumulative; the last one holds what is above the
+ * largest bound. */
+typedef struct idemd_hist_half {
+  atomic_uint_fast64_t count; /* observations finished in this half */
+  atomic_uint_fast64_t sum_us;
+  atomic_uint_fast64_t buckets[IDEMD_LATENCY_BUCKETS + 1];
+} idemd_hist_half_t;
+
+/* One operation's latency histogram, written without a lock and read as
+ * one snapshot (count, sum and buckets of the same observations), as
+ * Prometheus' Go client does it: writers count themselves in
+ * `started_hot` and add to its hot half; a reader makes the other half
+ * hot, waits until the writers still in the old one are done, reads it,
+ * then folds it into the new hot half. */
+typedef struct idemd_histogram {
+  atomic_uint_fast64_t started_hot; /* bit 63: the hot half; the rest: observations begun */
+  idemd_hist_half_t half[2];
+} idemd_histogram_t;
+
+/* A histogram as read: buckets not cumulative; count is their total. */
+typedef struct idemd_hist_snapshot {
+  uint64_t count;
+  uint64_t sum_us;
+  uint64_t buckets[IDEMD_LATENCY_BUCKETS + 1];
+} idemd_hist_snapshot_t;
+
+/* All of idemd's own metrics. A zeroed struct is ready (idemd's is static). */
 typedef struct idemd_metrics {
   atomic_uint_fast64_t requests[OP_COUNT_][OUTCOME_COUNT_];
-  atomic_uint_fast64_t latency_buckets[IDEMD_LATENCY_BUCKETS]; /* cumulative on render */
-  atomic_uint_fast64_t latency_count;
-  atomic_uint_fast64_t latency_sum_us;
+  idemd_histogram_t latency[OP_COUNT_]; /* by operation, OP_NONE as "other" */
+  atomic_int reading;                   /* one reader of the histograms at a time */
   atomic_uint_fast64_t store_errors;
   atomic_uint_fast64_t inflight_timeouts;
   atomic_uint_fast64_t reconcile_settled;
@@ -44,15 +73,26 @@ typedef struct idemd_metrics {
   atomic_int_fast64_t reconcile_unresolved; /* left by the last pass */
 } idemd_metrics_t;
 
+/* The upper bound of latency bucket `i` (0 .. IDEMD_LATENCY_BUCKETS-1), in
+ * microseconds. */
+int64_t idemd_latency_bound_us(int i);
+
 /* "create_payment", ... ; "other" for OP_NONE (no route matched). */
 const char *idemd_op_name(idemd_op_t op);
 
 /* "new", "replay", ... ; "none" for OUTCOME_NONE. */
 const char *idemd_outcome_name(idemd_outcome_t outcome);
 
-/* Counts one finished request. */
+/* Counts one finished request, and its latency under its operation (a
+ * negative latency counts as 0). Lock-free; any thread. An op or outcome
+ * out of range is ignored. */
 void idemd_metrics_request(idemd_metrics_t *m, idemd_op_t op,
                            idemd_outcome_t outcome, int64_t latency_us);
+
+/* Reads the latency histogram of `op` as one snapshot into `out` (zeros
+ * for an op out of range). Readers take turns (a spin lock, briefly
+ * waiting for writers in flight); writers never wait. Any thread. */
+void idemd_metrics_latency(idemd_metrics_t *m, idemd_op_t op, idemd_hist_snapshot_t *out);
 
 /* Values read at scrape time from the store (-1 when it could not say)
  * and from the connection guard. */
@@ -70,8 +110,9 @@ typedef struct idemd_store_gauges {
   const char *store_backend;     /* idem_store_backend(): "sqlite", "postgresql" */
 } idemd_store_gauges_t;
 
-/* Renders all metrics. Returns a malloc'd text the caller frees, or NULL
- * when out of memory. */
+/* Renders all metrics, with the process's own (process_*, read from
+ * /proc/self; left out where it cannot be read). Returns a malloc'd text
+ * the caller frees, or NULL when out of memory. */
 char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g);
 
 #endif

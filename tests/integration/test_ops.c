@@ -62,6 +62,11 @@ static json_t *read_log(h_server_t *s) {
   return lines;
 }
 
+static void nap_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
 struct logged {
   const char *path, *key, *body, *rid;
   long status;
@@ -382,7 +387,20 @@ static void test_health_and_metrics(void **state) {
   assert_true(metric(r.body, "idem_records_pending") == 1);
   assert_true(metric(r.body, "idem_oldest_pending_seconds") >= 0);
   assert_true(metric(r.body, "idem_store_errors_total") == 0);
-  assert_true(metric(r.body, "idem_request_duration_seconds_count") >= 3);
+  assert_true(
+      metric(r.body, "idem_request_duration_seconds_count{operation=\"create_payment\"}") ==
+      3);
+  assert_true(metric(r.body, "idem_request_duration_seconds_bucket{operation=\"create_"
+                             "payment\",le=\"+Inf\"}") == 3);
+  /* GET and HEAD above, and the harness's own while idemd started */
+  assert_true(metric(r.body, "idem_request_duration_seconds_count{operation=\"healthz\"}") >=
+              2);
+  /* The 404 below is not counted yet. */
+  assert_true(metric(r.body, "idem_requests_total{operation=\"other\",outcome=\"invalid\"}") <
+              0);
+  assert_true(metric(r.body, "process_open_fds") > 3);
+  assert_true(metric(r.body, "process_resident_memory_bytes") > 0);
+  assert_true(metric(r.body, "process_cpu_seconds_total") >= 0);
   assert_true(
       metric(r.body,
              "idem_requests_total{operation=\"create_payment\",outcome=\"new\"}") == 1);
@@ -394,6 +412,23 @@ static void test_health_and_metrics(void **state) {
       metric(r.body,
              "idem_requests_total{operation=\"create_payment\",outcome=\"pending\"}") ==
       1);
+  h_resp_free(&r);
+
+  /* A path no route matches: 404, counted as operation "other", outcome
+   * "invalid", in both the counter and the histogram
+   * (docs/operations.md). */
+  h_get(s, "/no-such-route", NULL, &r);
+  h_assert_status(&r, 404);
+  h_resp_free(&r);
+  for (double deadline = h_now() + 5;; nap_ms(10)) {
+    get_metrics(s, &r);
+    if (metric(r.body, "idem_requests_total{operation=\"other\",outcome=\"invalid\"}") == 1)
+      break;
+    if (h_now() > deadline)
+      fail_msg("the 404 is not counted as other/invalid");
+    h_resp_free(&r);
+  }
+  assert_true(metric(r.body, "idem_request_duration_seconds_count{operation=\"other\"}") == 1);
   h_resp_free(&r);
   h_server_stop(s);
 }
@@ -439,11 +474,6 @@ static void test_sigterm_lets_request_finish(void **state) {
   h_resp_free(&r);
   h_resp_free(&b.resp);
   h_server_stop(s);
-}
-
-static void nap_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
 }
 
 /* The event lines of the log whose "msg" is `msg`. */
