@@ -54,6 +54,32 @@ typedef enum idem_client_outcome {
  * code outside the list). */
 const char *idem_client_outcome_str(int outcome);
 
+/* What a call is doing, for progress reports (opts.on_event). */
+typedef enum idem_client_event_kind {
+  IDEM_CLIENT_EVENT_ATTEMPT, /* the request itself was sent; its answer, or none */
+  IDEM_CLIENT_EVENT_POLL,    /* a GET of a 202's Location; its answer, or none */
+  IDEM_CLIENT_EVENT_WAIT     /* a wait begins, before the next attempt or poll */
+} idem_client_event_kind_t;
+
+typedef struct idem_client_event {
+  idem_client_event_kind_t kind;
+  int number; /* ATTEMPT, POLL: which one (from 1); WAIT: the one waited for */
+  /* ATTEMPT and POLL: */
+  const char *method; /* what was sent ("GET" for a poll) */
+  const char *url;
+  long status;       /* the answer's status; 0 when none came */
+  const char *error; /* why there is no (usable) answer; "" when nothing went wrong */
+  int64_t took_ms;   /* the exchange, connect included */
+  /* WAIT: */
+  int64_t wait_ms;
+  int retry_after;  /* 1: as the answer's Retry-After said; 0: the backoff */
+  int next_is_poll; /* 1: a poll follows; 0: an attempt */
+} idem_client_event_t;
+
+/* Called in the calling thread, during idem_client_request(); `ev` and its
+ * strings live until the callback returns. */
+typedef void idem_client_event_fn(const idem_client_event_t *ev, void *ctx);
+
 /* Knobs of the retry loop. Fill with idem_client_opts_default(), then
  * change what you need. Times are milliseconds. */
 typedef struct idem_client_opts {
@@ -63,12 +89,18 @@ typedef struct idem_client_opts {
   int64_t max_delay_ms;       /* backoff cap (5 000) */
   int64_t attempt_timeout_ms; /* one exchange, connect included (10 000) */
   size_t max_response_bytes;  /* larger answers are IDEM_CLIENT_FAILED (1 MiB) */
+  idem_client_event_fn *on_event; /* each attempt, poll and wait (NULL: none) */
+  void *event_ctx;                /* passed to on_event */
 } idem_client_opts_t;
 
 /* Writes the defaults above to `opts`. */
 void idem_client_opts_default(idem_client_opts_t *opts);
 
-/* One request. Strings are borrowed for the duration of the call. */
+#define IDEM_CLIENT_HEADERS_MAX 64       /* extra header lines in one request */
+#define IDEM_CLIENT_HEADER_LINE_MAX 8192 /* bytes of one of them */
+
+/* One request. Strings are borrowed for the duration of the call. Zero
+ * the fields you do not set (new ones are only ever added at the end). */
 typedef struct idem_client_request {
   const char *method; /* "POST", "GET", ...: upper-case letters; NULL: "POST" */
   const char *url;    /* absolute http:// or https:// URL */
@@ -76,6 +108,16 @@ typedef struct idem_client_request {
   const char *key;    /* Idempotency-Key; NULL: a new UUID v4 */
   const char *body;   /* JSON, sent with Content-Type: application/json;
                          NULL: no body */
+  size_t body_len;    /* bytes of body (it may then hold NULs); 0: strlen(body) */
+  /* Extra header lines "Name: value", NULL-terminated (NULL: none), sent
+   * on every attempt and, but for Content-* ones, on the polls of a 202's
+   * Location. One named as the client's own (Authorization, Content-Type,
+   * Accept, User-Agent) replaces it; "Name:" with no value is sent empty.
+   * At most IDEM_CLIENT_HEADERS_MAX lines of IDEM_CLIENT_HEADER_LINE_MAX
+   * bytes; a name must be an HTTP token, a value free of control bytes but tabs,
+   * and Idempotency-Key (that is `key`), Content-Length and
+   * Transfer-Encoding (the client frames the body) are refused. */
+  const char *const *headers;
 } idem_client_request_t;
 
 /* What a call did. Free with idem_client_result_free(). */
@@ -90,6 +132,12 @@ typedef struct idem_client_result {
   int attempts;               /* sends of the request itself */
   int polls;                  /* GETs of a 202's Location */
   char error[256];            /* the last transport failure or local error, "" if none */
+  /* Of the answer that gave `status` (all 0/NULL when there was none): */
+  int replayed;     /* 1 when it carried Idempotent-Replayed: true: the server
+                       sent its stored answer again, nothing ran twice */
+  char *location;   /* its Location header, as sent (malloc'd; NULL: none) */
+  char *request_id; /* its X-Request-Id, the server's id for the log line
+                       (malloc'd; NULL: none) */
 } idem_client_result_t;
 
 /* Sends `req` and retries it, the same method, URL, body and key, on
@@ -114,17 +162,22 @@ typedef struct idem_client_result {
  * The caller must have called curl_global_init() once, before any thread
  * calls this, and calls curl_global_cleanup() after the last call ends.
  *
+ * opts->on_event, when set, is told of each attempt, poll and wait as it
+ * happens (the idem command's --verbose).
+ *
  * Returns IDEM_OK with `*out` filled (check out->outcome, then out->status);
  * the caller owns it and frees it with idem_client_result_free(). Returns
  * IDEM_EINVAL (no URL or not an http(s) one, a method, key or token that is
- * not a valid header value, max_attempts < 1, a time limit or
- * max_response_bytes <= 0), IDEM_ENOMEM or IDEM_ECRYPTO (no key could be
- * generated) before anything was sent; `*out` then holds nothing to free. */
+ * not a valid header value, an extra header refused as req->headers says,
+ * max_attempts < 1, a time limit or max_response_bytes <= 0), IDEM_ENOMEM
+ * or IDEM_ECRYPTO (no key could be generated) before anything was sent;
+ * `*out` then holds nothing to free. */
 IDEM_WARN_UNUSED int idem_client_request(const idem_client_request_t *req,
                                          const idem_client_opts_t *opts,
                                          idem_client_result_t *out);
 
-/* Frees out->body and zeroes `*r`. NULL and zeroed results are fine. */
+/* Frees out->body, ->location and ->request_id and zeroes `*r`. NULL and
+ * zeroed results are fine. */
 void idem_client_result_free(idem_client_result_t *r);
 
 #define IDEM_CLIENT_UUID_LEN 36

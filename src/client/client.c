@@ -49,12 +49,16 @@ void idem_client_opts_default(idem_client_opts_t *opts) {
   opts->max_delay_ms = DEFAULT_MAX_DELAY_MS;
   opts->attempt_timeout_ms = DEFAULT_ATTEMPT_TIMEOUT_MS;
   opts->max_response_bytes = DEFAULT_MAX_RESPONSE_BYTES;
+  opts->on_event = NULL;
+  opts->event_ctx = NULL;
 }
 
 void idem_client_result_free(idem_client_result_t *r) {
   if (r == NULL)
     return;
   free(r->body);
+  free(r->location);
+  free(r->request_id);
   memset(r, 0, sizeof *r);
 }
 
@@ -164,20 +168,33 @@ static size_t on_body(char *ptr, size_t size, size_t n, void *ctx) {
   return add;
 }
 
-/* What one exchange gave. */
+/* What one exchange gave. Free with answer_free(). */
 typedef struct answer {
   CURLcode rc; /* CURLE_OK when an HTTP answer arrived */
   long status; /* 0 when none did */
   body_buf_t body;
   int64_t retry_after;    /* ms to wait as the answer asked; -1: it did not say */
   char location[URL_MAX]; /* resolved Location on the request's origin, or "" */
+  int replayed;           /* Idempotent-Replayed: true */
+  char *raw_location;     /* Location as sent (malloc'd; NULL: none) */
+  char *request_id;       /* X-Request-Id (malloc'd; NULL: none) */
+  int64_t took_ms;
 } answer_t;
+
+static void answer_free(answer_t *a) {
+  free(a->body.data);
+  free(a->raw_location);
+  free(a->request_id);
+  a->body.data = a->raw_location = a->request_id = NULL;
+}
 
 /* The state of one idem_client_request() call. */
 typedef struct call {
   CURL *h;
   const idem_client_request_t *req;
   const char *method;
+  const char *body; /* NULL: none */
+  size_t body_len;
   idem_client_opts_t opts;
   int64_t deadline; /* idem_mono_ms() */
   struct curl_slist *send_headers;
@@ -227,8 +244,15 @@ static void read_headers(call_t *c, answer_t *a) {
   if (curl_easy_header(c->h, "Retry-After", 0, CURLH_HEADER, -1, &hd) == CURLHE_OK &&
       idem_client_retry_after_ms(hd->value, idem_now_ms(), &a->retry_after) != IDEM_OK)
     a->retry_after = -1;
-  if (curl_easy_header(c->h, "Location", 0, CURLH_HEADER, -1, &hd) == CURLHE_OK)
+  if (curl_easy_header(c->h, "Location", 0, CURLH_HEADER, -1, &hd) == CURLHE_OK) {
     resolve_location(c->req->url, hd->value, a->location, sizeof a->location);
+    a->raw_location = strdup(hd->value); /* NULL out of memory: reported as none */
+  }
+  if (curl_easy_header(c->h, "X-Request-Id", 0, CURLH_HEADER, -1, &hd) == CURLHE_OK)
+    a->request_id = strdup(hd->value);
+  a->replayed = curl_easy_header(c->h, "Idempotent-Replayed", 0, CURLH_HEADER, -1, &hd) ==
+                    CURLHE_OK &&
+                strcasecmp(hd->value, "true") == 0;
 }
 
 /* One HTTP exchange: the request itself (`poll_url` NULL) or a GET of
@@ -236,7 +260,7 @@ static void read_headers(call_t *c, answer_t *a) {
  * time left. The caller frees a->body.data. */
 static void exchange(call_t *c, const char *poll_url, answer_t *a) {
   CURL *h = c->h;
-  int64_t left = c->deadline - idem_mono_ms();
+  int64_t start = idem_mono_ms(), left = c->deadline - start;
   long timeout =
       (long)(left < c->opts.attempt_timeout_ms ? left : c->opts.attempt_timeout_ms);
 
@@ -259,7 +283,7 @@ static void exchange(call_t *c, const char *poll_url, answer_t *a) {
     curl_easy_setopt(h, CURLOPT_HTTPGET, 1L);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, c->poll_headers);
   } else {
-    const char *body = c->req->body;
+    const char *body = c->body;
     curl_easy_setopt(h, CURLOPT_URL, c->req->url);
     curl_easy_setopt(h, CURLOPT_HTTPHEADER, c->send_headers);
     if (strcmp(c->method, "GET") == 0 && body == NULL) {
@@ -270,12 +294,13 @@ static void exchange(call_t *c, const char *poll_url, answer_t *a) {
       /* POSTFIELDS gives a Content-Length, also 0 for a bodiless POST. */
       curl_easy_setopt(h, CURLOPT_POSTFIELDS, body ? body : "");
       curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE,
-                       (curl_off_t)(body ? strlen(body) : 0));
+                       (curl_off_t)(body ? c->body_len : 0));
       if (strcmp(c->method, "POST") != 0)
         curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, c->method);
     }
   }
   a->rc = curl_easy_perform(h);
+  a->took_ms = idem_mono_ms() - start;
   /* An answer over max_response_bytes has its status and headers still:
    * whether it is final, and what the request did, are known. */
   if (a->rc != CURLE_OK && !(a->rc == CURLE_WRITE_ERROR && a->body.over))
@@ -340,10 +365,16 @@ static step_t after_send(call_t *c, answer_t *a) {
   }
   /* An answer, whole or over the cap: it is the request's last status. */
   free(out->body);
+  free(out->location);
+  free(out->request_id);
   out->status = a->status;
   out->body = NULL;
   out->body_len = 0;
   out->error[0] = '\0';
+  out->replayed = a->replayed;
+  out->location = a->raw_location;
+  out->request_id = a->request_id;
+  a->raw_location = a->request_id = NULL;
   if (a->rc != CURLE_OK) { /* over max_response_bytes: no body kept */
     note_transport_error(c, a);
     if (status_is_retried(a->status))
@@ -409,10 +440,34 @@ static void nap_ms(int64_t ms) {
     ;
 }
 
+/* Tells opts.on_event, if set, of an exchange just made. */
+static void tell_exchange(call_t *c, const answer_t *a, int poll, const char *url) {
+  char error[sizeof c->out->error];
+  idem_client_event_t ev = {.kind =
+                                poll ? IDEM_CLIENT_EVENT_POLL : IDEM_CLIENT_EVENT_ATTEMPT,
+                            .number = poll ? c->out->polls : c->out->attempts,
+                            .method = poll ? "GET" : c->method,
+                            .url = url,
+                            .status = a->status,
+                            .error = error,
+                            .took_ms = a->took_ms};
+
+  if (c->opts.on_event == NULL)
+    return;
+  error[0] = '\0';
+  if (a->body.over)
+    snprintf(error, sizeof error, "the answer is larger than %zu bytes",
+             c->opts.max_response_bytes);
+  else if (a->rc != CURLE_OK)
+    snprintf(error, sizeof error, "%s",
+             c->errbuf[0] ? c->errbuf : curl_easy_strerror(a->rc));
+  c->opts.on_event(&ev, c->opts.event_ctx);
+}
+
 /* Waits before the next try: what the answer asked for, else the backoff
- * for try number `n`. Returns 0 when that wait would pass the deadline (the
- * call then stops rather than come back early). */
-static int wait_before(call_t *c, const answer_t *a, int n) {
+ * for try number `n` (0 for the first wait). Returns 0 when that wait would
+ * pass the deadline (the call then stops rather than come back early). */
+static int wait_before(call_t *c, const answer_t *a, int n, int poll) {
   int64_t delay = a->retry_after;
   uint64_t rnd = 0;
 
@@ -423,6 +478,15 @@ static int wait_before(call_t *c, const answer_t *a, int n) {
   }
   if (delay >= c->deadline - idem_mono_ms())
     return 0;
+  if (c->opts.on_event != NULL) {
+    idem_client_event_t ev = {.kind = IDEM_CLIENT_EVENT_WAIT,
+                              .number = poll ? c->out->polls + 1 : c->out->attempts + 1,
+                              .error = "",
+                              .wait_ms = delay,
+                              .retry_after = a->retry_after >= 0,
+                              .next_is_poll = poll};
+    c->opts.on_event(&ev, c->opts.event_ctx);
+  }
   nap_ms(delay);
   return 1;
 }
@@ -435,18 +499,21 @@ static void run(call_t *c) {
   for (;;) {
     answer_t a;
     step_t step;
+    int waited;
 
     if (idem_mono_ms() >= c->deadline)
       break;
     if (polling) {
       exchange(c, poll_url, &a);
       out->polls++;
+      tell_exchange(c, &a, 1, poll_url);
       step = after_poll(c, &a);
     } else {
       if (out->attempts >= c->opts.max_attempts)
         break;
       exchange(c, NULL, &a);
       out->attempts++;
+      tell_exchange(c, &a, 0, c->req->url);
       step = after_send(c, &a);
       if (step == STEP_POLL)
         memcpy(poll_url, a.location, sizeof poll_url);
@@ -455,20 +522,19 @@ static void run(call_t *c) {
       step = STEP_RETRY;
     polling = step == STEP_POLL;
     if (step == STEP_DONE) {
-      free(a.body.data);
+      answer_free(&a);
       return;
     }
     /* No wait for a send that will not come: out of attempts. */
     if (step == STEP_RETRY && out->attempts >= c->opts.max_attempts) {
-      free(a.body.data);
+      answer_free(&a);
       break;
     }
-    if (step != STEP_RESEND &&
-        !wait_before(c, &a, polling ? out->polls : out->attempts - 1)) {
-      free(a.body.data);
+    waited = step == STEP_RESEND ||
+             wait_before(c, &a, polling ? out->polls : out->attempts - 1, polling);
+    answer_free(&a);
+    if (!waited)
       break;
-    }
-    free(a.body.data);
   }
   /* Out of attempts or time without a final answer. */
   out->outcome = out->status == 202 ? IDEM_CLIENT_PENDING : IDEM_CLIENT_GAVE_UP;
@@ -524,21 +590,102 @@ static int add_header(struct curl_slist **list, const char *prefix, const char *
   return 0;
 }
 
-/* The headers of the request itself and of the polls. Returns 0 or -1. */
+/* ---- extra header lines -------------------------------------------- */
+
+/* Names an extra line may not have: the key is req->key, and the client
+ * frames the body itself. */
+static const char *const refused_names[] = {"Idempotency-Key", "Content-Length",
+                                            "Transfer-Encoding"};
+
+/* RFC 9110's tchar, the characters of a header's name. */
+static int is_tchar(unsigned char ch) {
+  return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') ||
+         (ch >= '0' && ch <= '9') ||
+         (ch != '\0' && strchr("!#$%&'*+-.^_`|~", ch) != NULL);
+}
+
+/* The length of the name of `line` when it is "Name: value" with a token
+ * for a name and no control character but tabs in the value; else 0. */
+static size_t header_name_len(const char *line) {
+  size_t n = 0;
+
+  if (strlen(line) > IDEM_CLIENT_HEADER_LINE_MAX)
+    return 0;
+  while (is_tchar((unsigned char)line[n]))
+    n++;
+  if (n == 0 || line[n] != ':')
+    return 0;
+  for (const unsigned char *v = (const unsigned char *)line + n + 1; *v; v++)
+    if (*v != '\t' && (*v < 0x20 || *v == 0x7f))
+      return 0;
+  return n;
+}
+
+static int name_is(const char *line, size_t n, const char *name) {
+  return strlen(name) == n && strncasecmp(line, name, n) == 0;
+}
+
+/* Does req->headers (already checked) have a line named `name`? */
+static int has_header(const idem_client_request_t *req, const char *name) {
+  for (const char *const *h = req->headers; h && *h; h++)
+    if (name_is(*h, header_name_len(*h), name))
+      return 1;
+  return 0;
+}
+
+static int valid_headers(const char *const *h) {
+  for (size_t i = 0; h && h[i]; i++) {
+    size_t n = header_name_len(h[i]);
+    if (i >= IDEM_CLIENT_HEADERS_MAX || n == 0)
+      return 0;
+    for (size_t j = 0; j < sizeof refused_names / sizeof *refused_names; j++)
+      if (name_is(h[i], n, refused_names[j]))
+        return 0;
+  }
+  return 1;
+}
+
+/* Appends an extra line to *list: as given, or "Name;" for an empty value
+ * (curl's way to send one; "Name:" would only drop a header of its own). */
+static int add_extra(struct curl_slist **list, const char *line) {
+  size_t n = header_name_len(line);
+  const char *v = line + n + 1;
+  char name[IDEM_CLIENT_HEADER_LINE_MAX + 2];
+
+  while (*v == ' ' || *v == '\t')
+    v++;
+  if (*v != '\0')
+    return add_header(list, "", line);
+  memcpy(name, line, n);
+  memcpy(name + n, ";", 2);
+  return add_header(list, "", name);
+}
+
+/* The headers of the request itself and of the polls: the client's own,
+ * less those the caller's extra lines replace, then those lines. Returns
+ * 0 or -1. */
 static int build_headers(call_t *c) {
   const idem_client_request_t *req = c->req;
   struct curl_slist **send = &c->send_headers, **poll = &c->poll_headers;
   int bad = 0;
 
-  if (req->token != NULL)
+  if (req->token != NULL && !has_header(req, "Authorization"))
     bad |= add_header(send, "Authorization: Bearer ", req->token) |
            add_header(poll, "Authorization: Bearer ", req->token);
   bad |= add_header(send, "Idempotency-Key: ", c->out->key);
   /* "Content-Type:" with no value drops the form type curl would add. */
-  bad |= add_header(send, "Content-Type:", req->body ? " application/json" : "");
-  bad |= add_header(send, "Accept: ", "application/json") |
-         add_header(poll, "Accept: ", "application/json");
-  bad |= add_header(send, "Expect:", ""); /* no 100-continue round trip */
+  if (!has_header(req, "Content-Type"))
+    bad |= add_header(send, "Content-Type:", c->body ? " application/json" : "");
+  if (!has_header(req, "Accept"))
+    bad |= add_header(send, "Accept: ", "application/json") |
+           add_header(poll, "Accept: ", "application/json");
+  if (!has_header(req, "Expect"))
+    bad |= add_header(send, "Expect:", ""); /* no 100-continue round trip */
+  for (const char *const *h = req->headers; h && *h; h++) {
+    bad |= add_extra(send, *h);
+    if (strncasecmp(*h, "Content-", 8) != 0) /* a GET has no content */
+      bad |= add_extra(poll, *h);
+  }
   return bad ? -1 : 0;
 }
 
@@ -563,8 +710,11 @@ int idem_client_request(const idem_client_request_t *req, const idem_client_opts
     return IDEM_EINVAL;
   c.method = req->method ? req->method : "POST";
   if (!valid_method(c.method) || (req->token && !visible_ascii(req->token, TOKEN_MAX)) ||
-      (req->key && !visible_ascii(req->key, IDEM_KEY_MAX)))
+      (req->key && !visible_ascii(req->key, IDEM_KEY_MAX)) ||
+      !valid_headers(req->headers))
     return IDEM_EINVAL;
+  c.body = req->body;
+  c.body_len = req->body == NULL ? 0 : req->body_len ? req->body_len : strlen(req->body);
 
   /* The key is born here, with the intent, and every attempt reuses it. */
   if (req->key != NULL)

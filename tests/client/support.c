@@ -188,7 +188,7 @@ static ssize_t read_request(int fd, char *buf, size_t cap) {
   }
 }
 
-static void record(ct_seen_t *s, const char *req) {
+static void record(ct_seen_t *s, const char *req, size_t len) {
   const char *sp = strchr(req, ' ');
   const char *sp2 = sp ? strchr(sp + 1, ' ') : NULL;
   const char *body = strstr(req, "\r\n\r\n");
@@ -202,8 +202,38 @@ static void record(ct_seen_t *s, const char *req) {
   s->has_key = header_value(req, "Idempotency-Key", s->key, sizeof s->key);
   header_value(req, "Authorization", s->auth, sizeof s->auth);
   header_value(req, "Content-Type", s->content_type, sizeof s->content_type);
-  if (body)
-    snprintf(s->body, sizeof s->body, "%s", body + 4);
+  if (body) {
+    size_t head = (size_t)(body - req) + 4;
+    snprintf(s->head, sizeof s->head, "%.*s", (int)head, req);
+    s->body_len = len - head;
+    memcpy(s->body, body + 4,
+           s->body_len < sizeof s->body ? s->body_len : sizeof s->body - 1);
+  }
+}
+
+int ct_header_count(const ct_seen_t *s, const char *name, char *out, size_t cap) {
+  const char *line = strstr(s->head, "\r\n");
+  size_t n = strlen(name);
+  int count = 0;
+
+  if (out && cap)
+    out[0] = '\0';
+  while (line != NULL) {
+    const char *next;
+    line += 2;
+    next = strstr(line, "\r\n");
+    if (next == NULL || next == line)
+      break;
+    if ((size_t)(next - line) > n && strncasecmp(line, name, n) == 0 && line[n] == ':') {
+      const char *v = line + n + 1;
+      while (*v == ' ' || *v == '\t')
+        v++;
+      if (count++ == 0 && out && cap)
+        snprintf(out, cap, "%.*s", (int)(next - v), v);
+    }
+    line = next;
+  }
+  return count;
 }
 
 /* Waits for a connection on `lfd` while *stop is 0. Returns it or -1. */
@@ -243,12 +273,12 @@ static void base_start(server_base_t *b, void *(*fn)(void *), void *arg) {
 }
 
 /* Logs the request; returns its index. */
-static int base_record(server_base_t *b, const char *req) {
+static int base_record(server_base_t *b, const char *req, size_t len) {
   int i;
   pthread_mutex_lock(&b->lock);
   i = b->nseen++;
   if (i < CT_MAX_SEEN)
-    record(&b->seen[i], req);
+    record(&b->seen[i], req, len);
   pthread_mutex_unlock(&b->lock);
   return i;
 }
@@ -338,8 +368,10 @@ static void *fake_conn_main(void *arg) {
   struct fake_conn *c = arg;
   char *buf = malloc(REQ_MAX);
 
-  if (buf != NULL && read_request(c->fd, buf, REQ_MAX) > 0)
-    fake_answer(c->f, c->fd, base_record(&c->f->base, buf));
+  ssize_t len;
+
+  if (buf != NULL && (len = read_request(c->fd, buf, REQ_MAX)) > 0)
+    fake_answer(c->f, c->fd, base_record(&c->f->base, buf, (size_t)len));
   close(c->fd);
   free(buf);
   free(c);
@@ -453,7 +485,7 @@ static void *proxy_main(void *arg) {
   while (req && resp && (fd = accept_until(p->base.lfd, &p->base.stop)) >= 0) {
     ssize_t len = read_request(fd, req, REQ_MAX);
     if (len > 0) {
-      int i = base_record(&p->base, req);
+      int i = base_record(&p->base, req, (size_t)len);
       ssize_t got = forward(p->upstream, req, (size_t)len, resp, RESP_MAX);
       /* The upstream did the work; the answer is lost on the way back. */
       if (got > 0 && i >= p->drop_first)
@@ -516,7 +548,7 @@ static char **child_env(const char *const *add) {
 /* fork + execve; the child's stdout and stderr go to out_fd and err_fd and
  * it dies with the test. Returns the pid or -1. */
 static pid_t spawn(const char *const *argv, const char *const *env_add, int out_fd,
-                   int err_fd) {
+                   int err_fd, const char *stdin_path) {
   pid_t parent = getpid(), pid;
   char **env = child_env(env_add);
 
@@ -524,7 +556,7 @@ static pid_t spawn(const char *const *argv, const char *const *env_add, int out_
     return -1;
   pid = fork();
   if (pid == 0) {
-    int devnull = open("/dev/null", O_RDONLY);
+    int devnull = open(stdin_path ? stdin_path : "/dev/null", O_RDONLY);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent)
       _exit(127);
@@ -540,6 +572,11 @@ static pid_t spawn(const char *const *argv, const char *const *env_add, int out_
 }
 
 void ct_run_start(ct_run_t *r, const char *const *argv, const char *const *env_add) {
+  ct_run_start_stdin(r, argv, env_add, NULL);
+}
+
+void ct_run_start_stdin(ct_run_t *r, const char *const *argv, const char *const *env_add,
+                        const char *stdin_path) {
   int out[2], err[2];
 
   memset(r, 0, sizeof *r);
@@ -548,7 +585,7 @@ void ct_run_start(ct_run_t *r, const char *const *argv, const char *const *env_a
     fail_msg("cannot run %s", argv[0] ? argv[0] : "(null)");
   if (pipe2(err, O_CLOEXEC) != 0)
     fail_msg("pipe: %s", strerror(errno));
-  r->pid = spawn(argv, env_add, out[1], err[1]);
+  r->pid = spawn(argv, env_add, out[1], err[1], stdin_path);
   close(out[1]);
   close(err[1]);
   r->out_fd = out[0];
@@ -663,7 +700,7 @@ static int launch(ct_proc_t *p, const char *const *argv) {
 
   if (fd < 0)
     fail_msg("cannot open %s: %s", p->log, strerror(errno));
-  p->pid = spawn(argv, NULL, fd, fd);
+  p->pid = spawn(argv, NULL, fd, fd, NULL);
   close(fd);
   if (p->pid < 0)
     fail_msg("fork: %s", strerror(errno));

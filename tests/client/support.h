@@ -56,9 +56,16 @@ typedef struct ct_seen {
   int has_key;
   char auth[300];         /* Authorization */
   char content_type[128]; /* Content-Type */
-  char body[1024];
-  double at; /* ct_now() when it arrived */
+  char body[1024];        /* its first 1023 bytes, then a NUL */
+  size_t body_len;        /* all of it */
+  char head[4096];        /* the request line and header lines, blank line included */
+  double at;              /* ct_now() when it arrived */
 } ct_seen_t;
+
+/* How many header lines named `name` (any case) `s` had; the value of the
+ * first one (spaces after the colon skipped) into `out` ("" when none;
+ * `out` may be NULL). */
+int ct_header_count(const ct_seen_t *s, const char *name, char *out, size_t cap);
 
 typedef struct ct_fake ct_fake_t;
 
@@ -104,6 +111,10 @@ typedef struct ct_run {
  * IDEM_TOKEN and IDEM_PSP_*, plus `env_add` ("NAME=value" strings,
  * NULL-terminated, may be NULL). Fails. */
 void ct_run_start(ct_run_t *r, const char *const *argv, const char *const *env_add);
+/* ct_run_start() with standard input read from the file `stdin_path`
+ * (NULL: /dev/null). Fails. */
+void ct_run_start_stdin(ct_run_t *r, const char *const *argv, const char *const *env_add,
+                        const char *stdin_path);
 /* Collects output until the child exits, killing it after `timeout_s`. */
 void ct_run_wait(ct_run_t *r, double timeout_s);
 /* Both in one. Fails. */

@@ -625,6 +625,22 @@ static void test_cli_usage(void **state) {
       {"request", "--max-time", "-1", "POST", "http://127.0.0.1:1/x", NULL},
       {"request", "--key", "a b", "POST", "http://127.0.0.1:1/x", NULL},
       {"request", "POST", "http://127.0.0.1:1/x", "{}", "extra", NULL},
+      {"request", "-H", "NoColon", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "-H", "Bad Name: x", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "-H", ": x", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "-H", "X-A: 1\r\nX-Injected: 2", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "-H", "idempotency-key: k", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "-H", "Content-Length: 3", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "--header", "Transfer-Encoding: chunked", "POST",
+       "http://127.0.0.1:1/x", NULL},
+      {"request", "POST", "http://127.0.0.1:1/x", "-H", NULL},
+      {"request", "--data", "@/nonexistent/body.json", "POST", "http://127.0.0.1:1/x",
+       NULL},
+      {"request", "--data", "@/", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "--data", "{}", "POST", "http://127.0.0.1:1/x", "{}", NULL},
+      {"request", "-d", "{}", "--data", "{}", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "--", "--token", "POST", "http://127.0.0.1:1/x", NULL},
+      {"request", "POST", "http://127.0.0.1:1/x", "--", "{}", "extra", NULL},
   };
   ct_run_t r;
   (void)state;
@@ -644,6 +660,298 @@ static void test_cli_usage(void **state) {
   assert_non_null(strstr(r.out, "exit status"));
   assert_non_null(strstr(r.out, "IDEM_TOKEN"));
   ct_run_free(&r);
+}
+
+/* -H lines reach every attempt and the polls (Content-* ones the attempts
+ * only); one named as the client's own replaces it, not doubles it; an
+ * empty value is sent empty. --data @FILE sends the file as it is, a NUL
+ * byte included. */
+static void test_cli_headers_and_data_file(void **state) {
+  static const ct_reply_t script[] = {
+      {202, "Location: /payments/pay_1\r\n", PAY_PENDING, 0},
+      {200, NULL, PAY_OK, 0},
+      {201, "Location: /payments/pay_1\r\nIdempotent-Replayed: true\r\n", PAY_REPLAY, 0},
+  };
+  static const char file_body[] = "{\"amount\":100}\0tail";
+  static ct_seen_t seen[CT_MAX_SEEN];
+  ct_fake_t *f = ct_fake_start(script, 3);
+  char *dir = ct_tempdir(), path[600], url[128], data[620], v[256];
+  FILE *fp;
+  ct_run_t r;
+  (void)state;
+
+  snprintf(path, sizeof path, "%s/body.json", dir);
+  assert_non_null(fp = fopen(path, "wb"));
+  assert_int_equal(fwrite(file_body, 1, sizeof file_body - 1, fp), sizeof file_body - 1);
+  assert_int_equal(fclose(fp), 0);
+  snprintf(data, sizeof data, "@%s", path);
+  url_of(f, "/payments", url, sizeof url);
+  cli(&r,
+      (const char *const[]){"request", "--token", "tok", "-H", "X-Trace: abc 1",
+                            "--header=Accept: application/problem+json",
+                            "-HX-Empty:", "-H", "User-Agent: mine/1", "-H",
+                            "Content-Type: application/merge-patch+json", "--data", data,
+                            "POST", url, NULL},
+      NULL);
+  if (r.exit_code != 0)
+    fail_msg("exit %d; stderr %s", r.exit_code, r.err);
+  assert_int_equal(ct_fake_seen(f, seen), 3);
+  for (int i = 0; i < 3; i++) {
+    int poll = i == 1;
+    assert_int_equal(ct_header_count(&seen[i], "X-Trace", v, sizeof v), 1);
+    assert_string_equal(v, "abc 1");
+    assert_int_equal(ct_header_count(&seen[i], "Accept", v, sizeof v), 1);
+    assert_string_equal(v, "application/problem+json");
+    assert_int_equal(ct_header_count(&seen[i], "X-Empty", v, sizeof v), 1);
+    assert_string_equal(v, "");
+    assert_int_equal(ct_header_count(&seen[i], "User-Agent", v, sizeof v), 1);
+    assert_string_equal(v, "mine/1");
+    assert_int_equal(ct_header_count(&seen[i], "Authorization", v, sizeof v), 1);
+    assert_string_equal(v, "Bearer tok");
+    assert_int_equal(ct_header_count(&seen[i], "Content-Type", v, sizeof v),
+                     poll ? 0 : 1);
+    if (!poll) {
+      assert_string_equal(v, "application/merge-patch+json");
+      assert_int_equal(seen[i].body_len, sizeof file_body - 1);
+      assert_memory_equal(seen[i].body, file_body, sizeof file_body - 1);
+    }
+  }
+  assert_string_equal(seen[1].method, "GET");
+  ct_run_free(&r);
+  ct_fake_stop(f);
+  ct_rmdir(dir);
+}
+
+/* --data @- reads the body from standard input; --data TEXT is the body;
+ * after --, what looks like an option is an argument (here the body). */
+static void test_cli_data_stdin_and_double_dash(void **state) {
+  static const ct_reply_t script[] = {
+      {201, NULL, PAY_OK, 0}, {201, NULL, PAY_OK, 0}, {201, NULL, PAY_OK, 0}};
+  static ct_seen_t seen[CT_MAX_SEEN];
+  static const char piped[] = "{\"amount\": 7,\n \"from\": \"stdin\"}\n";
+  ct_fake_t *f = ct_fake_start(script, 3);
+  char *dir = ct_tempdir(), path[600], url[128];
+  FILE *fp;
+  ct_run_t r;
+  (void)state;
+
+  snprintf(path, sizeof path, "%s/stdin.json", dir);
+  assert_non_null(fp = fopen(path, "wb"));
+  assert_int_equal(fputs(piped, fp) >= 0, 1);
+  assert_int_equal(fclose(fp), 0);
+  url_of(f, "/payments", url, sizeof url);
+  ct_run_start_stdin(
+      &r,
+      (const char *const[]){ct_cli_path(), "request", "--data", "@-", "POST", url, NULL},
+      NULL, path);
+  ct_run_wait(&r, RUN_TIMEOUT_S);
+  if (r.exit_code != 0)
+    fail_msg("--data @-: exit %d; stderr %s", r.exit_code, r.err);
+  ct_run_free(&r);
+  cli(&r, (const char *const[]){"request", "-d", "{\"amount\":8}", "POST", url, NULL},
+      NULL);
+  assert_int_equal(r.exit_code, 0);
+  ct_run_free(&r);
+  /* Without --, "-5" is an unknown option and nothing is sent. */
+  cli(&r, (const char *const[]){"request", "POST", url, "-5", NULL}, NULL);
+  assert_int_equal(r.exit_code, 2);
+  assert_non_null(strstr(r.err, "unknown option '-5'"));
+  ct_run_free(&r);
+  cli(&r, (const char *const[]){"request", "--", "POST", url, "-5", NULL}, NULL);
+  assert_int_equal(r.exit_code, 0);
+  ct_run_free(&r);
+
+  assert_int_equal(ct_fake_seen(f, seen), 3);
+  assert_string_equal(seen[0].body, piped);
+  assert_int_equal(seen[0].body_len, strlen(piped));
+  assert_string_equal(seen[0].content_type, "application/json");
+  assert_string_equal(seen[1].body, "{\"amount\":8}");
+  assert_string_equal(seen[2].body, "-5");
+  ct_fake_stop(f);
+  ct_rmdir(dir);
+}
+
+/* --verbose: a line per attempt, wait and poll, in order, then the final
+ * answer's details (replayed, Location, X-Request-Id), then the usual
+ * last line; without it, none of those. */
+static void test_cli_verbose(void **state) {
+  static const ct_reply_t script[] = {
+      {503, NULL, "{\"error\":\"busy\"}", 0},
+      {202, "Location: /payments/pay_1\r\nRetry-After: 0\r\n", PAY_PENDING, 0},
+      {200, NULL, PAY_OK, 0},
+      {201,
+       "Location: /payments/pay_1\r\nIdempotent-Replayed: true\r\nX-Request-Id: "
+       "req_abc\r\n",
+       PAY_REPLAY, 0},
+      {201, "X-Request-Id: req_quiet\r\n", PAY_OK, 0},
+  };
+  ct_fake_t *f = ct_fake_start(script, 5);
+  char url[128], poll_url[128], want[6][300], key[300];
+  const char *at;
+  long status;
+  int attempts, polls;
+  ct_run_t r;
+  (void)state;
+
+  url_of(f, "/payments", url, sizeof url);
+  url_of(f, "/payments/pay_1", poll_url, sizeof poll_url);
+  cli(&r, (const char *const[]){"request", "-v", "POST", url, BODY, NULL}, NULL);
+  if (r.exit_code != 0)
+    fail_msg("exit %d; stderr %s", r.exit_code, r.err);
+  snprintf(want[0], sizeof want[0], "idem: attempt 1: POST %s: 503 (", url);
+  snprintf(want[1], sizeof want[1], "ms (backoff), then attempt 2\n");
+  snprintf(want[2], sizeof want[2], "idem: attempt 2: POST %s: 202 (", url);
+  snprintf(want[3], sizeof want[3],
+           "idem: wait 0 ms (Retry-After), then poll 1\n"
+           "idem: poll 1: GET %s: 200 (",
+           poll_url);
+  snprintf(want[4], sizeof want[4], "idem: attempt 3: POST %s: 201 (", url);
+  snprintf(want[5], sizeof want[5],
+           "\nidem: answer 201 replayed location=/payments/pay_1 "
+           "request_id=req_abc\nidem: 201 ");
+  at = r.err;
+  for (int i = 0; i < 6; i++) {
+    const char *p = strstr(at, want[i]);
+    if (p == NULL)
+      fail_msg("stderr lacks, in order, '%s':\n%s", want[i], r.err);
+    at = p + strlen(want[i]);
+  }
+  assert_int_equal(ct_parse_line(r.err, &status, key, &attempts, &polls), 0);
+  assert_int_equal(status, 201);
+  assert_int_equal(attempts, 3);
+  assert_int_equal(polls, 1);
+  ct_run_free(&r);
+
+  cli(&r, (const char *const[]){"request", "POST", url, BODY, NULL}, NULL);
+  assert_int_equal(r.exit_code, 0);
+  assert_null(strstr(r.err, "attempt 1"));
+  assert_null(strstr(r.err, "req_quiet"));
+  assert_int_equal(ct_parse_line(r.err, &status, key, &attempts, &polls), 0);
+  ct_run_free(&r);
+  ct_fake_stop(f);
+}
+
+/* The events opts.on_event was told of, copied. */
+struct events {
+  idem_client_event_t ev[16];
+  char urls[16][128];
+  int n;
+};
+
+static void collect(const idem_client_event_t *ev, void *ctx) {
+  struct events *e = ctx;
+  if (e->n < 16) {
+    e->ev[e->n] = *ev;
+    snprintf(e->urls[e->n], sizeof e->urls[e->n], "%s", ev->url ? ev->url : "");
+    e->ev[e->n].url = e->ev[e->n].method = e->ev[e->n].error = NULL; /* theirs, gone */
+  }
+  e->n++;
+}
+
+/* What the C API hands back besides the status: the replayed flag, the
+ * Location and the X-Request-Id of the answer that gave the status (not of
+ * an earlier one); each attempt, poll and wait told to on_event; extra
+ * headers and a body with a NUL (body_len) sent as given. */
+static void test_api_result_and_events(void **state) {
+  static const ct_reply_t script[] = {
+      {500, "X-Request-Id: req_first\r\nLocation: /wrong\r\n", "{}", 0},
+      {202, "Location: /payments/pay_1\r\n", PAY_PENDING, 0},
+      {200, NULL, PAY_OK, 0},
+      {201,
+       "Location: /payments/pay_1\r\nIdempotent-Replayed: true\r\nX-Request-Id: "
+       "req_2\r\n",
+       PAY_REPLAY, 0},
+      {201, NULL, PAY_OK, 0},
+  };
+  static const char nul_body[] = "{\"a\":1}\0zz";
+  static ct_seen_t seen[CT_MAX_SEEN];
+  const char *const headers[] = {"X-One: 1", "content-type: text/plain", NULL};
+  ct_fake_t *f = ct_fake_start(script, 5);
+  struct events e = {.n = 0};
+  idem_client_opts_t o;
+  idem_client_result_t res;
+  char url[128];
+  idem_client_request_t req = {.method = "POST",
+                               .body = nul_body,
+                               .body_len = sizeof nul_body - 1,
+                               .headers = headers};
+  (void)state;
+
+  url_of(f, "/payments", url, sizeof url);
+  req.url = url;
+  idem_client_opts_default(&o);
+  o.base_delay_ms = 1;
+  o.on_event = collect;
+  o.event_ctx = &e;
+  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  assert_int_equal(res.outcome, IDEM_CLIENT_DONE);
+  assert_int_equal(res.status, 201);
+  assert_int_equal(res.replayed, 1);
+  assert_string_equal(res.location, "/payments/pay_1");
+  assert_string_equal(res.request_id, "req_2");
+  /* attempt, wait, attempt (202), wait, poll, attempt (201) */
+  assert_int_equal(e.n, 6);
+  {
+    static const struct {
+      idem_client_event_kind_t kind;
+      int number;
+      long status;
+      const char *path;
+    } want[] = {
+        {IDEM_CLIENT_EVENT_ATTEMPT, 1, 500, "/payments"},
+        {IDEM_CLIENT_EVENT_WAIT, 2, 0, NULL},
+        {IDEM_CLIENT_EVENT_ATTEMPT, 2, 202, "/payments"},
+        {IDEM_CLIENT_EVENT_WAIT, 1, 0, NULL},
+        {IDEM_CLIENT_EVENT_POLL, 1, 200, "/payments/pay_1"},
+        {IDEM_CLIENT_EVENT_ATTEMPT, 3, 201, "/payments"},
+    };
+    for (int i = 0; i < 6; i++) {
+      char wurl[160];
+      if (e.ev[i].kind != want[i].kind || e.ev[i].number != want[i].number ||
+          e.ev[i].status != want[i].status)
+        fail_msg("event %d: kind %d number %d status %ld", i, e.ev[i].kind,
+                 e.ev[i].number, e.ev[i].status);
+      if (want[i].path) {
+        url_of(f, want[i].path, wurl, sizeof wurl);
+        assert_string_equal(e.urls[i], wurl);
+        assert_true(e.ev[i].took_ms >= 0);
+      } else {
+        assert_false(e.ev[i].retry_after);
+        assert_true(e.ev[i].wait_ms >= 0 && e.ev[i].wait_ms <= 5000);
+      }
+    }
+    assert_false(e.ev[1].next_is_poll);
+    assert_true(e.ev[3].next_is_poll);
+  }
+  idem_client_result_free(&res);
+  assert_null(res.location);
+  assert_null(res.request_id);
+
+  assert_int_equal(ct_fake_seen(f, seen), 4);
+  for (int i = 0; i < 4; i++) {
+    char v[128];
+    assert_int_equal(ct_header_count(&seen[i], "X-One", v, sizeof v), 1);
+    assert_string_equal(v, "1");
+    if (strcmp(seen[i].method, "POST") == 0) {
+      assert_int_equal(ct_header_count(&seen[i], "Content-Type", v, sizeof v), 1);
+      assert_string_equal(v, "text/plain");
+      assert_int_equal(seen[i].body_len, sizeof nul_body - 1);
+      assert_memory_equal(seen[i].body, nul_body, sizeof nul_body - 1);
+    }
+  }
+
+  /* No Location, no id, not replayed: all empty, not left from before. */
+  req.headers = NULL;
+  req.body = BODY;
+  req.body_len = 0;
+  o.on_event = NULL;
+  assert_int_equal(idem_client_request(&req, &o, &res), IDEM_OK);
+  assert_int_equal(res.status, 201);
+  assert_int_equal(res.replayed, 0);
+  assert_null(res.location);
+  assert_null(res.request_id);
+  idem_client_result_free(&res);
+  ct_fake_stop(f);
 }
 
 #define NTHREADS 4
@@ -712,6 +1020,10 @@ int main(void) {
       cmocka_unit_test(test_api_answer_too_large),
       cmocka_unit_test(test_cli_key_and_token_sources),
       cmocka_unit_test(test_cli_usage),
+      cmocka_unit_test(test_cli_headers_and_data_file),
+      cmocka_unit_test(test_cli_data_stdin_and_double_dash),
+      cmocka_unit_test(test_cli_verbose),
+      cmocka_unit_test(test_api_result_and_events),
       cmocka_unit_test(test_api_threads),
   };
   int failed;

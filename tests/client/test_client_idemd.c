@@ -269,6 +269,53 @@ static void test_chaos_payments(void **state) {
   assert_int_equal(ct_db_int(g.db, "SELECT count(*) FROM payments"), NPAYMENTS);
 }
 
+/* Against idemd itself: -H X-Request-Id is the id idemd logs and echoes;
+ * the same --key again, with --data from a file, is a replay, and
+ * --verbose says so with the payment's Location; one charge. */
+static void test_replay_verbose(void **state) {
+  char env[512], url[128], path[600], data[620], want[256], id[64];
+  int64_t total, for_key;
+  size_t nkeys;
+  FILE *f;
+  ct_run_t r;
+  (void)state;
+
+  start_psp(NULL);
+  ct_idemd_start(&g.idemd, g.dir, 0, (const char *const[]){IDEMD_FLAGS(g.psp_url), NULL});
+  g.token = ct_tenant(g.dir, "shop");
+  snprintf(env, sizeof env, "IDEM_TOKEN=%s", g.token);
+  snprintf(url, sizeof url, "http://127.0.0.1:%d/payments", g.idemd.port);
+  snprintf(path, sizeof path, "%s/pay.json", g.dir);
+  assert_non_null(f = fopen(path, "w"));
+  fputs("{\"amount\": 4200, \"order_id\": \"ord_7\"}\n", f);
+  assert_int_equal(fclose(f), 0);
+  snprintf(data, sizeof data, "@%s", path);
+
+  for (int i = 0; i < 2; i++) {
+    ct_run(&r,
+           (const char *const[]){ct_cli_path(), "request", "--verbose", "--key",
+                                 "intent-7", "-H",
+                                 i ? "X-Request-Id: trace-2" : "X-Request-Id: trace-1",
+                                 "--data", data, "--", "POST", url, NULL},
+           (const char *const[]){env, NULL}, RUN_TIMEOUT_S);
+    print_message("%s", r.err);
+    if (r.exit_code != 0)
+      fail_msg("run %d: exit %d; stderr: %s", i, r.exit_code, r.err);
+    if (i == 0)
+      assert_paid(&r, id, sizeof id);
+    snprintf(want, sizeof want,
+             "\nidem: answer 201%s location=/payments/%s request_id=trace-%d\n",
+             i ? " replayed" : "", id, i + 1);
+    if (strstr(r.err, want) == NULL)
+      fail_msg("run %d: stderr lacks '%s': %s", i, want + 1, r.err);
+    assert_non_null(strstr(r.err, "idem: attempt 1: POST "));
+    ct_run_free(&r);
+  }
+  psp_charges(id, &total, &for_key, &nkeys);
+  assert_total_charges(total, 1);
+  stop_all();
+}
+
 /* `PROGRAM --version` exits 0 and prints one line "NAME VERSION"; returns
  * VERSION (malloc'd). */
 static char *version_of(const char *path, const char *name) {
@@ -312,6 +359,7 @@ static void test_versions_agree(void **state) {
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_versions_agree),
+      cmocka_unit_test_setup_teardown(test_replay_verbose, setup, teardown),
       cmocka_unit_test_setup_teardown(test_lost_answers_one_charge, setup, teardown),
       cmocka_unit_test_setup_teardown(test_idemd_started_late, setup, teardown),
       cmocka_unit_test_setup_teardown(test_chaos_payments, setup, teardown),

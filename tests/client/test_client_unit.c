@@ -44,6 +44,8 @@ static void test_defaults(void **state) {
   assert_int_equal(o.max_delay_ms, 5000);
   assert_int_equal(o.attempt_timeout_ms, 10000);
   assert_int_equal(o.max_response_bytes, 1024 * 1024);
+  assert_null(o.on_event);
+  assert_null(o.event_ctx);
 }
 
 /* Every draw lies in [0, ceiling]; the draws spread over that range (no
@@ -223,6 +225,8 @@ static void test_outcome_names(void **state) {
 static void test_invalid_requests(void **state) {
   static const char url[] = "http://127.0.0.1:1/payments";
   char long_key[IDEM_KEY_MAX + 2];
+  static char long_line[IDEM_CLIENT_HEADER_LINE_MAX + 2];
+  static const char *too_many[IDEM_CLIENT_HEADERS_MAX + 2];
   idem_client_opts_t zero_attempts, zero_time, zero_bytes;
   struct {
     idem_client_request_t req;
@@ -245,8 +249,28 @@ static void test_invalid_requests(void **state) {
       {{.url = url}, &zero_attempts},
       {{.url = url}, &zero_time},
       {{.url = url}, &zero_bytes},
+      {{.url = url, .headers = (const char *const[]){"NoColon", NULL}}, NULL},
+      {{.url = url, .headers = (const char *const[]){": empty name", NULL}}, NULL},
+      {{.url = url, .headers = (const char *const[]){"Bad Name: x", NULL}}, NULL},
+      {{.url = url, .headers = (const char *const[]){"X(y): x", NULL}}, NULL},
+      {{.url = url, .headers = (const char *const[]){"X-A: 1\r\nX-B: 2", NULL}}, NULL},
+      {{.url = url, .headers = (const char *const[]){"X-A: 1\n", NULL}}, NULL},
+      {{.url = url, .headers = (const char *const[]){"X-A: \x7f", NULL}}, NULL},
+      {{.url = url,
+        .headers = (const char *const[]){"X-Ok: 1", "Idempotency-Key: k", NULL}},
+       NULL},
+      {{.url = url, .headers = (const char *const[]){"IDEMPOTENCY-KEY: k", NULL}}, NULL},
+      {{.url = url, .headers = (const char *const[]){"content-length: 1", NULL}}, NULL},
+      {{.url = url, .headers = (const char *const[]){"Transfer-Encoding: chunked", NULL}},
+       NULL},
+      {{.url = url, .headers = (const char *const[]){long_line, NULL}}, NULL},
+      {{.url = url, .headers = too_many}, NULL},
   };
   (void)state;
+  memset(long_line, 'v', sizeof long_line - 1);
+  memcpy(long_line, "X-Long: ", 8);
+  for (int i = 0; i <= IDEM_CLIENT_HEADERS_MAX; i++)
+    too_many[i] = "X-Many: 1";
   memset(long_key, 'k', sizeof long_key - 1);
   long_key[sizeof long_key - 1] = '\0';
   idem_client_opts_default(&zero_attempts);
@@ -291,6 +315,32 @@ static void test_longest_key_accepted(void **state) {
   idem_client_result_free(&r);
 }
 
+/* Extra headers at the limits are accepted: IDEM_CLIENT_HEADERS_MAX lines,
+ * one of them IDEM_CLIENT_HEADER_LINE_MAX bytes, tabs and bytes past ASCII
+ * in a value, an empty value. */
+static void test_headers_at_limits_accepted(void **state) {
+  static char long_line[IDEM_CLIENT_HEADER_LINE_MAX + 1];
+  static const char *headers[IDEM_CLIENT_HEADERS_MAX + 1];
+  idem_client_opts_t o;
+  idem_client_result_t r;
+  idem_client_request_t req = {.url = "http://127.0.0.1:1/payments", .headers = headers};
+  (void)state;
+  memset(long_line, 'v', sizeof long_line - 1);
+  memcpy(long_line, "X-Long: ", 8);
+  headers[0] = long_line;
+  headers[1] = "X-Tab: a\tb";
+  headers[2] = "X-Utf8: caf\xc3\xa9";
+  headers[3] = "X-Empty:";
+  for (int i = 4; i < IDEM_CLIENT_HEADERS_MAX; i++)
+    headers[i] = "X-Many: 1";
+  idem_client_opts_default(&o);
+  o.max_attempts = 1;
+  assert_int_equal(idem_client_request(&req, &o, &r), IDEM_OK);
+  assert_int_equal(r.outcome, IDEM_CLIENT_GAVE_UP);
+  assert_int_equal(r.attempts, 1);
+  idem_client_result_free(&r);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_defaults),
@@ -302,6 +352,7 @@ int main(void) {
       cmocka_unit_test(test_outcome_names),
       cmocka_unit_test(test_invalid_requests),
       cmocka_unit_test(test_longest_key_accepted),
+      cmocka_unit_test(test_headers_at_limits_accepted),
   };
   int failed;
   curl_global_init(CURL_GLOBAL_DEFAULT);
