@@ -548,6 +548,14 @@ static void areq_free(areq_t *q) {
   pthread_cond_destroy(&q->cond);
 }
 
+static int areq_wakes(areq_t *q) {
+  int n;
+  pthread_mutex_lock(&q->mu);
+  n = q->wakes;
+  pthread_mutex_unlock(&q->mu);
+  return n;
+}
+
 /* Waits (at most 10 s) for the `n`th wake-up. Returns 0, or -1. */
 static int areq_wait(areq_t *q, int n) {
   int64_t until = idem_mono_ms() + 10000;
@@ -571,18 +579,19 @@ static int store_is_async(const fixture_t *fx) {
  * followed by exactly one wake-up, after one suspend(), and the call is
  * made again. Returns the last call's result. */
 static int areq_run(fixture_t *fx, areq_t *q) {
-  int rc = idem_engine_begin_async(fx->engine, &q->a);
-  while (rc == IDEM_EAGAIN) {
-    int wakes = q->wakes;
+  for (;;) {
+    /* Read before the call: the wake-up may come before it returns. */
+    int wakes = areq_wakes(q);
+    int rc = idem_engine_begin_async(fx->engine, &q->a);
+    if (rc != IDEM_EAGAIN)
+      return rc;
     assert_int_equal(areq_wait(q, wakes + 1), 0);
-    rc = idem_engine_begin_async(fx->engine, &q->a);
   }
-  return rc;
 }
 
 /* Completes `q` (decided EXECUTE) with `out`; returns the wake's rc. */
 static int areq_complete(fixture_t *fx, areq_t *q, const idem_outcome_t *out) {
-  int wakes = q->wakes;
+  int wakes = areq_wakes(q);
   assert_int_equal(idem_engine_complete_async(fx->engine, &q->a, out, NULL), IDEM_EAGAIN);
   assert_int_equal(areq_wait(q, wakes + 1), 0);
   assert_int_equal(q->wakes, wakes + 1);
