@@ -77,7 +77,8 @@ static void set_path(idemd_request_t *r, const char *url) {
 /* Sends the refusal saved in `r` by refuse(). */
 static enum MHD_Result send_refusal(idemd_request_t *r) {
   idemd_reply_headers_t h = {.allow = r->refusal_allow,
-                             .www_authenticate = r->refusal == 401};
+                             .www_authenticate = r->refusal == 401,
+                             .close = r->refusal_close};
   r->outcome = OUTCOME_INVALID;
   return idemd_reply_error(r, r->refusal, r->refusal_msg, &h);
 }
@@ -123,14 +124,103 @@ static int body_to_drain(struct MHD_Connection *conn, const char *version,
   return unasked && *declared > 0 && *declared <= DISCARD_LIMIT;
 }
 
+/* What one pass over the request's headers finds: the headers that must
+ * come at most once, and how the body is framed. */
+struct header_scan {
+  int lengths, codings; /* Content-Length, Transfer-Encoding headers */
+  const char *length;   /* the first Content-Length */
+  int lengths_differ;
+  int keys, auths, types; /* Idempotency-Key, Authorization, Content-Type */
+};
+
+static enum MHD_Result scan_header(void *cls, enum MHD_ValueKind kind, const char *key,
+                                   const char *value) {
+  struct header_scan *h = cls;
+
+  if (kind != MHD_HEADER_KIND || key == NULL)
+    return MHD_YES;
+  value = value ? value : "";
+  switch (key[0] | 0x20) { /* most headers are told apart by this alone */
+  case 'c':
+    if (strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH) == 0) {
+      if (h->lengths++ == 0)
+        h->length = value;
+      else if (strcmp(h->length, value) != 0)
+        h->lengths_differ = 1;
+    } else if (strcasecmp(key, MHD_HTTP_HEADER_CONTENT_TYPE) == 0) {
+      h->types++;
+    }
+    break;
+  case 't':
+    h->codings += strcasecmp(key, MHD_HTTP_HEADER_TRANSFER_ENCODING) == 0;
+    break;
+  case 'i':
+    h->keys += strcasecmp(key, "Idempotency-Key") == 0;
+    break;
+  case 'a':
+    h->auths += strcasecmp(key, MHD_HTTP_HEADER_AUTHORIZATION) == 0;
+    break;
+  }
+  return MHD_YES;
+}
+
+/* Whether the transfer codings `te` end in "chunked" somewhere before
+ * their last (RFC 9112, section 6.1: then the message is malformed). */
+static int chunked_not_last(const char *te) {
+  const char *p = te;
+  while ((p = strcasestr(p, "chunked")) != NULL) {
+    const char *after = p + 7;
+    while (*after == ' ' || *after == '\t')
+      after++;
+    if (*after == ',')
+      return 1;
+    p = after;
+  }
+  return 0;
+}
+
+/* The refusal of a request whose headers say two things at once, or frame
+ * its body in a way libmicrohttpd cannot follow (RFC 9112, sections 6.1
+ * and 6.3), or NULL; `*status` gets 400 or 501, `*close` whether the
+ * connection must close after the answer: the bytes after a body framed
+ * two ways could otherwise be read as another request. */
+static const char *header_conflict(const idemd_request_t *r, const struct header_scan *h,
+                                   int *status, int *close) {
+  const char *te;
+
+  *status = 400;
+  *close = 1;
+  if (h->codings > 0 && h->lengths > 0)
+    return "Transfer-Encoding and Content-Length must not both be sent";
+  if (h->lengths_differ)
+    return "Content-Length headers disagree";
+  te = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                   MHD_HTTP_HEADER_TRANSFER_ENCODING);
+  if (h->codings > 1 || (te && strcasecmp(te, "chunked") != 0)) {
+    if (te && chunked_not_last(te))
+      return "chunked must be the last transfer coding";
+    *status = 501;
+    return "only the chunked transfer coding is supported";
+  }
+  *close = 0;
+  if (h->keys > 1)
+    return "Idempotency-Key must be sent once";
+  if (h->auths > 1)
+    return "Authorization must be sent once";
+  if (h->types > 1)
+    return "Content-Type must be sent once";
+  return NULL;
+}
+
 /* Whether what the request's line and headers take of libmicrohttpd's
  * pool fits --max-header-bytes: their text, a record for each header,
- * argument and cookie, and the copy it makes of a Cookie header. */
-static int headers_fit(const idemd_request_t *r) {
+ * argument and cookie, and the copy it makes of a Cookie header. `h`
+ * gets what the headers hold (scan_header()). */
+static int headers_fit(const idemd_request_t *r, struct header_scan *h) {
   const union MHD_ConnectionInfo *info =
       MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_REQUEST_HEADER_SIZE);
   int records = MHD_get_connection_values(
-      r->conn, MHD_HEADER_KIND | MHD_GET_ARGUMENT_KIND | MHD_COOKIE_KIND, NULL, NULL);
+      r->conn, MHD_HEADER_KIND | MHD_GET_ARGUMENT_KIND | MHD_COOKIE_KIND, scan_header, h);
   const char *cookie = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Cookie");
   size_t used;
 
@@ -147,8 +237,10 @@ static int headers_fit(const idemd_request_t *r) {
 static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
                                   const char *version) {
   const idemd_route_def_t *d;
+  struct header_scan scan = {0};
+  const char *conflict;
   uint64_t declared;
-  int too_large, rc;
+  int too_large, rc, status;
 
   set_path(r, url);
   set_request_id(r);
@@ -159,8 +251,10 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
     return idemd_reply_error(r, 503, "too many connections, retry later", &h);
   }
   r->drain = body_to_drain(r->conn, version, &declared);
-  if (!headers_fit(r))
+  if (!headers_fit(r, &scan))
     return refuse(r, 431, "request headers are too large", NULL);
+  if ((conflict = header_conflict(r, &scan, &status, &r->refusal_close)) != NULL)
+    return refuse(r, status, conflict, NULL);
   d = idemd_route_match(url, r->resource_id, sizeof r->resource_id);
   if (d == NULL)
     return refuse(r, 404, "not found", NULL);

@@ -76,6 +76,7 @@ typedef struct idemd_request {
   int refusal;
   const char *refusal_msg;
   const char *refusal_allow; /* Allow, for 405 */
+  int refusal_close;         /* the body's framing is in doubt: close after */
 
   idem_tenant_t tenant;
   int authenticated;
