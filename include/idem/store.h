@@ -144,6 +144,18 @@ typedef struct idem_store_stats {
                           * write failed (the others were rolled back) */
 } idem_store_stats_t;
 
+/* How the store's writes are doing, for a readiness check; times on the
+ * idem_mono_ms() clock, 0 for never. */
+typedef struct idem_store_health {
+  int writing;            /* writes under way now */
+  int64_t last_ok_ms;     /* the last that reached the database */
+  int64_t last_failed_ms; /* the last that failed in the store (unreachable,
+                           * disk full, locked past its timeout) */
+  int64_t progress_ms;    /* the last time a write ended, or began with
+                           * none under way: writing > 0 for long after it
+                           * means the writes hang */
+} idem_store_health_t;
+
 /* A query over records, for support tools. */
 typedef struct idem_records_query {
   int64_t tenant_id;
@@ -190,6 +202,7 @@ typedef struct idem_store_methods {
   int (*records_list)(idem_store_t *, const idem_records_query_t *,
                       idem_record_t *out, int *n);
   void (*stats)(idem_store_t *, idem_store_stats_t *); /* optional */
+  int (*probe)(idem_store_t *);                        /* optional */
   /* optional: asynchronous reserve and complete */
   int (*reserve_async)(idem_store_t *, const idem_reserve_t *, idem_record_t *,
                        idem_reserve_result_t *, idem_store_done_fn, void *);
@@ -379,6 +392,18 @@ IDEM_WARN_UNUSED int idem_store_tenant_list(idem_store_t *store,
 IDEM_WARN_UNUSED int idem_store_records_list(idem_store_t *store,
                                              const idem_records_query_t *q,
                                              idem_record_t *out, int *n);
+
+/* Fills `out` with how the writes made through this handle are doing:
+ * every reservation, completion and write, asynchronous ones until their
+ * callback. Never blocks. */
+void idem_store_health(idem_store_t *store, idem_store_health_t *out);
+
+/* A write of the store's own that changes a row, so that it needs the
+ * write lock and room on disk like any other, through the path every write
+ * takes (SQLite: the group commit); durable when it returns IDEM_OK. For a
+ * readiness check while no other write tells how writes are doing.
+ * IDEM_ENOTSUP on a backend without it. */
+IDEM_WARN_UNUSED int idem_store_probe(idem_store_t *store);
 
 /* Fills `out` with the backend's write counters (zeros when it keeps
  * none). Cheap: safe to call on every metrics scrape. */

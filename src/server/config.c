@@ -60,6 +60,8 @@ static const struct option options[] = {
      "how long completed and failed keys are remembered"},
     {"--lease", "IDEMD_LEASE", K_DURATION, OFF(lease_ms), 100, 86400000, "30s",
      "how long a worker owns a processing record"},
+    {"--ready-timeout", "IDEMD_READY_TIMEOUT", K_DURATION, OFF(ready_timeout_ms), 100,
+     600000, "2s", "/readyz: how long a write may go unfinished before 503"},
     {"--shutdown-timeout", "IDEMD_SHUTDOWN_TIMEOUT", K_DURATION,
      OFF(shutdown_timeout_ms), 0, 3600000, "10s",
      "on SIGTERM, how long requests in flight may take to finish"},

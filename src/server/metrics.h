@@ -14,6 +14,7 @@ typedef enum idemd_op {
   OP_GET_ORDER,
   OP_HEALTHZ,
   OP_METRICS,
+  OP_READYZ,
   OP_COUNT_
 } idemd_op_t;
 

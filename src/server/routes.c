@@ -16,6 +16,7 @@
 #include "server/auth.h"
 #include "server/log.h"
 #include "server/replay_cache.h"
+#include "server/readiness.h"
 #include "server/reply.h"
 #include "server/suspend.h"
 #include "server/body.h"
@@ -27,6 +28,7 @@ static const idemd_route_def_t routes[] = {
     {"/orders/", 1, "GET", "GET, HEAD", ROUTE_ORDER, OP_GET_ORDER, 1},
     {"/healthz", 0, "GET", "GET, HEAD", ROUTE_HEALTHZ, OP_HEALTHZ, 0},
     {"/metrics", 0, "GET", "GET, HEAD", ROUTE_METRICS, OP_METRICS, 0},
+    {"/readyz", 0, "GET", "GET, HEAD", ROUTE_READYZ, OP_READYZ, 0},
 };
 
 const idemd_route_def_t *idemd_route_match(const char *url, char *id, size_t idcap) {
@@ -81,6 +83,20 @@ static enum MHD_Result serve_healthz(idemd_request_t *r) {
     return idemd_reply_error(r, 503, "the store is unreachable", NULL);
   }
   return idemd_reply(r, 200, "{\"status\":\"ok\"}", 15, NULL);
+}
+
+/* Whether writes work now (readiness.c), then whether the store answers. */
+static enum MHD_Result serve_readyz(idemd_request_t *r) {
+  const char *why = idemd_not_ready(r->srv);
+
+  r->outcome = OUTCOME_READ;
+  if (why == NULL && idem_store_ping(r->srv->store) != IDEM_OK)
+    why = "the store is unreachable";
+  if (why) {
+    r->outcome = OUTCOME_ERROR;
+    return idemd_reply_error(r, 503, why, NULL);
+  }
+  return idemd_reply(r, 200, "{\"status\":\"ready\"}", 18, NULL);
 }
 
 static enum MHD_Result serve_metrics(idemd_request_t *r) {
@@ -194,6 +210,8 @@ enum MHD_Result idemd_dispatch(idemd_request_t *r) {
     return serve_healthz(r);
   case ROUTE_METRICS:
     return serve_metrics(r);
+  case ROUTE_READYZ:
+    return serve_readyz(r);
   case ROUTE_PAYMENT:
     return serve_resource(r, "payment", "payment not found");
   case ROUTE_ORDER:

@@ -11,6 +11,7 @@
 #include "server/log.h"
 #include "server/replay_cache.h"
 #include "server/server.h"
+#include "server/readiness.h"
 #include "server/sweeper.h"
 
 /* Opens and migrates the store named by the configuration. Store messages
@@ -139,6 +140,11 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
     fprintf(stderr, "idemd: cannot start the sweeper\n");
     goto stop_reconciler;
   }
+  if (idemd_readiness_start(srv) != 0) {
+    fprintf(stderr, "idemd: cannot start the store probe\n");
+    idemd_sweeper_stop(srv);
+    goto stop_reconciler;
+  }
   snprintf(listen, sizeof listen, "%s:%d", cfg->listen_host, srv->port);
   snprintf(threads, sizeof threads, "%d", cfg->threads);
   snprintf(workers, sizeof workers, "%d", cfg->workers);
@@ -170,6 +176,7 @@ int idemd_server_drain(idemd_server_t *srv) {
 
 void idemd_server_stop(idemd_server_t *srv) {
   idemd_http_stop(srv);
+  idemd_readiness_stop(srv);
   idemd_sweeper_stop(srv);
   idem_reconciler_stop(srv->reconciler);
   srv->provider->close(srv->provider);

@@ -33,6 +33,7 @@ typedef struct idemd_server {
   idemd_workers_t *workers; /* run the requests that wait */
   idem_reconciler_t *reconciler;
   struct idem__ticker *sweeper;
+  struct idem__ticker *prober; /* a small write while none is made (readiness.c) */
   struct idem__ticker *wait_timer; /* times out parked duplicates */
   atomic_int inflight; /* requests started and not yet answered */
   atomic_int async_pending; /* requests in the engine's asynchronous form
@@ -50,7 +51,8 @@ typedef enum idemd_route {
   ROUTE_ORDERS,    /* POST /orders */
   ROUTE_ORDER,     /* GET /orders/{id} */
   ROUTE_HEALTHZ,
-  ROUTE_METRICS
+  ROUTE_METRICS,
+  ROUTE_READYZ
 } idemd_route_t;
 
 /* One HTTP request, from its headers to the log line after its answer. */

@@ -40,6 +40,7 @@ enum stmt_id {
   ST_TENANT_LIST,
   ST_RECORDS_LIST,
   ST_TAKE_OVER,
+  ST_PROBE,
   ST_COUNT_
 };
 
@@ -101,6 +102,9 @@ static const char *const stmt_sql[ST_COUNT_] = {
                  "idempotency_records WHERE expires_at <= $1 AND state IN "
                  "('completed', 'failed') LIMIT $2 FOR UPDATE SKIP LOCKED)",
     [ST_PING] = "SELECT 1",
+    /* idem_store_probe(): a row of its own, changed each time. */
+    [ST_PROBE] = "INSERT INTO meta (name, value) VALUES ('probe', $1) "
+                 "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
     /* idem_tx_take_over(): a record left behind, given a new owner. */
     [ST_TAKE_OVER] =
         "UPDATE idempotency_records SET owner_token = $4, lease_expires_at = $5, "
@@ -782,6 +786,12 @@ static int pg_records_list(idem_store_t *base, const idem_records_query_t *q,
   return IDEM_OK;
 }
 
+static int pg_probe(idem_store_t *base) {
+  char now[24];
+  const char *p[1] = {num(now, sizeof now, idem_now_ms())};
+  return pooled_cmd((pg_store_t *)base, ST_PROBE, 1, p, NULL);
+}
+
 static int pg_meta_get_or_put(idem_store_t *base, const char *name,
                               const char *value, char **out) {
   pg_store_t *s = (pg_store_t *)base;
@@ -1044,4 +1054,5 @@ static const idem_store_methods_t pg_methods = {
     .records_list = pg_records_list,
     .write = pg_write,
     .read = pg_read,
+    .probe = pg_probe,
 };

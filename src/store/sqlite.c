@@ -106,6 +106,9 @@ static const char *const stmt_sql[ST_COUNT_] = {
                         "ORDER BY updated_at DESC LIMIT ?4",
     [ST_META_PUT] = "INSERT INTO meta (name, value) VALUES (?1, ?2) "
                     "ON CONFLICT (name) DO NOTHING",
+    /* idem_store_probe(): a row of its own, changed each time. */
+    [ST_PROBE] = "INSERT INTO meta (name, value) VALUES ('probe', ?1) "
+                 "ON CONFLICT (name) DO UPDATE SET value = excluded.value",
     [ST_META_GET] = "SELECT value FROM meta WHERE name = ?1",
     [ST_SWEEP] = "DELETE FROM idempotency_records WHERE rowid IN (SELECT "
                  "rowid FROM idempotency_records WHERE expires_at <= ?1 AND "
@@ -963,6 +966,19 @@ static int meta_fn(struct conn *c, void *arg) {
   return rc;
 }
 
+static int probe_fn(struct conn *c, void *arg) {
+  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_PROBE);
+  (void)arg;
+  if (st == NULL)
+    return IDEM_ESTORE;
+  sqlite3_bind_int64(st, 1, idem_now_ms());
+  return idem__sqlite_run(c, st, "probe");
+}
+
+static int sq_probe(idem_store_t *base) {
+  return idem__sqlite_write_job((sqlite_store_t *)base, probe_fn, NULL, 1);
+}
+
 static int sq_meta_get_or_put(idem_store_t *base, const char *name,
                               const char *value, char **out) {
   struct meta_args a = {name, value, out};
@@ -1187,6 +1203,7 @@ static const idem_store_methods_t sqlite_methods = {
     .tenant_list = sq_tenant_list,
     .records_list = sq_records_list,
     .stats = sq_stats,
+    .probe = sq_probe,
     .write = sq_write,
     .read = sq_read,
 };

@@ -35,6 +35,7 @@ enum stmt_id {
   ST_TENANT_LIST,
   ST_RECORDS_LIST,
   ST_TAKE_OVER,
+  ST_PROBE,
   ST_COUNT_
 };
 

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "idem/clock.h"
 #include "idem/crypto.h"
 
 static __thread char last_error[512];
@@ -140,7 +141,46 @@ static int check_complete(const idem_complete_t *c) {
   return IDEM_OK;
 }
 
-int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
+/* A write begins: counted, and the time of progress set when it is the
+ * only one. */
+static void write_began(idem_store_t *s) {
+  if (atomic_fetch_add_explicit(&s->writing, 1, memory_order_relaxed) == 0)
+    atomic_store_explicit(&s->progress_ms, idem_mono_ms(), memory_order_relaxed);
+}
+
+/* A write ended with `rc`, which it returns: a store failure (unreachable,
+ * full, locked past its timeout) or one that reached the database (done,
+ * or refused by its data: a lost lease, a unique key) is noted; a caller's
+ * error (an argument, an effect's own) says nothing of the store. */
+static int write_ended(idem_store_t *s, int rc) {
+  int64_t now = idem_mono_ms();
+
+  if (rc == IDEM_ESTORE || rc == IDEM_ETIMEDOUT)
+    atomic_store_explicit(&s->last_failed_ms, now, memory_order_relaxed);
+  else if (rc == IDEM_OK || rc == IDEM_ELOST || rc == IDEM_EEXIST)
+    atomic_store_explicit(&s->last_ok_ms, now, memory_order_relaxed);
+  atomic_store_explicit(&s->progress_ms, now, memory_order_relaxed);
+  atomic_fetch_sub_explicit(&s->writing, 1, memory_order_release);
+  return rc;
+}
+
+void idem_store_health(idem_store_t *store, idem_store_health_t *out) {
+  out->writing = atomic_load_explicit(&store->writing, memory_order_acquire);
+  out->last_ok_ms = atomic_load_explicit(&store->last_ok_ms, memory_order_relaxed);
+  out->last_failed_ms = atomic_load_explicit(&store->last_failed_ms, memory_order_relaxed);
+  out->progress_ms = atomic_load_explicit(&store->progress_ms, memory_order_relaxed);
+}
+
+int idem_store_probe(idem_store_t *store) {
+  write_began(store);
+  if (faulty())
+    return write_ended(store, IDEM_ESTORE);
+  if (store->methods->probe == NULL)
+    return write_ended(store, IDEM_ENOTSUP);
+  return write_ended(store, store->methods->probe(store));
+}
+
+static int reserve_now(idem_store_t *store, const idem_reserve_t *req,
                        idem_record_t *out, idem_reserve_result_t *result) {
   FAULT_POINT();
   int rc = check_reserve(req);
@@ -153,7 +193,13 @@ int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
   return rc;
 }
 
-int idem_store_complete(idem_store_t *store, const idem_complete_t *c) {
+int idem_store_reserve(idem_store_t *store, const idem_reserve_t *req,
+                       idem_record_t *out, idem_reserve_result_t *result) {
+  write_began(store);
+  return write_ended(store, reserve_now(store, req, out, result));
+}
+
+static int complete_now(idem_store_t *store, const idem_complete_t *c) {
   FAULT_POINT();
   int rc = check_complete(c);
   if (rc != IDEM_OK)
@@ -162,6 +208,11 @@ int idem_store_complete(idem_store_t *store, const idem_complete_t *c) {
   if (rc == IDEM_OK)
     idem__store_notify(store, &c->scope);
   return rc;
+}
+
+int idem_store_complete(idem_store_t *store, const idem_complete_t *c) {
+  write_began(store);
+  return write_ended(store, complete_now(store, c));
 }
 
 /* What the synchronous wrappers do after the backend, for the
@@ -178,6 +229,7 @@ struct async_shim {
 static void async_reserved(void *p, int rc) {
   struct async_shim sh = *(struct async_shim *)p;
   free(p);
+  write_ended(sh.store, rc);
   if (rc != IDEM_OK)
     idem_record_reset(sh.out); /* as after a failed synchronous reserve */
   else if (*sh.result == IDEM_RESERVE_EXISTS)
@@ -188,6 +240,7 @@ static void async_reserved(void *p, int rc) {
 static void async_completed(void *p, int rc) {
   struct async_shim sh = *(struct async_shim *)p;
   free(p);
+  write_ended(sh.store, rc);
   if (rc == IDEM_OK)
     idem__store_notify(sh.store, sh.scope);
   sh.done(sh.arg, rc);
@@ -207,9 +260,12 @@ int idem_store_reserve_async(idem_store_t *store, const idem_reserve_t *req,
   if ((sh = malloc(sizeof *sh)) == NULL)
     return IDEM_ENOMEM;
   *sh = (struct async_shim){store, &req->scope, out, result, done, arg};
+  write_began(store);
   rc = store->methods->reserve_async(store, req, out, result, async_reserved, sh);
-  if (rc != IDEM_OK)
+  if (rc != IDEM_OK) {
     free(sh);
+    write_ended(store, rc);
+  }
   return rc;
 }
 
@@ -226,9 +282,12 @@ int idem_store_complete_async(idem_store_t *store, const idem_complete_t *c,
   if ((sh = malloc(sizeof *sh)) == NULL)
     return IDEM_ENOMEM;
   *sh = (struct async_shim){store, &c->scope, NULL, NULL, done, arg};
+  write_began(store);
   rc = store->methods->complete_async(store, c, async_completed, sh);
-  if (rc != IDEM_OK)
+  if (rc != IDEM_OK) {
     free(sh);
+    write_ended(store, rc);
+  }
   return rc;
 }
 
@@ -270,10 +329,12 @@ int idem__effect_run(const idem_effect_t *e, idem_tx_t *tx) {
 }
 
 int idem_store_write(idem_store_t *store, const idem_effect_t *e) {
-  FAULT_POINT();
   if (e == NULL || e->fn == NULL)
     return IDEM_EINVAL;
-  return store->methods->write(store, e);
+  write_began(store);
+  if (faulty())
+    return write_ended(store, IDEM_ESTORE);
+  return write_ended(store, store->methods->write(store, e));
 }
 
 int idem_store_read(idem_store_t *store, const idem_effect_t *e) {

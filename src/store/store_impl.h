@@ -3,12 +3,17 @@
 #ifndef IDEM_STORE_IMPL_H
 #define IDEM_STORE_IMPL_H
 
+#include <stdatomic.h>
+
 #include "idem/store.h"
 #include "lib/waitset.h"
 
 struct idem_store {
   const idem_store_methods_t *methods;
   idem__waitset_t *waits;
+  /* How writes are doing (idem_store_health()), kept by the wrappers. */
+  atomic_int writing;
+  atomic_llong last_ok_ms, last_failed_ms, progress_ms;
 };
 
 /* What a backend does for idem_tx_statement() and idem_tx_take_over(), on

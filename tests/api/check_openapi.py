@@ -758,6 +758,8 @@ def drive(d, tok, other, server):
     d.call('GET', '/healthz', 200, 'healthz')
     d.call('HEAD', '/healthz', 200, 'head healthz')
     d.call('GET', '/healthz', 200, 'healthz with any credentials', 'whatever')
+    d.call('GET', '/readyz', 200, 'readyz')
+    d.call('HEAD', '/readyz', 200, 'head readyz')
     m = d.call('GET', '/metrics', 200, 'metrics')
     d.call('HEAD', '/metrics', 200, 'head metrics')
     text = m['body'].decode('utf-8', 'replace')
@@ -782,6 +784,7 @@ def drive(d, tok, other, server):
                             ('HEAD', '/payments/' + pay_id, tok),
                             ('GET', '/orders/' + ord_id, tok), ('HEAD', '/orders/' + ord_id, tok),
                             ('GET', '/healthz', None), ('HEAD', '/healthz', None),
+                            ('GET', '/readyz', None), ('HEAD', '/readyz', None),
                             ('GET', '/metrics', None), ('HEAD', '/metrics', None),
                             ('GET', '/nowhere', None)):
         # No body: idemd hangs up after the 431, and a body still being sent
@@ -800,6 +803,8 @@ def drive(d, tok, other, server):
         d.call('HEAD', '/orders/' + ord_id, 503, 'store failure', tok)
         d.call('GET', '/healthz', 503, 'store unreachable')
         d.call('HEAD', '/healthz', 503, 'store unreachable')
+        d.call('GET', '/readyz', 503, 'store failure')
+        d.call('HEAD', '/readyz', 503, 'store failure')
         d.call('GET', '/metrics', 200, 'metrics while the store fails')
     finally:
         server.store_fault(False)
@@ -821,6 +826,7 @@ def drive_connection_cap(d, tok):
                 ('GET', '/payments/pay_x', tok, None), ('HEAD', '/payments/pay_x', tok, None),
                 ('GET', '/orders/ord_x', tok, None), ('HEAD', '/orders/ord_x', tok, None),
                 ('GET', '/healthz', None, None), ('HEAD', '/healthz', None, None),
+                ('GET', '/readyz', None, None), ('HEAD', '/readyz', None, None),
                 ('GET', '/metrics', None, None), ('HEAD', '/metrics', None, None),
                 ('GET', '/nowhere', None, None), ('DELETE', '/payments', None, None)):
             d.call(method, path, 503, 'beyond --max-connections', t, 'k-cap', body)

@@ -12,6 +12,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <sqlite3.h>
+
 #include "harness.h"
 
 #define PAYMENT "{\"amount\": 15990, \"currency\": \"BRL\", \"order_id\": \"ord_1\"}"
@@ -131,9 +133,102 @@ static void test_store_fault_and_recovery(void **state) {
   h_server_stop(s);
 }
 
+/* Polls /readyz (every 50 ms, at most 15 s) until it answers `status`
+ * (and, when `want` is not NULL, that error); returns that answer's
+ * "error", or "" for a 200 (static storage). */
+static const char *await_ready_with(h_server_t *s, long status, const char *want) {
+  static char error[128];
+  for (int i = 0; i < 300; i++) {
+    h_resp_t r;
+    h_get(s, "/readyz", NULL, &r);
+    const char *e = r.json ? json_string_value(json_object_get(r.json, "error")) : NULL;
+    if (r.status == status && (want == NULL || (e && strcmp(e, want) == 0))) {
+      if (status == 200)
+        assert_string_equal(r.body, "{\"status\":\"ready\"}");
+      else
+        h_assert_error(&r, status, NULL);
+      snprintf(error, sizeof error, "%s", e ? e : "");
+      h_resp_free(&r);
+      return error;
+    }
+    h_resp_free(&r);
+    usleep(50 * 1000);
+  }
+  fail_msg("/readyz never answered %ld %s", status, want ? want : "");
+  return NULL;
+}
+
+static const char *await_ready(h_server_t *s, long status) {
+  return await_ready_with(s, status, NULL);
+}
+
+/* /readyz tells a load balancer whether writes work: 503 while they fail
+ * (the store down), even with no request writing (idemd's own probe
+ * writes), and 200 again once they work; /healthz stays a liveness check
+ * of the store's reads. */
+static void test_readiness_follows_writes(void **state) {
+  const char *tmp = getenv("TMPDIR");
+  char dir[256], fault[300];
+  h_server_t *s;
+  int fd;
+  (void)state;
+
+  snprintf(dir, sizeof dir, "%s/idem-ready-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+  assert_non_null(mkdtemp(dir));
+  snprintf(fault, sizeof fault, "%s/store-down", dir);
+  assert_int_equal(setenv("IDEM_FAULT_FILE", fault, 1), 0);
+  s = h_server_start(NULL);
+  unsetenv("IDEM_FAULT_FILE");
+  assert_string_equal(await_ready(s, 200), "");
+
+  /* No request at all: the probe finds the fault. */
+  fd = open(fault, O_WRONLY | O_CREAT | O_EXCL, 0600);
+  assert_true(fd >= 0);
+  close(fd);
+  /* The reads fail too ("the store is unreachable") until the probe's
+   * write has failed. */
+  assert_string_equal(await_ready_with(s, 503, "writes are failing"), "writes are failing");
+  assert_int_equal(unlink(fault), 0);
+  assert_string_equal(await_ready(s, 200), "");
+  assert_int_equal(rmdir(dir), 0);
+  h_server_stop(s);
+}
+
+/* SQLite: another process holding the write lock (a backup, a person at
+ * the sqlite3 prompt) keeps every write waiting; /readyz says so within
+ * --ready-timeout, while /healthz (reads) stays 200, and is 200 again once
+ * the lock is gone. */
+static void test_readiness_when_writes_hang(void **state) {
+  static const char *const flags[] = {"--ready-timeout", "300ms", NULL};
+  h_server_t *s;
+  sqlite3 *db;
+  h_resp_t r;
+  const char *why;
+  (void)state;
+
+  if (h_store_is_pg())
+    skip(); /* a lock held by hand is SQLite's case; PostgreSQL's is issue 28's */
+  s = h_server_start(flags);
+  assert_string_equal(await_ready(s, 200), "");
+  assert_int_equal(sqlite3_open(s->db, &db), SQLITE_OK);
+  assert_int_equal(sqlite3_exec(db, "BEGIN IMMEDIATE", NULL, NULL, NULL), SQLITE_OK);
+  why = await_ready(s, 503);
+  if (strcmp(why, "writes are not finishing") != 0 && strcmp(why, "writes are failing") != 0)
+    fail_msg("/readyz said '%s' while the write lock was held", why);
+  h_get(s, "/healthz", NULL, &r);
+  h_assert_status(&r, 200);
+  h_resp_free(&r);
+  assert_int_equal(sqlite3_exec(db, "ROLLBACK", NULL, NULL, NULL), SQLITE_OK);
+  sqlite3_close(db);
+  assert_string_equal(await_ready(s, 200), "");
+  h_server_stop(s);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_store_fault_and_recovery, h_teardown),
+      cmocka_unit_test_teardown(test_readiness_follows_writes, h_teardown),
+      cmocka_unit_test_teardown(test_readiness_when_writes_hang, h_teardown),
   };
   int rc;
   h_init(argc, argv);
