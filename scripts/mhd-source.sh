@@ -23,7 +23,7 @@ files=(
   "libmicrohttpd_0.9.75.orig.tar.xz 796e7e217a4802679fcac667a4e98501c53185dcf50ca0583870e84192620131"
   "libmicrohttpd_$version.debian.tar.xz 566c247bfbf67e20858705ae695f58db747d50ed8512f2bc46a28bef9086e5af"
 )
-patch_files=(scripts/mhd-epoll-suspend.patch scripts/mhd-header-nul.patch)
+patch_files=(scripts/mhd-epoll-suspend.patch scripts/mhd-header-nul.patch scripts/mhd-half-close.patch)
 # What is built: the package's version, idem's patches and this script.
 stamp="$version $(cat "${patch_files[@]}" scripts/mhd-source.sh | sha256sum | cut -d' ' -f1)"
 

@@ -26,12 +26,12 @@ for f in bin/idemd bin/idem bin/idem-psp include/idem/engine.h include/idem/clie
          lib/cmake/idem/idemConfigVersion.cmake lib/pkgconfig/idem.pc lib/pkgconfig/idem-client.pc \
          share/doc/idem/LICENSE share/doc/idem/licenses/README share/doc/idem/licenses/sqlite.txt \
          share/doc/idem/licenses/libmicrohttpd.txt share/doc/idem/licenses/LGPL-2.1 \
-         share/doc/idem/licenses/mhd-epoll-suspend.patch share/doc/idem/licenses/mhd-header-nul.patch; do
+         share/doc/idem/licenses/mhd-epoll-suspend.patch share/doc/idem/licenses/mhd-header-nul.patch share/doc/idem/licenses/mhd-half-close.patch; do
   [[ -e $prefix/$f ]] || fail "not installed: $f"
 done
 grep -q '^MIT License$' "$prefix/share/doc/idem/LICENSE" || fail "share/doc/idem/LICENSE is not idem's MIT licence"
 # The patches installed are the ones the build applied (scripts/mhd-source.sh).
-for p in mhd-epoll-suspend.patch mhd-header-nul.patch; do
+for p in mhd-epoll-suspend.patch mhd-header-nul.patch mhd-half-close.patch; do
   cmp -s "$src/scripts/$p" "$prefix/share/doc/idem/licenses/$p" || fail "share/doc/idem/licenses/$p differs from scripts/$p"
 done
 

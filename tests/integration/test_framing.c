@@ -3,10 +3,15 @@
  * answered at once with a 4xx or 501, changes nothing, and where the
  * framing is in doubt the connection closes after the answer, so that the
  * bytes after the body are never read as a request of their own (RFC
- * 9112, sections 6.1 and 6.3; docs/api.md). */
+ * 9112, sections 6.1 and 6.3; docs/api.md). And a client that closes its
+ * sending side after a whole request still gets its answer
+ * (scripts/mhd-half-close.patch). */
 #include "harness.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -227,11 +232,134 @@ static void test_headers_sent_twice(void **state) {
   assert_key_free(s, tok, "twice-b");
 }
 
+/* Sends a whole request, closes the sending side (shutdown(SHUT_WR)) and
+ * reads the answer until the server closes the connection. Returns the
+ * bytes read (free them), or NULL when the connection did not close within
+ * 5 s of the last byte (the server's request timeout is far longer).
+ * Thread-safe: fails no test itself. */
+static char *half_closed(int port, const char *bytes, size_t len) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  struct timeval tv = {5, 0};
+  size_t cap = 16384, n = 0, sent = 0;
+  char *buf = malloc(cap);
+  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (buf == NULL || fd < 0 || connect(fd, (struct sockaddr *)&a, sizeof a) != 0)
+    goto fail;
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  while (sent < len) {
+    ssize_t w = send(fd, bytes + sent, len - sent, MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR)
+      continue;
+    if (w <= 0)
+      goto fail;
+    sent += (size_t)w;
+  }
+  shutdown(fd, SHUT_WR);
+  for (;;) {
+    ssize_t got = recv(fd, buf + n, cap - 1 - n, 0);
+    if (got < 0 && errno == EINTR)
+      continue;
+    if (got < 0) /* not closed in time */
+      goto fail;
+    if (got == 0 || (n += (size_t)got) == cap - 1)
+      break;
+  }
+  buf[n] = '\0';
+  close(fd);
+  return buf;
+fail:
+  if (fd >= 0)
+    close(fd);
+  free(buf);
+  return NULL;
+}
+
+#define HALF_THREADS 16
+#define HALF_EACH 25
+
+struct half_racer {
+  int port, id;
+  const char *token;
+  int answered, closed; /* 201s, and answers followed by the close */
+};
+
+static void *half_race(void *arg) {
+  struct half_racer *h = arg;
+  char req[2048], key[64], headers[64];
+  for (int i = 0; i < HALF_EACH; i++) {
+    char *got;
+    size_t len;
+    snprintf(key, sizeof key, "half-%d-%d", h->id, i);
+    snprintf(headers, sizeof headers, "Content-Length: %zu\r\n", strlen(PAYMENT));
+    len = request(req, sizeof req, h->token, key, headers, PAYMENT);
+    if ((got = half_closed(h->port, req, len)) == NULL)
+      continue;
+    h->closed++;
+    h->answered += first_status(got) == 201 && answers(got) == 1;
+    free(got);
+  }
+  return NULL;
+}
+
+/* A client that sends its whole request and closes its side still gets
+ * the answer, and the connection then closes (no keep-alive is possible):
+ * payments (their answer waits on the provider and two writes, the
+ * connection suspended meanwhile) one after another and from sixteen
+ * threads at once, and /healthz. Every answered payment is stored once. */
+static void test_half_closed_clients(void **state) {
+  static const char *const flags[] = {"--request-timeout", "60s", NULL};
+  h_server_t *s = h_server_start(flags);
+  const char *tok = h_tenant(s, "acme");
+  static const char healthz[] = "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  struct half_racer racers[HALF_THREADS];
+  pthread_t threads[HALF_THREADS];
+  char req[2048], key[64], headers[64];
+  int answered = 0;
+
+  *state = s;
+  for (int i = 0; i < 100; i++) {
+    char *got;
+    size_t len;
+    snprintf(key, sizeof key, "half-seq-%d", i);
+    snprintf(headers, sizeof headers, "Content-Length: %zu\r\n", strlen(PAYMENT));
+    len = request(req, sizeof req, tok, key, headers, PAYMENT);
+    h_context("payment %d, half-closed", i);
+    got = half_closed(s->port, req, len);
+    if (got == NULL)
+      fail_msg("no answer and close after a half-close");
+    assert_int_equal(first_status(got), 201);
+    assert_int_equal(answers(got), 1);
+    free(got);
+    h_context("/healthz %d, half-closed", i);
+    got = half_closed(s->port, healthz, sizeof healthz - 1);
+    if (got == NULL)
+      fail_msg("no answer and close after a half-close");
+    assert_int_equal(first_status(got), 200);
+    free(got);
+  }
+  h_context_clear();
+  for (int i = 0; i < HALF_THREADS; i++) {
+    racers[i] = (struct half_racer){.port = s->port, .id = i, .token = tok};
+    assert_int_equal(pthread_create(&threads[i], NULL, half_race, &racers[i]), 0);
+  }
+  for (int i = 0; i < HALF_THREADS; i++) {
+    pthread_join(threads[i], NULL);
+    if (racers[i].closed != HALF_EACH || racers[i].answered != HALF_EACH)
+      fail_msg("thread %d: %d of %d answered 201, %d closed after the answer", i,
+               racers[i].answered, HALF_EACH, racers[i].closed);
+    answered += racers[i].answered;
+  }
+  h_assert_db(s, 100 + answered, "SELECT count(*) FROM resources WHERE kind = 'payment'");
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_transfer_codings, h_teardown),
       cmocka_unit_test_teardown(test_framed_two_ways, h_teardown),
       cmocka_unit_test_teardown(test_headers_sent_twice, h_teardown),
+      cmocka_unit_test_teardown(test_half_closed_clients, h_teardown),
   };
   int failed;
 
