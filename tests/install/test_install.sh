@@ -26,10 +26,20 @@ for f in bin/idemd bin/idem bin/idem-psp include/idem/engine.h include/idem/clie
          lib/cmake/idem/idemConfigVersion.cmake lib/pkgconfig/idem.pc lib/pkgconfig/idem-client.pc \
          share/doc/idem/LICENSE share/doc/idem/licenses/README share/doc/idem/licenses/sqlite.txt \
          share/doc/idem/licenses/libmicrohttpd.txt share/doc/idem/licenses/LGPL-2.1 \
-         share/doc/idem/licenses/mhd-epoll-suspend.patch share/doc/idem/licenses/mhd-header-nul.patch share/doc/idem/licenses/mhd-half-close.patch; do
+         share/doc/idem/licenses/mhd-epoll-suspend.patch share/doc/idem/licenses/mhd-header-nul.patch \
+         share/doc/idem/licenses/mhd-half-close.patch \
+         share/doc/idem/copyright share/man/man8/idemd.8.gz share/man/man1/idem.1.gz \
+         share/man/man1/idem-psp.1.gz lib/systemd/system/idemd.service etc/default/idemd; do
   [[ -e $prefix/$f ]] || fail "not installed: $f"
 done
 grep -q '^MIT License$' "$prefix/share/doc/idem/LICENSE" || fail "share/doc/idem/LICENSE is not idem's MIT licence"
+# The unit runs the idemd of this prefix with this prefix's environment
+# file (cmake/install-service.cmake; the Debian package's, /usr's, is
+# checked by tests/package).
+grep -qx "ExecStart=$prefix/bin/idemd serve" "$prefix/lib/systemd/system/idemd.service" ||
+  fail "idemd.service does not run $prefix/bin/idemd: $(grep ExecStart "$prefix/lib/systemd/system/idemd.service")"
+grep -qx "EnvironmentFile=-$prefix/etc/default/idemd" "$prefix/lib/systemd/system/idemd.service" ||
+  fail "idemd.service does not read $prefix/etc/default/idemd"
 # The patches installed are the ones the build applied (scripts/mhd-source.sh).
 for p in mhd-epoll-suspend.patch mhd-header-nul.patch mhd-half-close.patch; do
   cmp -s "$src/scripts/$p" "$prefix/share/doc/idem/licenses/$p" || fail "share/doc/idem/licenses/$p differs from scripts/$p"
