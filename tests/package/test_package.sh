@@ -5,8 +5,9 @@
 # dpkg -x and dpkg -e, and checks what it holds: the control fields and
 # maintainer scripts, the programs, libraries, headers, CMake and
 # pkg-config files, licences, man pages (rendered without a warning),
-# idemd.service and the environment file (every variable one idemd
-# knows and accepts). Then it runs the extracted programs: --version,
+# idemd.service and the environment file (a line for every variable idemd
+# has and for no other, each value accepted; idemd(8) describes every
+# option too). Then it runs the extracted programs: --version,
 # idemd serve on 127.0.0.1 with a database in the temporary directory,
 # a tenant made by the extracted idemd, a payment with curl (201) and its
 # replay by the extracted idem client, a SIGHUP (ignored) and a SIGTERM
@@ -149,6 +150,14 @@ while IFS= read -r line; do
   [[ $line == \#* || -n ${BASH_REMATCH[2]} ]] || fail "environment file: ${BASH_REMATCH[1]} is set empty"
 done <"$envfile"
 grep -qx 'IDEMD_DB=/var/lib/idem/idem.db' "$envfile" || fail "environment file: no IDEMD_DB=/var/lib/idem/idem.db"
+# Every variable idemd has is in the file (set or commented out), and
+# every option in idemd(8): a new option needs both.
+for var in $known; do
+  grep -Eq "^#?$var=" "$envfile" || fail "environment file: no line for $var (idemd --help lists it)"
+  flag=$("$idemd" --help | awk -v v="$var" '$2 == v {print $1}')
+  zcat "$root/usr/share/man/man8/idemd.8.gz" | grep -q "^\.BI* ${flag//-/\\\\-}\( \|\$\)" ||
+    fail "idemd(8) does not describe $flag (docs/man/idemd.8)"
+done
 # shellcheck disable=SC1090 # the file under test
 (set -a && . "$envfile" && exec "$idemd" migrate --db "$tmp/env.db") >"$tmp/env.log" 2>&1 ||
   { cat "$tmp/env.log"; fail "idemd refuses the environment file"; }
