@@ -14,6 +14,8 @@ pkgs=(build-essential cmake pkg-config
       curl tcl xz-utils patch  # scripts/sqlite-source.sh, scripts/mhd-source.sh
       prometheus  # promtool, for tests/integration/test_promtool.c (the package
                   # also brings a Prometheus server on :9090 where systemd runs)
+      dpkg-dev systemd groff-base  # tests/package: dpkg-shlibdeps for cpack,
+                                   # systemd-analyze verify, groff -ww
 )
 pkgs+=("$@")
 
