@@ -154,6 +154,10 @@ typedef struct idem_store_health {
   int64_t progress_ms;    /* the last time a write ended, or began with
                            * none under way: writing > 0 for long after it
                            * means the writes hang */
+  int failing;            /* 1 when, of the writes that reached the
+                           * database or failed in the store, the last to
+                           * end failed (times of the same millisecond
+                           * cannot tell) */
 } idem_store_health_t;
 
 /* A query over records, for support tools. */

@@ -16,7 +16,7 @@ const char *idemd_not_ready(idemd_server_t *srv) {
   idem_store_health(srv->store, &h);
   if (h.writing > 0 && now - h.progress_ms > srv->cfg.ready_timeout_ms)
     return "writes are not finishing";
-  if (h.last_failed_ms > h.last_ok_ms)
+  if (h.failing)
     return "writes are failing";
   return NULL;
 }

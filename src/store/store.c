@@ -155,10 +155,13 @@ static void write_began(idem_store_t *s) {
 static int write_ended(idem_store_t *s, int rc) {
   int64_t now = idem_mono_ms();
 
-  if (rc == IDEM_ESTORE || rc == IDEM_ETIMEDOUT)
+  if (rc == IDEM_ESTORE || rc == IDEM_ETIMEDOUT) {
     atomic_store_explicit(&s->last_failed_ms, now, memory_order_relaxed);
-  else if (rc == IDEM_OK || rc == IDEM_ELOST || rc == IDEM_EEXIST)
+    atomic_store_explicit(&s->failing, 1, memory_order_relaxed);
+  } else if (rc == IDEM_OK || rc == IDEM_ELOST || rc == IDEM_EEXIST) {
     atomic_store_explicit(&s->last_ok_ms, now, memory_order_relaxed);
+    atomic_store_explicit(&s->failing, 0, memory_order_relaxed);
+  }
   atomic_store_explicit(&s->progress_ms, now, memory_order_relaxed);
   atomic_fetch_sub_explicit(&s->writing, 1, memory_order_release);
   return rc;
@@ -169,6 +172,7 @@ void idem_store_health(idem_store_t *store, idem_store_health_t *out) {
   out->last_ok_ms = atomic_load_explicit(&store->last_ok_ms, memory_order_relaxed);
   out->last_failed_ms = atomic_load_explicit(&store->last_failed_ms, memory_order_relaxed);
   out->progress_ms = atomic_load_explicit(&store->progress_ms, memory_order_relaxed);
+  out->failing = atomic_load_explicit(&store->failing, memory_order_relaxed);
 }
 
 int idem_store_probe(idem_store_t *store) {

@@ -14,6 +14,7 @@ struct idem_store {
   /* How writes are doing (idem_store_health()), kept by the wrappers. */
   atomic_int writing;
   atomic_llong last_ok_ms, last_failed_ms, progress_ms;
+  atomic_int failing; /* the last write to end failed in the store */
 };
 
 /* What a backend does for idem_tx_statement() and idem_tx_take_over(), on

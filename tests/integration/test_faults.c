@@ -224,11 +224,61 @@ static void test_readiness_when_writes_hang(void **state) {
   h_server_stop(s);
 }
 
+/* SQLite on a disk that fills up (a 600 KiB tmpfs, mounted when the test
+ * may: root; else skipped): payments answer 503 once it is full, and
+ * /readyz says "writes are failing"; once there is room again, writes work
+ * and /readyz is 200 with no request made (the probe). */
+static void test_readiness_disk_full(void **state) {
+  const char *tmp = getenv("TMPDIR");
+  char dir[256], db[320], cmd[400];
+  h_server_t *s;
+  const char *token;
+  h_resp_t r;
+  int full = 0;
+  (void)state;
+
+  if (h_store_is_pg())
+    skip();
+  snprintf(dir, sizeof dir, "%s/idem-full-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+  assert_non_null(mkdtemp(dir));
+  snprintf(cmd, sizeof cmd, "mount -t tmpfs -o size=600k tmpfs '%s' 2>/dev/null", dir);
+  if (system(cmd) != 0) {
+    rmdir(dir);
+    skip(); /* not allowed to mount here */
+  }
+  snprintf(db, sizeof db, "%s/idem.db", dir);
+  s = h_server_start_on(db, NULL);
+  token = h_tenant(s, "shop");
+  for (int i = 0; i < 2000 && !full; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "fill-%d", i);
+    h_post(s, "/payments", token, key, PAYMENT, &r);
+    if (r.status != 201) {
+      assert_unavailable(&r);
+      full = 1;
+    }
+    h_resp_free(&r);
+  }
+  assert_true(full);
+  assert_string_equal(await_ready_with(s, 503, "writes are failing"), "writes are failing");
+  snprintf(cmd, sizeof cmd, "mount -o remount,size=8m '%s'", dir);
+  assert_int_equal(system(cmd), 0);
+  assert_string_equal(await_ready(s, 200), "");
+  h_post(s, "/payments", token, "after-room", PAYMENT, &r);
+  h_assert_first(&r, 201);
+  h_resp_free(&r);
+  h_server_stop(s);
+  snprintf(cmd, sizeof cmd, "umount '%s'", dir);
+  assert_int_equal(system(cmd), 0);
+  rmdir(dir);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_store_fault_and_recovery, h_teardown),
       cmocka_unit_test_teardown(test_readiness_follows_writes, h_teardown),
       cmocka_unit_test_teardown(test_readiness_when_writes_hang, h_teardown),
+      cmocka_unit_test_teardown(test_readiness_disk_full, h_teardown),
   };
   int rc;
   h_init(argc, argv);
