@@ -295,8 +295,9 @@ int main(int argc, char **argv) {
   sigwait(&sigs, &sig);
   /* Stop taking connections, let the writer finish what is queued (a
    * request may not stay suspended when the daemon stops), then stop. */
+  /* Closed only once the daemon has stopped: its event thread may still be
+   * taking the socket out of its epoll set (a race ThreadSanitizer saw). */
   MHD_socket lfd = MHD_quiesce_daemon(d);
-  if (lfd != MHD_INVALID_SOCKET) close(lfd);
   if (f.commits > 0) {
     pthread_mutex_lock(&f.mu);
     f.stopping = true;
@@ -309,6 +310,8 @@ int main(int argc, char **argv) {
   for (int waited = 0; atomic_load(&f.open_requests) > 0 && waited < 5000; waited++)
     usleep(1000);
   MHD_stop_daemon(d);
+  if (lfd != MHD_INVALID_SOCKET)
+    close(lfd);
   if (f.fd >= 0) {
     close(f.fd);
     unlink(file);
