@@ -170,6 +170,21 @@ static idemd_outcome_t outcome_of(idem_decision_t d) {
  * answer of its decision. */
 enum async_stage { DECIDING, EXECUTING, COMPLETING };
 
+/* What the engine is given of request `r` running `e` under `scope`, in
+ * either form; the wait goes on from where an earlier turn left it. */
+static idem_begin_t begin_of(const idemd_request_t *r, const idemd_effect_t *e,
+                             const idem_scope_t *scope) {
+  return (idem_begin_t){.scope = *scope,
+                        .fingerprint = e->fingerprint,
+                        .correlation_id = r->request_id,
+                        .resource_id = e->resource_id,
+                        .effect = e->written,
+                        .outcome = e->outcome,
+                        .prepare = e->prepare,
+                        .arg = e->ctx,
+                        .wait_until_ms = r->inflight_deadline};
+}
+
 /* The key of request `r` running `e`: its pointers are into `r` and `e`,
  * which outlive the flow. */
 static idem_scope_t scope_of(const idemd_request_t *r, const idemd_effect_t *e) {
@@ -432,16 +447,8 @@ static enum MHD_Result run_in_event_thread(idemd_request_t *r, const idemd_effec
   af->r = r;
   af->e = e;
   af->stage = DECIDING;
-  af->a.begin = (idem_begin_t){.scope = *scope,
-                               .fingerprint = e->fingerprint,
-                               .correlation_id = r->request_id,
-                               .resource_id = e->resource_id,
-                               .effect = e->written,
-                               .outcome = e->outcome,
-                               .prepare = e->prepare,
-                               .arg = e->ctx,
-                               .wait_until_ms = r->inflight_deadline,
-                               .skip_read = 1};
+  af->a.begin = begin_of(r, e, scope);
+  af->a.begin.skip_read = 1;
   af->a.wake = woken;
   af->a.suspend = async_suspend;
   af->a.arg = af;
@@ -474,15 +481,7 @@ idem_engine_t *idemd_flow_engine(idemd_server_t *srv) {
 static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e,
                                      const idem_scope_t *scope) {
   idemd_server_t *srv = r->srv;
-  idem_begin_t b = {.scope = *scope,
-                    .fingerprint = e->fingerprint,
-                    .correlation_id = r->request_id,
-                    .resource_id = e->resource_id,
-                    .effect = e->written,
-                    .outcome = e->outcome,
-                    .prepare = e->prepare,
-                    .arg = e->ctx,
-                    .wait_until_ms = r->inflight_deadline};
+  idem_begin_t b = begin_of(r, e, scope);
   idem_record_t rec = {0};
   enum MHD_Result ret;
 

@@ -194,8 +194,9 @@ static const char *header_conflict(const idemd_request_t *r, const struct header
     return "Transfer-Encoding and Content-Length must not both be sent";
   if (h->lengths_differ)
     return "Content-Length headers disagree";
-  te = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
-                                   MHD_HTTP_HEADER_TRANSFER_ENCODING);
+  te = h->codings == 0 ? NULL /* most requests: no second lookup */
+                       : MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                                     MHD_HTTP_HEADER_TRANSFER_ENCODING);
   if (h->codings > 1 || (te && strcasecmp(te, "chunked") != 0)) {
     if (te && chunked_not_last(te))
       return "chunked must be the last transfer coding";
