@@ -113,7 +113,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   int nflags = (int)(sizeof flags / sizeof *flags) - 1;
   idemd_config_t cfg;
   unsigned char seed[8];
-  idem_tenant_t t;
+  idemd_tenant_t t;
   int rc;
 
   (void)argc;
@@ -137,8 +137,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   /* As `idemd tenant create fuzz` does. */
   rc = idemd_api_key_new("fuzz", &t, token);
   FUZZ_CHECK(rc == IDEM_OK, "idemd_api_key_new: %d", rc);
-  rc = idem_store_tenant_create(srv.store, &t);
-  FUZZ_CHECK(rc == IDEM_OK, "idem_store_tenant_create: %d", rc);
+  rc = idemd_tenant_create(srv.tenants, &t);
+  FUZZ_CHECK(rc == IDEM_OK, "idemd_tenant_create: %d", rc);
   return 0;
 }
 

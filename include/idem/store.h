@@ -1,6 +1,5 @@
-/* The store interface: where idempotency records (and, for now, idemd's
- * tenants) live; a program's own rows go through effects (idem_effect_t)
- * into its own tables. Each backend (SQLite, PostgreSQL)
+/* The store interface: where idempotency records live; a program's own
+ * rows go through effects (idem_effect_t) into its own tables. Each backend (SQLite, PostgreSQL)
  * fills in a table of functions; callers only use the idem_store_*()
  * wrappers below, so a new backend needs no change in callers.
  *
@@ -127,15 +126,6 @@ typedef struct idem_complete {
   idem_effect_t effect; /* run once the record is ours to complete, after it */
 } idem_complete_t;
 
-typedef struct idem_tenant {
-  int64_t id;
-  char name[65];
-  char key_lookup[33];
-  unsigned char key_hash[32];
-  int disabled;
-  int64_t created_at;
-} idem_tenant_t;
-
 /* Counters a backend keeps about its writes. */
 typedef struct idem_store_stats {
   uint64_t commits; /* write transactions committed (each one sync) */
@@ -194,15 +184,10 @@ typedef struct idem_store_methods {
   int (*complete)(idem_store_t *, const idem_complete_t *);
   int (*lookup)(idem_store_t *, const idem_scope_t *, int64_t now_ms,
                 idem_record_t *);
-  int (*tenant_create)(idem_store_t *, idem_tenant_t *);
-  int (*tenant_find)(idem_store_t *, const char *key_lookup, idem_tenant_t *);
   int (*meta_get_or_put)(idem_store_t *, const char *name, const char *value,
                          char **out);
   int (*sweep)(idem_store_t *, int64_t now_ms, int batch, int *deleted);
   int (*count)(idem_store_t *, const char *what, int64_t tenant_id, int64_t *n);
-  int (*tenant_by_name)(idem_store_t *, const char *name, idem_tenant_t *);
-  int (*tenant_update)(idem_store_t *, const idem_tenant_t *);
-  int (*tenant_list)(idem_store_t *, idem_tenant_t *out, int max, int *n);
   int (*records_list)(idem_store_t *, const idem_records_query_t *,
                       idem_record_t *out, int *n);
   void (*stats)(idem_store_t *, idem_store_stats_t *); /* optional */
@@ -232,7 +217,7 @@ void idem_store_close(idem_store_t *store);
 /* The backend's name ("sqlite", "postgresql"). */
 const char *idem_store_backend(const idem_store_t *store);
 
-/* 1 when the store's reads (lookup, tenant_find, count, ping, read) are served locally without waiting on writers or a network round
+/* 1 when the store's reads (lookup, count, ping, read) are served locally without waiting on writers or a network round
  * trip, so an event loop may make them inline; 0 when they may block. */
 int idem_store_local_reads(const idem_store_t *store);
 
@@ -343,17 +328,6 @@ int idem_store_park(idem_store_t *store, const idem_scope_t *scope,
  * `now_ms` (INT64_MAX: all of them). Returns how many it woke. */
 int idem_store_expire_waiters(idem_store_t *store, int64_t now_ms);
 
-/* Inserts a tenant from `t` (name, key_lookup, key_hash, created_at) and
- * sets `t->id`. IDEM_EEXIST when the name is taken. */
-IDEM_WARN_UNUSED int idem_store_tenant_create(idem_store_t *store,
-                                              idem_tenant_t *t);
-
-/* Finds the tenant whose API key has lookup part `key_lookup`.
- * IDEM_ENOTFOUND when none. */
-IDEM_WARN_UNUSED int idem_store_tenant_find(idem_store_t *store,
-                                            const char *key_lookup,
-                                            idem_tenant_t *out);
-
 /* Stores `value` under `name` unless a value is there already, then reads
  * the value that won into `*out` (malloc'd; caller frees). Safe when many
  * processes race on first start. */
@@ -372,23 +346,6 @@ IDEM_WARN_UNUSED int idem_store_sweep(idem_store_t *store, int64_t now_ms,
  * when there is none. `tenant_id` 0 means all tenants. */
 IDEM_WARN_UNUSED int idem_store_count(idem_store_t *store, const char *what,
                                       int64_t tenant_id, int64_t *n);
-
-/* Finds a tenant by name. IDEM_ENOTFOUND when none. */
-IDEM_WARN_UNUSED int idem_store_tenant_by_name(idem_store_t *store,
-                                               const char *name,
-                                               idem_tenant_t *out);
-
-/* Replaces the key (key_lookup, key_hash) and the disabled flag of the
- * tenant named t->name. The old key stops working at commit.
- * IDEM_ENOTFOUND when there is no such tenant; IDEM_EEXIST when the new
- * lookup collides with another tenant's. */
-IDEM_WARN_UNUSED int idem_store_tenant_update(idem_store_t *store,
-                                              const idem_tenant_t *t);
-
-/* Lists up to `max` tenants by name into `out`; `*n` gets the count. */
-IDEM_WARN_UNUSED int idem_store_tenant_list(idem_store_t *store,
-                                            idem_tenant_t *out, int max,
-                                            int *n);
 
 /* Lists records of one tenant matching `q` (at most q->limit, which must
  * not exceed the size of `out`), most recently updated first, whatever

@@ -28,9 +28,9 @@ static int store_failed(const char *what, int rc) {
   return 1;
 }
 
-static int tenant_create(idem_store_t *store, const char *name) {
+static int tenant_create(idemd_tenants_t *tenants, const char *name) {
   char key[IDEMD_API_KEY_MAX + 1];
-  idem_tenant_t t;
+  idemd_tenant_t t;
   int rc = idemd_api_key_new(name, &t, key);
 
   if (rc == IDEM_EINVAL) {
@@ -38,7 +38,7 @@ static int tenant_create(idem_store_t *store, const char *name) {
     return 2;
   }
   if (rc == IDEM_OK)
-    rc = idem_store_tenant_create(store, &t);
+    rc = idemd_tenant_create(tenants, &t);
   if (rc == IDEM_EEXIST) {
     fprintf(stderr, "idemd: tenant '%s' already exists\n", name);
     return 1;
@@ -50,10 +50,10 @@ static int tenant_create(idem_store_t *store, const char *name) {
 }
 
 /* rotate, disable, enable: read the tenant, change it, write it back. */
-static int tenant_change(idem_store_t *store, const char *action, const char *name) {
+static int tenant_change(idemd_tenants_t *tenants, const char *action, const char *name) {
   char key[IDEMD_API_KEY_MAX + 1];
-  idem_tenant_t t, fresh;
-  int rc = idem_store_tenant_by_name(store, name, &t);
+  idemd_tenant_t t, fresh;
+  int rc = idemd_tenant_by_name(tenants, name, &t);
 
   if (rc == IDEM_ENOTFOUND) {
     fprintf(stderr, "idemd: no tenant named '%s'\n", name);
@@ -69,7 +69,7 @@ static int tenant_change(idem_store_t *store, const char *action, const char *na
   } else {
     t.disabled = strcmp(action, "disable") == 0;
   }
-  if ((rc = idem_store_tenant_update(store, &t)) != IDEM_OK)
+  if ((rc = idemd_tenant_update(tenants, &t)) != IDEM_OK)
     return store_failed("tenant update", rc);
   if (strcmp(action, "rotate") == 0)
     printf("%s\n", key);
@@ -78,13 +78,13 @@ static int tenant_change(idem_store_t *store, const char *action, const char *na
   return 0;
 }
 
-static int tenant_list(idem_store_t *store) {
-  idem_tenant_t *list = calloc(MAX_LIST, sizeof *list);
+static int tenant_list(idemd_tenants_t *tenants) {
+  idemd_tenant_t *list = calloc(MAX_LIST, sizeof *list);
   int n = 0, rc;
 
   if (list == NULL)
     return 1;
-  rc = idem_store_tenant_list(store, list, MAX_LIST, &n);
+  rc = idemd_tenant_list(tenants, list, MAX_LIST, &n);
   if (rc == IDEM_OK) {
     printf("%-24s %-9s %s\n", "NAME", "STATUS", "CREATED");
     for (int i = 0; i < n; i++) {
@@ -103,6 +103,7 @@ int idemd_cmd_tenant(const idemd_config_t *cfg, const char *action,
   int list = strcmp(action, "list") == 0;
   int known = list || strcmp(action, "create") == 0 || strcmp(action, "rotate") == 0 ||
               strcmp(action, "disable") == 0 || strcmp(action, "enable") == 0;
+  idemd_tenants_t *tenants = NULL;
   idem_store_t *store;
   int rc;
 
@@ -112,12 +113,15 @@ int idemd_cmd_tenant(const idemd_config_t *cfg, const char *action,
   }
   if ((store = idemd_open_store(cfg)) == NULL)
     return 1;
-  if (list)
-    rc = tenant_list(store);
+  if (idemd_tenants_open(store, &tenants) != IDEM_OK)
+    rc = store_failed("tenants", IDEM_ENOMEM);
+  else if (list)
+    rc = tenant_list(tenants);
   else if (strcmp(action, "create") == 0)
-    rc = tenant_create(store, name);
+    rc = tenant_create(tenants, name);
   else
-    rc = tenant_change(store, action, name);
+    rc = tenant_change(tenants, action, name);
+  idemd_tenants_close(tenants);
   idem_store_close(store);
   return rc;
 }
@@ -144,7 +148,8 @@ int idemd_cmd_records(const idemd_config_t *cfg, const idemd_records_args_t *a) 
   idem_records_query_t q = {0};
   idem_record_t *list = NULL;
   idem_store_t *store;
-  idem_tenant_t t;
+  idemd_tenants_t *tenants = NULL;
+  idemd_tenant_t t;
   int n = 0, rc;
 
   if (a->tenant == NULL || (a->show && (a->operation == NULL || a->key == NULL))) {
@@ -158,7 +163,10 @@ int idemd_cmd_records(const idemd_config_t *cfg, const idemd_records_args_t *a) 
   }
   if ((store = idemd_open_store(cfg)) == NULL)
     return 1;
-  rc = idem_store_tenant_by_name(store, a->tenant, &t);
+  rc = idemd_tenants_open(store, &tenants);
+  if (rc == IDEM_OK)
+    rc = idemd_tenant_by_name(tenants, a->tenant, &t);
+  idemd_tenants_close(tenants);
   if (rc == IDEM_ENOTFOUND) {
     fprintf(stderr, "idemd: no tenant named '%s'\n", a->tenant);
     idem_store_close(store);

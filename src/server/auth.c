@@ -18,7 +18,7 @@ static int valid_name(const char *name) {
                       "0123456789._-") == n;
 }
 
-int idemd_api_key_new(const char *name, idem_tenant_t *t, char *key) {
+int idemd_api_key_new(const char *name, idemd_tenant_t *t, char *key) {
   char lookup[LOOKUP_LEN + 1], secret[SECRET_LEN + 1];
 
   memset(t, 0, sizeof *t);
@@ -34,8 +34,8 @@ int idemd_api_key_new(const char *name, idem_tenant_t *t, char *key) {
   return idem_sha256(key, strlen(key), t->key_hash);
 }
 
-int idemd_authenticate(idem_store_t *store, const char *authorization,
-                       idem_tenant_t *out) {
+int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
+                       idemd_tenant_t *out) {
   char lookup[LOOKUP_LEN + 1];
   unsigned char hash[IDEM_SHA256_LEN];
   const char *key;
@@ -60,7 +60,7 @@ int idemd_authenticate(idem_store_t *store, const char *authorization,
     return IDEM_ENOTFOUND;
   if (idem_sha256(key, len, hash) != IDEM_OK)
     return IDEM_ECRYPTO;
-  rc = idem_store_tenant_find(store, lookup, out);
+  rc = idemd_tenant_find(tenants, lookup, out);
   if (rc != IDEM_OK)
     return rc;
   if (!idem_ct_equal(hash, out->key_hash, sizeof hash) || out->disabled) {

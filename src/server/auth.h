@@ -4,7 +4,7 @@
 #ifndef IDEMD_AUTH_H
 #define IDEMD_AUTH_H
 
-#include "idem/store.h"
+#include "data/tenants.h"
 
 #define IDEMD_API_KEY_MAX 80
 
@@ -12,13 +12,13 @@
  * IDEMD_API_KEY_MAX + 1 bytes) and t->name, t->key_lookup, t->key_hash.
  * Returns IDEM_OK, IDEM_EINVAL for a bad name (1 to 64 of [A-Za-z0-9._-]),
  * or IDEM_ECRYPTO. */
-int idemd_api_key_new(const char *name, idem_tenant_t *t, char *key);
+int idemd_api_key_new(const char *name, idemd_tenant_t *t, char *key);
 
 /* Authenticates the value of an Authorization header ("Bearer <key>").
  * Returns IDEM_OK and fills `out` for an enabled tenant whose key matches;
  * IDEM_ENOTFOUND for a missing, malformed, unknown, wrong or disabled key;
  * or a store error. */
-int idemd_authenticate(idem_store_t *store, const char *authorization,
-                       idem_tenant_t *out);
+int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
+                       idemd_tenant_t *out);
 
 #endif

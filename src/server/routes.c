@@ -178,7 +178,7 @@ static enum MHD_Result serve_create(idemd_request_t *r) {
 }
 
 int idemd_check_key(idemd_request_t *r) {
-  int rc = idemd_authenticate(r->srv->store,
+  int rc = idemd_authenticate(r->srv->tenants,
                               MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
                                                           MHD_HTTP_HEADER_AUTHORIZATION),
                               &r->tenant);

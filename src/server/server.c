@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "data/schema.h"
 #include "idem/crypto.h"
 #include "server/flow.h"
 #include "server/log.h"
@@ -14,10 +15,12 @@
 #include "server/readiness.h"
 #include "server/sweeper.h"
 
-/* Opens and migrates the store named by the configuration. Store messages
+/* Opens the store named by the configuration and migrates libidem's
+ * tables, then idemd's. Store messages
  * go to stderr here: this is the operator's terminal, not an HTTP body. */
 idem_store_t *idemd_open_store(const idemd_config_t *cfg) {
   idem_store_t *store = NULL;
+  char why[512];
   int rc = idem_store_open(cfg->db, NULL, &store);
   if (rc != IDEM_OK) {
     fprintf(stderr, "idemd: cannot open database: %s (%s)\n", idem_strerror(rc),
@@ -28,6 +31,13 @@ idem_store_t *idemd_open_store(const idemd_config_t *cfg) {
   if (rc != IDEM_OK) {
     fprintf(stderr, "idemd: cannot migrate database: %s (%s)\n",
             idem_strerror(rc), idem_store_last_error());
+    idem_store_close(store);
+    return NULL;
+  }
+  rc = idemd_schema_migrate(store, why, sizeof why);
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: cannot migrate idemd's tables: %s (%s)\n",
+            idem_strerror(rc), why);
     idem_store_close(store);
     return NULL;
   }
@@ -103,6 +113,10 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
   idemd_log_set_level(cfg->log_level);
   if ((srv->store = idemd_open_store(cfg)) == NULL)
     return -1;
+  if (idemd_tenants_open(srv->store, &srv->tenants) != IDEM_OK) {
+    fprintf(stderr, "idemd: out of memory\n");
+    goto close_store;
+  }
   if ((rc = load_log_secret(srv)) != IDEM_OK) {
     fprintf(stderr, "idemd: cannot load the log secret: %s\n", idem_strerror(rc));
     goto close_store;
@@ -166,6 +180,7 @@ close_store:
   idem_engine_free(srv->engine);
   idemd_replay_cache_free(srv->replays);
   idem_hmac_free(srv->key_id_mac);
+  idemd_tenants_close(srv->tenants);
   idem_store_close(srv->store);
   return -1;
 }

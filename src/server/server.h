@@ -12,6 +12,7 @@
 #include "idem/store.h"
 #include "provider/provider.h"
 #include "provider/reconciler.h"
+#include "data/tenants.h"
 #include "server/config.h"
 #include "server/guard.h"
 #include "server/metrics.h"
@@ -22,6 +23,7 @@
 typedef struct idemd_server {
   idemd_config_t cfg;
   idem_store_t *store;
+  idemd_tenants_t *tenants;   /* who may call, by API key, over `store` */
   struct idem_engine *engine; /* decides keyed requests over `store` */
   idem_provider_t *provider;
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
@@ -80,7 +82,7 @@ typedef struct idemd_request {
   const char *refusal_allow; /* Allow, for 405 */
   int refusal_close;         /* the body's framing is in doubt: close after */
 
-  idem_tenant_t tenant;
+  idemd_tenant_t tenant;
   int authenticated;
   char key[IDEM_KEY_MAX + 1];
   char key_id[17]; /* HMAC-derived id of the key, for logs */
@@ -138,8 +140,8 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
 /* Frees a request and what it owns. */
 void idemd_request_free(idemd_request_t *r);
 
-/* Opens and migrates the configured store, or prints why not (to stderr)
- * and returns NULL. The caller owns the store; close it with
+/* Opens the configured store and migrates its tables, libidem's and then
+ * idemd's (data/schema.h), or prints why not (to stderr) and returns NULL. The caller owns the store; close it with
  * idem_store_close(). Every command that uses the store opens it here. */
 idem_store_t *idemd_open_store(const idemd_config_t *cfg);
 

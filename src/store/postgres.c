@@ -29,15 +29,10 @@ enum stmt_id {
   ST_READ_RECORD,
   ST_COMPLETE,
   ST_NOTIFY,
-  ST_TENANT_CREATE,
-  ST_TENANT_FIND,
   ST_META_PUT,
   ST_META_GET,
   ST_SWEEP,
   ST_PING,
-  ST_TENANT_BY_NAME,
-  ST_TENANT_UPDATE,
-  ST_TENANT_LIST,
   ST_RECORDS_LIST,
   ST_TAKE_OVER,
   ST_PROBE,
@@ -50,7 +45,6 @@ enum stmt_id {
   "owner_token, lease_expires_at, created_at, updated_at, expires_at"
 
 #define SCOPE_MATCH "tenant_id = $1 AND operation = $2 AND key = $3"
-#define TENANT_COLUMNS "id, name, key_lookup, key_hash, disabled, created_at"
 
 static const char *const stmt_sql[ST_COUNT_] = {
     [ST_RESERVE] =
@@ -82,14 +76,6 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "WHERE " SCOPE_MATCH " AND state IN ('processing', 'pending') "
         "AND owner_token = $12",
     [ST_NOTIFY] = "SELECT pg_notify('" NOTIFY_CHANNEL "', $1)",
-    [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
-                         "disabled, created_at) VALUES ($1, $2, $3, 0, $4) "
-                         "RETURNING id",
-    [ST_TENANT_FIND] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE key_lookup = $1",
-    [ST_TENANT_BY_NAME] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE name = $1",
-    [ST_TENANT_UPDATE] = "UPDATE tenants SET key_lookup = $2, key_hash = $3, "
-                         "disabled = $4 WHERE name = $1",
-    [ST_TENANT_LIST] = "SELECT " TENANT_COLUMNS " FROM tenants ORDER BY name LIMIT $1",
     [ST_RECORDS_LIST] = "SELECT " RECORD_COLUMNS " FROM idempotency_records "
                         "WHERE tenant_id = $1 AND ($2::text IS NULL OR state = $2) "
                         "AND ($3::bigint = 0 OR updated_at < $3) "
@@ -190,9 +176,42 @@ static const char *const migrations[] = {
      * reference to resources. */
     ("ALTER TABLE idempotency_records DROP CONSTRAINT IF EXISTS "
      "idempotency_records_tenant_id_fkey;"),
+    /* 4: from here tenants, resources, the outbox and the views over them
+     * are idemd's, made and counted by idemd itself (its own idemd_schema
+     * table); a database made at this version holds only meta and the
+     * records (`fresh`, below). Nothing changes in one made before. */
+    "SELECT 1",
 };
 
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
+
+/* A new database, made at SCHEMA_VERSION at once: what the versions above
+ * leave of libidem's own tables. */
+static const char fresh[] =
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);"
+    "CREATE TABLE idempotency_records ("
+    " tenant_id BIGINT NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " fingerprint TEXT NOT NULL,"
+    " state TEXT NOT NULL CHECK (state IN ('processing', 'completed', "
+    "'failed', 'pending')),"
+    " response_status INTEGER,"
+    " response_body TEXT,"
+    " location TEXT,"
+    " resource_id TEXT,"
+    " provider_ref TEXT,"
+    " correlation_id TEXT NOT NULL,"
+    " owner_token TEXT,"
+    " lease_expires_at BIGINT,"
+    " created_at BIGINT NOT NULL,"
+    " updated_at BIGINT NOT NULL,"
+    " expires_at BIGINT,"
+    " UNIQUE (tenant_id, operation, key));"
+    "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
+    "WHERE expires_at IS NOT NULL;"
+    "CREATE INDEX records_open ON idempotency_records (state, updated_at) "
+    "WHERE state IN ('processing', 'pending');";
 #define MIGRATE_LOCK "7305818436" /* pg_advisory_xact_lock key for migrations */
 
 struct conn {
@@ -666,100 +685,6 @@ static int query_row(pg_store_t *s, enum stmt_id id, int n,
   return IDEM_OK;
 }
 
-static int pg_tenant_create(idem_store_t *base, idem_tenant_t *t) {
-  char hash[IDEM_SHA256_HEX_LEN], created[24];
-  const char *p[4] = {t->name, t->key_lookup, hash,
-                      num(created, sizeof created, t->created_at)};
-  PGresult *res;
-  int rc;
-
-  idem_hex(t->key_hash, sizeof t->key_hash, hash);
-  rc = query_row((pg_store_t *)base, ST_TENANT_CREATE, 4, p, &res);
-  if (rc != IDEM_OK)
-    return rc;
-  t->id = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
-  PQclear(res);
-  return IDEM_OK;
-}
-
-static int unhex(const char *hex, unsigned char *out, size_t len) {
-  for (size_t i = 0; i < len; i++) {
-    unsigned v;
-    if (sscanf(hex + 2 * i, "%2x", &v) != 1)
-      return -1;
-    out[i] = (unsigned char)v;
-  }
-  return 0;
-}
-
-/* Copies row `i` of a result selecting TENANT_COLUMNS. */
-static void row_to_tenant(PGresult *res, int i, idem_tenant_t *out) {
-  memset(out, 0, sizeof *out);
-  out->id = strtoll(PQgetvalue(res, i, 0), NULL, 10);
-  idem_copy(out->name, sizeof out->name, PQgetvalue(res, i, 1));
-  idem_copy(out->key_lookup, sizeof out->key_lookup, PQgetvalue(res, i, 2));
-  if (strlen(PQgetvalue(res, i, 3)) != 2 * sizeof out->key_hash ||
-      unhex(PQgetvalue(res, i, 3), out->key_hash, sizeof out->key_hash) != 0)
-    memset(out->key_hash, 0, sizeof out->key_hash);
-  out->disabled = atoi(PQgetvalue(res, i, 4));
-  out->created_at = strtoll(PQgetvalue(res, i, 5), NULL, 10);
-}
-
-static int tenant_query(pg_store_t *s, enum stmt_id id, const char *arg,
-                        idem_tenant_t *out) {
-  const char *p[1] = {arg};
-  PGresult *res;
-  int rc;
-
-  memset(out, 0, sizeof *out);
-  if ((rc = query_row(s, id, 1, p, &res)) != IDEM_OK)
-    return rc;
-  row_to_tenant(res, 0, out);
-  PQclear(res);
-  return IDEM_OK;
-}
-
-static int pg_tenant_find(idem_store_t *base, const char *lookup,
-                          idem_tenant_t *out) {
-  return tenant_query((pg_store_t *)base, ST_TENANT_FIND, lookup, out);
-}
-
-static int pg_tenant_by_name(idem_store_t *base, const char *name,
-                             idem_tenant_t *out) {
-  return tenant_query((pg_store_t *)base, ST_TENANT_BY_NAME, name, out);
-}
-
-static int pg_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
-  pg_store_t *s = (pg_store_t *)base;
-  char hash[IDEM_SHA256_HEX_LEN], disabled[24];
-  const char *p[4] = {t->name, t->key_lookup, hash,
-                      num(disabled, sizeof disabled, t->disabled)};
-  int rc, changed = 0;
-
-  idem_hex(t->key_hash, sizeof t->key_hash, hash);
-  rc = pooled_cmd(s, ST_TENANT_UPDATE, 4, p, &changed);
-  if (rc == IDEM_OK && changed == 0)
-    rc = IDEM_ENOTFOUND;
-  return rc;
-}
-
-static int pg_tenant_list(idem_store_t *base, idem_tenant_t *out, int max, int *n) {
-  pg_store_t *s = (pg_store_t *)base;
-  char lim[16];
-  const char *p[1] = {num(lim, sizeof lim, max)};
-  PGresult *res;
-  int rc, rows;
-
-  if ((res = pooled_run(s, ST_TENANT_LIST, 1, p, &rc)) == NULL)
-    return rc;
-  rows = PQntuples(res) < max ? PQntuples(res) : max;
-  for (int i = 0; i < rows; i++)
-    row_to_tenant(res, i, &out[i]);
-  PQclear(res);
-  *n = rows;
-  return IDEM_OK;
-}
-
 static int pg_records_list(idem_store_t *base, const idem_records_query_t *q,
                            idem_record_t *out, int *n) {
   pg_store_t *s = (pg_store_t *)base;
@@ -884,6 +809,13 @@ static int migrate_to(pg_store_t *s, int target) {
     idem__store_set_error("schema version %d is newer than this program's %d",
                           version, SCHEMA_VERSION);
     rc = IDEM_ESCHEMA;
+  }
+  if (rc == IDEM_OK && version == 0 && target == SCHEMA_VERSION) {
+    char sql[96];
+    snprintf(sql, sizeof sql, "INSERT INTO idem_schema VALUES (%d)", SCHEMA_VERSION);
+    if ((rc = simple(c, fresh)) == IDEM_OK)
+      rc = simple(c, sql);
+    version = target;
   }
   for (int v = version; rc == IDEM_OK && v < target; v++) {
     char sql[96];
@@ -1043,14 +975,9 @@ static const idem_store_methods_t pg_methods = {
     .reserve = pg_reserve,
     .complete = pg_complete,
     .lookup = pg_lookup,
-    .tenant_create = pg_tenant_create,
-    .tenant_find = pg_tenant_find,
     .meta_get_or_put = pg_meta_get_or_put,
     .sweep = pg_sweep,
     .count = pg_count,
-    .tenant_by_name = pg_tenant_by_name,
-    .tenant_update = pg_tenant_update,
-    .tenant_list = pg_tenant_list,
     .records_list = pg_records_list,
     .write = pg_write,
     .read = pg_read,

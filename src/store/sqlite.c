@@ -2,8 +2,8 @@
  * (synchronous=FULL), versioned migrations (sqlite_schema.c), and a pool of
  * connections with their statements prepared once. This file opens and
  * closes the store and holds the pool, the statements and the store's
- * methods: reservations, completions, lookups, tenants and their cache,
- * claims, sweeps, counts and stats.
+ * methods: reservations, completions, lookups, sweeps, counts
+ * and stats.
  *
  * Concurrency: readers use their own pooled connection and never block.
  * Every write goes through the group-commit writer (sqlite_writer.c): its
@@ -13,21 +13,16 @@
  * one COMMIT is on disk. SQLite admits one writer at a time anyway, and one
  * fsync for many writes costs far less than one each. Migrations run their
  * transaction from the caller's thread, under the same write_lock as the
- * writer's. Other processes (idemd tenant create while a server runs) are
+ * writer's. Other processes (an idemd command while a server runs) are
  * handled by the busy timeout plus a bounded retry. */
 #include "sqlite_impl.h"
 
-#include <errno.h>
-#include <fcntl.h>
 #include <pthread.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <stdatomic.h>
 #include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "idem/clock.h"
 #include "idem/crypto.h"
@@ -48,7 +43,6 @@
   "provider_ref = COALESCE(?9, provider_ref), owner_token = NULL, "           \
   "lease_expires_at = NULL, updated_at = ?10, expires_at = ?11 WHERE "
 #define COMPLETE_OWNED "(state = 'processing' OR state = 'pending') AND owner_token = ?12"
-#define TENANT_COLUMNS "id, name, key_lookup, key_hash, disabled, created_at"
 
 static const char *const stmt_sql[ST_COUNT_] = {
     [ST_BEGIN] = "BEGIN IMMEDIATE",
@@ -87,13 +81,6 @@ static const char *const stmt_sql[ST_COUNT_] = {
      * per completion. The key and owner must still match. */
     [ST_COMPLETE_ROW] =
         COMPLETE_SET "rowid = ?13 AND " SCOPE_MATCH " AND " COMPLETE_OWNED,
-    [ST_TENANT_CREATE] = "INSERT INTO tenants (name, key_lookup, key_hash, "
-                         "disabled, created_at) VALUES (?1, ?2, ?3, 0, ?4)",
-    [ST_TENANT_FIND] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE key_lookup = ?1",
-    [ST_TENANT_BY_NAME] = "SELECT " TENANT_COLUMNS " FROM tenants WHERE name = ?1",
-    [ST_TENANT_UPDATE] = "UPDATE tenants SET key_lookup = ?2, key_hash = ?3, "
-                         "disabled = ?4 WHERE name = ?1",
-    [ST_TENANT_LIST] = "SELECT " TENANT_COLUMNS " FROM tenants ORDER BY name LIMIT ?1",
     /* idem_tx_take_over(): a record left behind, given a new owner. */
     [ST_TAKE_OVER] =
         "UPDATE idempotency_records SET owner_token = ?4, lease_expires_at = ?5, "
@@ -120,7 +107,6 @@ static const char *const stmt_sql[ST_COUNT_] = {
 static const char *vfs_name;
 
 static const idem_store_methods_t sqlite_methods;
-static atomic_uint_fast64_t store_serials;
 
 /* Maps a SQLite result code to an idem error, keeping the message. */
 int idem__sqlite_fail(sqlite3 *db, int rc, const char *what) {
@@ -623,282 +609,6 @@ static int sq_lookup(idem_store_t *base, const idem_scope_t *sc, int64_t now_ms,
   return rc;
 }
 
-/* ---- Tenant cache -------------------------------------------------------
- *
- * Every request checks its API key, and reading the key's tenant was a
- * quarter of a replay's CPU (a read transaction: file locks, a statement).
- * Tenants found are remembered, and forgotten as soon as any tenant
- * changes, in any process: every change made through this store (idemd
- * tenant create, rotate-key, disable, enable) appends one byte to a file
- * beside the database (`<db>-tenants`, opened O_APPEND by every process
- * that uses the database), and an entry counts only while that file's
- * size is what it was before the entry was read. The byte is written
- * after the change commits, so by the time the command returns, no process
- * answers with the old key. Each thread reads the file's size at most once
- * every TENANT_RECHECK_US (an fstat() per lookup was 4 % of a replay's
- * CPU), and a change's command returns only after waiting that long past
- * its byte: whatever a thread remembers of the size was read before, so
- * by then every lookup reads it again. An entry also lasts at most
- * TENANT_TTL_MS, which bounds staleness after a change made another way (SQL on the file by hand, a
- * replaced file) or a command killed between its commit and its byte.
- * Without the file (say, a read-only directory), every key is read from
- * the database as before. */
-#define TENANT_CACHE 64 /* entries, direct-mapped by key lookup */
-#define TENANT_TTL_MS 1000
-#define TENANT_RECHECK_US 2000
-
-struct tenant_entry {
-  idem_tenant_t t;
-  int64_t changed;  /* the file's size when `t` was read */
-  int64_t until_ms; /* idem_mono_ms() */
-  int used;
-};
-
-/* The change count: the file's size; -1 when it cannot be read. */
-static int64_t tenants_changed(const sqlite_store_t *s) {
-  struct stat st;
-  return fstat(s->tenants_fd, &st) == 0 ? (int64_t)st.st_size : -1;
-}
-
-/* The change count as this thread last read it, read again when that was
- * TENANT_RECHECK_US ago or more (or for another store). The time is taken
- * before the read, so a size is never trusted longer than that after it
- * was read. */
-static int64_t tenants_changed_lately(const sqlite_store_t *s) {
-  static __thread uint64_t store;  /* the serial of the store last read */
-  static __thread int64_t read_us; /* idem_mono_us() before that read */
-  static __thread int64_t count;
-  int64_t now = idem_mono_us();
-
-  if (store != s->serial || count < 0 || now - read_us >= TENANT_RECHECK_US) {
-    count = tenants_changed(s);
-    read_us = now;
-    store = s->serial;
-  }
-  return count;
-}
-
-/* Sleeps `us` microseconds, through signals. */
-static void sleep_us(long long us) {
-  struct timespec left = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000L};
-  while (nanosleep(&left, &left) != 0 && errno == EINTR)
-    ;
-}
-
-/* After a change to a tenant (committed, or maybe: an extra count only
- * empties the caches). When this process cannot count it in the file the
- * servers read (not writable by this user, or not there), it waits until
- * every entry remembered before the change has expired, so the change
- * still holds for everyone once the command returns. */
-static void tenants_bump(sqlite_store_t *s) {
-  if (s->tenants_fd >= 0 && s->tenants_writable && write(s->tenants_fd, "+", 1) == 1) {
-    /* Until every thread that read the size before this byte reads it
-     * again (tenants_changed_lately). */
-    sleep_us(TENANT_RECHECK_US + 1000);
-    return;
-  }
-  if (!s->tenants_exists)
-    return; /* no file, so no server remembers keys */
-  fprintf(stderr, "idem: cannot count a tenant change in %s-tenants; waiting %d ms "
-                  "for servers to forget the old key\n", s->path, TENANT_TTL_MS + 100);
-  sleep_us((TENANT_TTL_MS + 100) * 1000LL);
-}
-
-/* Opens the change file of the database `db` (named as SQLite resolved it,
- * symbolic links and all, as its -wal and -shm are), creating it with the
- * database's mode and owner as SQLite does for those. Read-only when this
- * user may not write it (its changes then wait instead); no cache at all
- * when it cannot be opened. */
-static void tenants_open(sqlite_store_t *s, sqlite3 *db) {
-  const char *name = sqlite3_db_filename(db, "main");
-  char path[4096];
-  struct stat st;
-  int fd;
-
-  if (name == NULL || name[0] == '\0' || stat(name, &st) != 0 ||
-      snprintf(path, sizeof path, "%s-tenants", name) >= (int)sizeof path)
-    return;
-  if ((s->tc = calloc(TENANT_CACHE, sizeof *s->tc)) == NULL) {
-    s->tenants_exists = access(path, F_OK) == 0;
-    return;
-  }
-  fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,
-            st.st_mode & 0777);
-  if (fd >= 0) {
-    (void)fchmod(fd, st.st_mode & 0777); /* not narrowed by the umask */
-    if (geteuid() == 0)
-      (void)fchown(fd, st.st_uid, st.st_gid);
-    s->tenants_writable = 1;
-  } else if (errno == EEXIST) {
-    fd = open(path, O_WRONLY | O_APPEND | O_NOFOLLOW | O_CLOEXEC);
-    if (fd >= 0)
-      s->tenants_writable = 1;
-    else if (errno == EACCES)
-      fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
-  }
-  if (fd >= 0 && (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode))) {
-    close(fd);
-    fd = -1;
-    s->tenants_writable = 0;
-  }
-  s->tenants_fd = fd;
-  s->tenants_exists = fd >= 0 || access(path, F_OK) == 0;
-}
-
-static struct tenant_entry *tenant_slot(sqlite_store_t *s, const char *lookup) {
-  uint32_t h = 2166136261u;
-  for (const unsigned char *p = (const unsigned char *)lookup; *p; p++)
-    h = (h ^ *p) * 16777619u;
-  return &s->tc[h % TENANT_CACHE];
-}
-
-static int tenant_create_fn(struct conn *c, void *arg) {
-  idem_tenant_t *t = arg;
-  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_TENANT_CREATE);
-  int rc;
-
-  if (st == NULL)
-    return IDEM_ESTORE;
-  bind_text(st, 1, t->name);
-  bind_text(st, 2, t->key_lookup);
-  sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
-  sqlite3_bind_int64(st, 4, t->created_at);
-  if ((rc = idem__sqlite_run(c, st, "tenant create")) == IDEM_OK)
-    t->id = sqlite3_last_insert_rowid(c->db);
-  return rc;
-}
-
-static int sq_tenant_create(idem_store_t *base, idem_tenant_t *t) {
-  int rc = idem__sqlite_write_tx((sqlite_store_t *)base, tenant_create_fn, t);
-  if (rc != IDEM_EEXIST) /* it may have committed: count it */
-    tenants_bump((sqlite_store_t *)base);
-  return rc;
-}
-
-/* Copies the current row of a statement selecting TENANT_COLUMNS. */
-static void row_to_tenant(sqlite3_stmt *st, idem_tenant_t *out) {
-  memset(out, 0, sizeof *out);
-  out->id = sqlite3_column_int64(st, 0);
-  idem_copy(out->name, sizeof out->name, col_text(st, 1));
-  idem_copy(out->key_lookup, sizeof out->key_lookup, col_text(st, 2));
-  if (sqlite3_column_bytes(st, 3) == (int)sizeof out->key_hash)
-    memcpy(out->key_hash, sqlite3_column_blob(st, 3), sizeof out->key_hash);
-  out->disabled = sqlite3_column_int(st, 4);
-  out->created_at = sqlite3_column_int64(st, 5);
-}
-
-/* Runs a one-parameter tenant query expected to return one row. */
-static int tenant_query(sqlite_store_t *s, enum stmt_id id, const char *arg,
-                        idem_tenant_t *out) {
-  struct conn *c;
-  sqlite3_stmt *st;
-  int rc;
-
-  memset(out, 0, sizeof *out);
-  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((st = idem__sqlite_stmt(c, id)) == NULL) {
-    idem__sqlite_conn_put(s, c);
-    return IDEM_ESTORE;
-  }
-  bind_text(st, 1, arg);
-  rc = sqlite3_step(st);
-  if (rc == SQLITE_ROW) {
-    row_to_tenant(st, out);
-    rc = IDEM_OK;
-  } else if (rc == SQLITE_DONE) {
-    rc = IDEM_ENOTFOUND;
-  } else {
-    rc = idem__sqlite_fail(c->db, rc, "tenant query");
-  }
-  sqlite3_reset(st);
-  idem__sqlite_conn_put(s, c);
-  return rc;
-}
-
-static int sq_tenant_find(idem_store_t *base, const char *lookup,
-                          idem_tenant_t *out) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct tenant_entry *e;
-  int64_t changed, now;
-  int rc;
-
-  if (s->tenants_fd < 0 || (changed = tenants_changed_lately(s)) < 0)
-    return tenant_query(s, ST_TENANT_FIND, lookup, out);
-  /* `changed` is read before the tenant: a change after it makes the
-   * entry stale at once. */
-  now = idem_mono_ms();
-  e = tenant_slot(s, lookup);
-  pthread_mutex_lock(&s->tc_lock);
-  if (e->used && e->changed == changed && e->until_ms > now &&
-      strcmp(e->t.key_lookup, lookup) == 0) {
-    *out = e->t;
-    pthread_mutex_unlock(&s->tc_lock);
-    return IDEM_OK;
-  }
-  pthread_mutex_unlock(&s->tc_lock);
-  rc = tenant_query(s, ST_TENANT_FIND, lookup, out);
-  if (rc == IDEM_OK) { /* unknown keys are not remembered */
-    pthread_mutex_lock(&s->tc_lock);
-    *e = (struct tenant_entry){*out, changed, now + TENANT_TTL_MS, 1};
-    pthread_mutex_unlock(&s->tc_lock);
-  }
-  return rc;
-}
-
-static int sq_tenant_by_name(idem_store_t *base, const char *name,
-                             idem_tenant_t *out) {
-  return tenant_query((sqlite_store_t *)base, ST_TENANT_BY_NAME, name, out);
-}
-
-static int tenant_update_fn(struct conn *c, void *arg) {
-  const idem_tenant_t *t = arg;
-  sqlite3_stmt *st = idem__sqlite_stmt(c, ST_TENANT_UPDATE);
-  int rc;
-
-  if (st == NULL)
-    return IDEM_ESTORE;
-  bind_text(st, 1, t->name);
-  bind_text(st, 2, t->key_lookup);
-  sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
-  sqlite3_bind_int(st, 4, t->disabled);
-  rc = idem__sqlite_run(c, st, "tenant update");
-  if (rc == IDEM_OK && sqlite3_changes(c->db) == 0)
-    rc = IDEM_ENOTFOUND;
-  return rc;
-}
-
-static int sq_tenant_update(idem_store_t *base, const idem_tenant_t *t) {
-  int rc = idem__sqlite_write_tx((sqlite_store_t *)base, tenant_update_fn, (void *)t);
-  if (rc != IDEM_ENOTFOUND) /* it may have committed: count it */
-    tenants_bump((sqlite_store_t *)base);
-  return rc;
-}
-
-static int sq_tenant_list(idem_store_t *base, idem_tenant_t *out, int max, int *n) {
-  sqlite_store_t *s = (sqlite_store_t *)base;
-  struct conn *c;
-  sqlite3_stmt *st;
-  int rc, found = 0;
-
-  if ((rc = idem__sqlite_conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  if ((st = idem__sqlite_stmt(c, ST_TENANT_LIST)) == NULL) {
-    idem__sqlite_conn_put(s, c);
-    return IDEM_ESTORE;
-  }
-  sqlite3_bind_int(st, 1, max);
-  while (found < max && (rc = sqlite3_step(st)) == SQLITE_ROW)
-    row_to_tenant(st, &out[found++]);
-  rc = rc == SQLITE_ROW || rc == SQLITE_DONE
-           ? IDEM_OK
-           : idem__sqlite_fail(c->db, rc, "tenant list");
-  sqlite3_reset(st);
-  idem__sqlite_conn_put(s, c);
-  *n = found;
-  return rc;
-}
-
 static int sq_records_list(idem_store_t *base, const idem_records_query_t *q,
                            idem_record_t *out, int *n) {
   sqlite_store_t *s = (sqlite_store_t *)base;
@@ -1090,10 +800,6 @@ static void sq_close(idem_store_t *base) {
   pthread_mutex_destroy(&s->write_lock);
   pthread_mutex_destroy(&s->q_lock);
   pthread_cond_destroy(&s->q_ready);
-  pthread_mutex_destroy(&s->tc_lock);
-  if (s->tenants_fd >= 0)
-    close(s->tenants_fd);
-  free(s->tc);
   free(s->path);
   free(s);
 }
@@ -1144,20 +850,16 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
     return IDEM_ENOMEM;
   }
   s->base.methods = &sqlite_methods;
-  s->serial = atomic_fetch_add(&store_serials, 1) + 1;
-  s->tenants_fd = -1; /* until tenants_open() */
   s->busy_timeout_ms = opts->busy_timeout_ms > 0 ? opts->busy_timeout_ms : 5000;
   pthread_mutex_init(&s->pool_lock, NULL);
   pthread_mutex_init(&s->write_lock, NULL);
   pthread_mutex_init(&s->q_lock, NULL);
   pthread_cond_init(&s->q_ready, NULL);
-  pthread_mutex_init(&s->tc_lock, NULL);
   /* Open one connection now so a bad path fails here, not on a request. */
   if ((rc = conn_new(s, &c)) != IDEM_OK) {
     sq_close(&s->base);
     return rc;
   }
-  tenants_open(s, c->db);
   idem__sqlite_conn_put(s, c);
   if ((rc = idem__sqlite_writer_start(s)) != IDEM_OK) {
     sq_close(&s->base);
@@ -1193,14 +895,9 @@ static const idem_store_methods_t sqlite_methods = {
     .reserve = sq_reserve,
     .complete = sq_complete,
     .lookup = sq_lookup,
-    .tenant_create = sq_tenant_create,
-    .tenant_find = sq_tenant_find,
     .meta_get_or_put = sq_meta_get_or_put,
     .sweep = sq_sweep,
     .count = sq_count,
-    .tenant_by_name = sq_tenant_by_name,
-    .tenant_update = sq_tenant_update,
-    .tenant_list = sq_tenant_list,
     .records_list = sq_records_list,
     .stats = sq_stats,
     .probe = sq_probe,

@@ -21,8 +21,6 @@ enum stmt_id {
   ST_READ_RECORD,
   ST_COMPLETE,
   ST_COMPLETE_ROW,
-  ST_TENANT_CREATE,
-  ST_TENANT_FIND,
   ST_META_PUT,
   ST_META_GET,
   ST_SWEEP,
@@ -30,9 +28,6 @@ enum stmt_id {
   ST_SAVEPOINT,
   ST_ROLLBACK_TO,
   ST_RELEASE,
-  ST_TENANT_BY_NAME,
-  ST_TENANT_UPDATE,
-  ST_TENANT_LIST,
   ST_RECORDS_LIST,
   ST_TAKE_OVER,
   ST_PROBE,
@@ -88,14 +83,6 @@ typedef struct sqlite_store {
   int writer_running;
   pthread_t writer;
   atomic_uint_fast64_t commits, writes, batch_reruns;
-
-  /* API keys, remembered (see "Tenant cache" in sqlite.c). */
-  int tenants_fd;       /* the change file; -1: no cache */
-  int tenants_writable; /* 0: this process only reads it */
-  int tenants_exists;   /* the file exists, whether this process can use it */
-  pthread_mutex_t tc_lock;
-  struct tenant_entry *tc; /* TENANT_CACHE entries */
-  uint64_t serial;         /* tells stores apart in per-thread state */
 } sqlite_store_t;
 
 /* sqlite.c */

@@ -1,6 +1,6 @@
 /* The SQLite store's schema: its versions, applied in order by
- * migrate_to() in one write transaction, PRAGMA user_version counting those
- * applied, and the check that stops a version that rebuilds tables an
+ * migrate_to() in one write transaction (a new database is made at the
+ * latest at once), PRAGMA user_version counting those applied, and the check that stops a version that rebuilds tables an
  * operator's own views, triggers or indexes depend on. */
 #include "sqlite_impl.h"
 
@@ -208,9 +208,44 @@ static const char *const migrations[] = {
     "WHERE expires_at IS NOT NULL;"
     "CREATE INDEX records_unsettled ON idempotency_records (state, created_at) "
     "WHERE state = 'processing' OR state = 'pending';",
+    /* 5: from here tenants, resources, the outbox and the views over them
+     * are idemd's, made and counted by idemd itself (its own idemd_schema
+     * table); a database made at this version holds only meta and the
+     * records (`fresh`, below). Nothing changes in one made before. */
+    "",
 };
 
 #define SCHEMA_VERSION ((int)(sizeof migrations / sizeof *migrations))
+
+/* A new database, made at SCHEMA_VERSION at once: what the versions above
+ * leave of libidem's own tables. test_sqlite_schema checks that it is what
+ * they leave. */
+static const char fresh[] =
+    "CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL) "
+    "WITHOUT ROWID;"
+    "CREATE TABLE idempotency_records ("
+    " tenant_id INTEGER NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " fingerprint TEXT NOT NULL,"
+    " state TEXT NOT NULL CHECK (state = 'processing' OR state = 'completed'"
+    " OR state = 'failed' OR state = 'pending'),"
+    " response_status INTEGER,"
+    " response_body TEXT,"
+    " location TEXT,"
+    " resource_id TEXT,"
+    " provider_ref TEXT,"
+    " correlation_id TEXT NOT NULL,"
+    " owner_token TEXT,"
+    " lease_expires_at INTEGER,"
+    " created_at INTEGER NOT NULL,"
+    " updated_at INTEGER NOT NULL,"
+    " expires_at INTEGER,"
+    " UNIQUE (tenant_id, operation, key));"
+    "CREATE INDEX records_expiry ON idempotency_records (expires_at) "
+    "WHERE expires_at IS NOT NULL;"
+    "CREATE INDEX records_unsettled ON idempotency_records (state, created_at) "
+    "WHERE state = 'processing' OR state = 'pending';";
 
 /* Schema objects of idem's own that versions 3 and 4 may drop and make
  * again. */
@@ -289,6 +324,14 @@ static int migrate_to(sqlite_store_t *s, int target) {
     idem__store_set_error("schema version %d is newer than this program's %d",
                           version, SCHEMA_VERSION);
     rc = IDEM_ESCHEMA;
+  }
+  if (rc == IDEM_OK && version == 0 && target == SCHEMA_VERSION) {
+    char pragma[64];
+    snprintf(pragma, sizeof pragma, "PRAGMA user_version = %d", SCHEMA_VERSION);
+    if (idem__sqlite_exec(c->db, fresh) != SQLITE_OK ||
+        idem__sqlite_exec(c->db, pragma) != SQLITE_OK)
+      rc = IDEM_ESTORE;
+    version = target;
   }
   for (int v = version; rc == IDEM_OK && v < target; v++) {
     char pragma[64];

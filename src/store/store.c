@@ -372,16 +372,6 @@ int idem_store_wait(idem_store_t *store, const idem_scope_t *scope,
   return idem__waitset_wait(store->waits, scope, ticket, timeout_ms);
 }
 
-int idem_store_tenant_create(idem_store_t *store, idem_tenant_t *t) {
-  return store->methods->tenant_create(store, t);
-}
-
-int idem_store_tenant_find(idem_store_t *store, const char *key_lookup,
-                           idem_tenant_t *out) {
-  FAULT_POINT();
-  return store->methods->tenant_find(store, key_lookup, out);
-}
-
 int idem_store_meta_get_or_put(idem_store_t *store, const char *name,
                                const char *value, char **out) {
   *out = NULL;
@@ -401,23 +391,6 @@ int idem_store_count(idem_store_t *store, const char *what, int64_t tenant_id,
                      int64_t *n) {
   *n = 0;
   return store->methods->count(store, what, tenant_id, n);
-}
-
-int idem_store_tenant_by_name(idem_store_t *store, const char *name,
-                              idem_tenant_t *out) {
-  return store->methods->tenant_by_name(store, name, out);
-}
-
-int idem_store_tenant_update(idem_store_t *store, const idem_tenant_t *t) {
-  return store->methods->tenant_update(store, t);
-}
-
-int idem_store_tenant_list(idem_store_t *store, idem_tenant_t *out, int max,
-                           int *n) {
-  *n = 0;
-  if (max <= 0)
-    return IDEM_EINVAL;
-  return store->methods->tenant_list(store, out, max, n);
 }
 
 int idem_store_records_list(idem_store_t *store, const idem_records_query_t *q,

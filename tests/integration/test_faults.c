@@ -53,6 +53,7 @@ static void test_store_fault_and_recovery(void **state) {
   h_resp_t first, r;
   double errors0;
   int64_t records0, resources0;
+  int replayed;
   pid_t pid;
   int fd;
   (void)state;
@@ -86,8 +87,15 @@ static void test_store_fault_and_recovery(void **state) {
   h_post(s, "/orders", token, "during-order", ORDER, &r);
   assert_unavailable(&r);
   h_resp_free(&r);
-  h_post(s, "/payments", token, "before", PAYMENT, &r); /* a replay needs the store too */
-  assert_unavailable(&r);
+  /* A replay is answered from memory while its key's tenant and answer
+   * are remembered (the key's tenant for at most a second), and needs the
+   * store once they are not. Either way, never anything else. */
+  h_post(s, "/payments", token, "before", PAYMENT, &r);
+  replayed = r.status == 201;
+  if (replayed)
+    h_assert_replay_of(&r, &first);
+  else
+    assert_unavailable(&r);
   h_resp_free(&r);
   h_get(s, path, token, &r);
   assert_unavailable(&r);
@@ -95,10 +103,10 @@ static void test_store_fault_and_recovery(void **state) {
   h_get(s, "/healthz", NULL, &r);
   h_assert_error(&r, 503, NULL);
   h_resp_free(&r);
-  /* Five requests failed on the store, and /metrics itself counts. */
-  if (store_errors(s) < errors0 + 5)
-    fail_msg("idem_store_errors_total went from %.0f to %.0f over five store failures",
-             errors0, store_errors(s));
+  /* Four or five requests failed on the store, and /metrics itself counts. */
+  if (store_errors(s) < errors0 + 5 - replayed)
+    fail_msg("idem_store_errors_total went from %.0f to %.0f over %d store failures",
+             errors0, store_errors(s), 5 - replayed);
 
   assert_int_equal(unlink(fault), 0);
   assert_int_equal(rmdir(dir), 0);

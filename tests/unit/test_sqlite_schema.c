@@ -16,7 +16,7 @@
 
 /* The schema version this program migrates to, and the one the current
  * release deployed. */
-#define CURRENT_VERSION 4
+#define CURRENT_VERSION 5
 #define RELEASED_VERSION 3
 
 struct fixture {
@@ -281,6 +281,9 @@ static void test_from_released_version(void **state) {
 
   assert_int_equal(idem_store_migrate(store), IDEM_OK);
   assert_int_equal(number(db, "PRAGMA user_version"), CURRENT_VERSION);
+  /* idemd's tables are there already: its first version leaves them. */
+  assert_int_equal(idemd_schema_migrate(store, NULL, 0), IDEM_OK);
+  assert_int_equal(number(db, "SELECT version FROM idemd_schema"), IDEMD_SCHEMA_VERSION);
 
   old_check_kept(store, &d);
   for (int i = 0; i < OLD_N; i++) {
@@ -426,6 +429,130 @@ static void test_version_4_refuses_foreign_objects(void **state) {
   idem_store_close(store);
 }
 
+/* Everything about table `name` a program could tell apart: its columns
+ * (name, type, NOT NULL, default, key), foreign keys, indexes (unique,
+ * origin, columns, condition), whether it has a rowid, and its CHECKs (the
+ * text of its CREATE after the column list's opening, quotes taken out).
+ * Not its indexes' automatic names, which keep the name of the table a
+ * copy was made as. */
+static char *table_shape(sqlite3 *db, const char *name) {
+  char q[2048], *out;
+  snprintf(q, sizeof q,
+           "SELECT (SELECT group_concat(name || ' ' || type || ' ' || \"notnull\" || ' ' || "
+           "coalesce(dflt_value, '-') || ' ' || pk, ', ') FROM pragma_table_xinfo('%s')) "
+           "|| ' | ' || coalesce((SELECT group_concat(\"table\" || '.' || \"to\" || ' ' || "
+           "\"from\", ', ') FROM pragma_foreign_key_list('%s')), '') "
+           "|| ' | ' || coalesce((SELECT group_concat(l.\"unique\" || ' ' || l.origin || ' ' "
+           "|| l.partial || ' ' || (SELECT group_concat(i.name, ',') FROM "
+           "pragma_index_info(l.name) AS i) || ' ' || coalesce((SELECT sql FROM "
+           "sqlite_schema WHERE type = 'index' AND name = l.name), '-'), '; ') FROM "
+           "(SELECT * FROM pragma_index_list('%s') ORDER BY origin, name) AS l), '') "
+           "|| ' | ' || (SELECT wr FROM pragma_table_list('%s')) "
+           "|| ' | ' || substr((SELECT sql FROM sqlite_schema WHERE type = 'table' AND "
+           "name = '%s'), instr((SELECT sql FROM sqlite_schema WHERE type = 'table' AND "
+           "name = '%s'), '('))",
+           name, name, name, name, name, name);
+  out = text(db, q);
+  /* A RENAME quotes the names it rewrites: "resources" is resources. */
+  for (char *r = out, *w = out;; r++)
+    if (*r != '"' && (*w++ = *r) == '\0')
+      break;
+  return out;
+}
+
+/* A new database is made at the latest version at once; libidem's part
+ * holds only meta and the records, idemd's part is made by idemd, and
+ * together they are, table by table, what a database made by the first
+ * version and migrated through every one holds. */
+static void test_fresh_is_what_migrations_leave(void **state) {
+  static const char *const libidem_tables[] = {"meta", "idempotency_records"};
+  static const char *const idemd_tables[] = {"tenants", "resources", "outbox"};
+  struct fixture *fx = *state;
+  char old_path[320];
+  idem_store_t *store, *old;
+  sqlite3 *db, *old_db;
+
+  snprintf(old_path, sizeof old_path, "%s/old.db", fx->dir);
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  assert_int_equal(number(db, "PRAGMA user_version"), CURRENT_VERSION);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name IN "
+                              "('tenants', 'resources', 'outbox', 'payments', 'orders', "
+                              "'idemd_schema')"),
+                   0);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE type = 'table'"),
+                   2);
+  assert_int_equal(idemd_schema_migrate(store, NULL, 0), IDEM_OK);
+  assert_int_equal(idemd_schema_migrate(store, NULL, 0), IDEM_OK);
+  assert_int_equal(number(db, "SELECT version FROM idemd_schema"), IDEMD_SCHEMA_VERSION);
+
+  assert_int_equal(idem_store_open(old_path, NULL, &old), IDEM_OK);
+  assert_int_equal(idem__sqlite_migrate_to(old, 1), IDEM_OK);
+  assert_int_equal(idem_store_migrate(old), IDEM_OK);
+  assert_int_equal(idemd_schema_migrate(old, NULL, 0), IDEM_OK);
+  assert_int_equal(sqlite3_open(old_path, &old_db), SQLITE_OK);
+  assert_int_equal(number(old_db, "PRAGMA user_version"), CURRENT_VERSION);
+
+  for (int part = 0; part < 2; part++) {
+    const char *const *tables = part ? idemd_tables : libidem_tables;
+    size_t n = part ? ARRAY_LEN(idemd_tables) : ARRAY_LEN(libidem_tables);
+    for (size_t i = 0; i < n; i++) {
+      char *made = table_shape(db, tables[i]), *migrated = table_shape(old_db, tables[i]);
+      if (strcmp(made, migrated) != 0)
+        fail_msg("%s made new:\n%s\nmigrated:\n%s", tables[i], made, migrated);
+      free(made);
+      free(migrated);
+    }
+  }
+  /* The same views, and nothing else of idem's. */
+  {
+    static const char objects[] =
+        "SELECT group_concat(type || ' ' || name || ' ' || coalesce(sql, ''), '; ') FROM "
+        "(SELECT * FROM sqlite_schema WHERE type IN ('view', 'trigger') OR (type = 'table' "
+        "AND name NOT LIKE 'sqlite_%') ORDER BY type, name)";
+    char *made = text(db, objects), *migrated = text(old_db, objects);
+    char *made_names = text(db, "SELECT group_concat(name, ' ') FROM (SELECT name FROM "
+                                "sqlite_schema WHERE name NOT LIKE 'sqlite_%' ORDER BY name)");
+    char *migrated_names =
+        text(old_db, "SELECT group_concat(name, ' ') FROM (SELECT name FROM sqlite_schema "
+                     "WHERE name NOT LIKE 'sqlite_%' ORDER BY name)");
+    assert_string_equal(made_names, migrated_names);
+    assert_contains(made, "view payments");
+    assert_contains(made, "view orders");
+    free(made);
+    free(migrated);
+    free(made_names);
+    free(migrated_names);
+  }
+  sqlite3_close(old_db);
+  idem_store_close(old);
+  remove_sqlite_files(old_path);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
+/* idemd's schema at a version newer than this program's is refused, and
+ * nothing is changed. */
+static void test_newer_idemd_schema_refused(void **state) {
+  struct fixture *fx = *state;
+  idem_store_t *store;
+  sqlite3 *db;
+  char why[256];
+
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  sql(db, "CREATE TABLE idemd_schema (version INTEGER NOT NULL);"
+          "INSERT INTO idemd_schema VALUES (99);");
+  assert_int_equal(idemd_schema_migrate(store, why, sizeof why), IDEM_ESCHEMA);
+  assert_contains(why, "99");
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = 'tenants'"),
+                   0);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_from_version_2, setup, teardown),
@@ -434,6 +561,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_from_released_version, setup, teardown),
       cmocka_unit_test_setup_teardown(test_version_4_refuses_foreign_objects, setup,
                                       teardown),
+      cmocka_unit_test_setup_teardown(test_fresh_is_what_migrations_leave, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_newer_idemd_schema_refused, setup, teardown),
   };
   return cmocka_run_group_tests_name("sqlite schema migrations", tests, NULL, NULL);
 }

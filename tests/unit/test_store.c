@@ -1,7 +1,9 @@
-/* The store suite: tests the store interface (include/idem/store.h) against
- * the backend named by IDEM_TEST_STORE_URL, or against a fresh SQLite file
- * per test when it is unset. Only the public interface is used, and every
- * test works in a tenant of its own, so a shared database is fine. */
+/* The store suite: tests the store interface (include/idem/store.h), and
+ * idemd's rows written through it (tenants, payments, orders, the outbox:
+ * src/data/), against the backend named by IDEM_TEST_STORE_URL, or against
+ * a fresh SQLite file per test when it is unset. Only public interfaces
+ * are used, and every test works in a tenant of its own, so a shared
+ * database is fine. */
 #include "support.h"
 
 #include <libpq-fe.h>
@@ -13,6 +15,8 @@
 #include <unistd.h>
 
 #include "data/resources.h"
+#include "data/schema.h"
+#include "data/tenants.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "idem/store.h"
@@ -25,9 +29,10 @@
 
 typedef struct fixture {
   idem_store_t *store;
+  idemd_tenants_t *tenants; /* over `store` */
   char dir[512];  /* our temporary directory; "" on a shared URL */
   char path[600]; /* the SQLite file in it */
-  idem_tenant_t tenant;
+  idemd_tenant_t tenant;
   int64_t now;
 } fixture_t;
 
@@ -40,13 +45,13 @@ static void random_name(char *out, size_t cap, const char *prefix) {
   snprintf(out, cap, "%s%s", prefix, token);
 }
 
-static void new_tenant(idem_store_t *store, idem_tenant_t *t) {
+static void new_tenant(idemd_tenants_t *tenants, idemd_tenant_t *t) {
   memset(t, 0, sizeof *t);
   random_name(t->name, sizeof t->name, "tenant-");
   assert_int_equal(idem_random_token(t->key_lookup, sizeof t->key_lookup - 1), IDEM_OK);
   assert_int_equal(idem_random_bytes(t->key_hash, sizeof t->key_hash), IDEM_OK);
   t->created_at = idem_now_ms();
-  assert_int_equal(idem_store_tenant_create(store, t), IDEM_OK);
+  assert_int_equal(idemd_tenant_create(tenants, t), IDEM_OK);
   assert_true(t->id > 0);
 }
 
@@ -229,7 +234,11 @@ static int setup(void **state) {
   if (rc != IDEM_OK)
     fail_msg("migrate: %s (%s)", idem_err_name(rc), idem_store_last_error());
   fx->now = idem_now_ms();
-  new_tenant(fx->store, &fx->tenant);
+  rc = idemd_schema_migrate(fx->store, NULL, 0);
+  if (rc != IDEM_OK)
+    fail_msg("idemd's schema: %s (%s)", idem_err_name(rc), idem_store_last_error());
+  assert_int_equal(idemd_tenants_open(fx->store, &fx->tenants), IDEM_OK);
+  new_tenant(fx->tenants, &fx->tenant);
   *state = fx;
   return 0;
 }
@@ -238,6 +247,7 @@ static int teardown(void **state) {
   fixture_t *fx = *state;
   if (fx == NULL)
     return 0;
+  idemd_tenants_close(fx->tenants);
   idem_store_close(fx->store);
   if (fx->dir[0]) {
     remove_sqlite_files(fx->path);
@@ -251,7 +261,7 @@ static int teardown(void **state) {
 
 static void test_migrate_is_idempotent(void **state) {
   fixture_t *fx = *state;
-  idem_tenant_t found;
+  idemd_tenant_t found;
 
   assert_int_equal(idem_store_migrate(fx->store), IDEM_OK);
   assert_int_equal(idem_store_migrate(fx->store), IDEM_OK);
@@ -259,17 +269,18 @@ static void test_migrate_is_idempotent(void **state) {
   assert_true(idem_store_backend(fx->store)[0] != '\0');
   if (fx->dir[0])
     assert_string_equal(idem_store_backend(fx->store), "sqlite");
+  assert_int_equal(idemd_schema_migrate(fx->store, NULL, 0), IDEM_OK);
   /* Data written before a migration is still there after it. */
-  assert_int_equal(idem_store_tenant_find(fx->store, fx->tenant.key_lookup, &found),
+  assert_int_equal(idemd_tenant_find(fx->tenants, fx->tenant.key_lookup, &found),
                    IDEM_OK);
   assert_int_equal(found.id, fx->tenant.id);
 }
 
 static void test_tenants(void **state) {
   fixture_t *fx = *state;
-  idem_tenant_t found, other, dup;
+  idemd_tenant_t found, other, dup;
 
-  assert_int_equal(idem_store_tenant_find(fx->store, fx->tenant.key_lookup, &found),
+  assert_int_equal(idemd_tenant_find(fx->tenants, fx->tenant.key_lookup, &found),
                    IDEM_OK);
   assert_int_equal(found.id, fx->tenant.id);
   assert_string_equal(found.name, fx->tenant.name);
@@ -278,19 +289,19 @@ static void test_tenants(void **state) {
   assert_int_equal(found.disabled, 0);
   assert_int_equal(found.created_at, fx->tenant.created_at);
 
-  new_tenant(fx->store, &other);
+  new_tenant(fx->tenants, &other);
   assert_true(other.id != fx->tenant.id);
-  assert_int_equal(idem_store_tenant_find(fx->store, other.key_lookup, &found), IDEM_OK);
+  assert_int_equal(idemd_tenant_find(fx->tenants, other.key_lookup, &found), IDEM_OK);
   assert_int_equal(found.id, other.id);
 
   /* The name is taken, whatever the key. */
   dup = fx->tenant;
   dup.id = 0;
   assert_int_equal(idem_random_token(dup.key_lookup, sizeof dup.key_lookup - 1), IDEM_OK);
-  assert_int_equal(idem_store_tenant_create(fx->store, &dup), IDEM_EEXIST);
-  assert_int_equal(idem_store_tenant_find(fx->store, dup.key_lookup, &found),
+  assert_int_equal(idemd_tenant_create(fx->tenants, &dup), IDEM_EEXIST);
+  assert_int_equal(idemd_tenant_find(fx->tenants, dup.key_lookup, &found),
                    IDEM_ENOTFOUND);
-  assert_int_equal(idem_store_tenant_find(fx->store, "no-such-lookup", &found),
+  assert_int_equal(idemd_tenant_find(fx->tenants, "no-such-lookup", &found),
                    IDEM_ENOTFOUND);
 }
 
@@ -300,34 +311,37 @@ static void test_tenants(void **state) {
 static void test_tenant_change_seen_at_once(void **state) {
   fixture_t *fx = *state;
   idem_store_t *cli = NULL;
-  idem_tenant_t found, changed = fx->tenant;
+  idemd_tenants_t *cli_tenants = NULL;
+  idemd_tenant_t found, changed = fx->tenant;
   const char *url = fx->dir[0] ? fx->path : getenv("IDEM_TEST_STORE_URL");
 
   assert_int_equal(idem_store_open(url, NULL, &cli), IDEM_OK);
+  assert_int_equal(idemd_tenants_open(cli, &cli_tenants), IDEM_OK);
   for (int round = 0; round < 3; round++) {
     /* Remembered here, then disabled there: refused at once. */
-    assert_int_equal(idem_store_tenant_find(fx->store, changed.key_lookup, &found), IDEM_OK);
+    assert_int_equal(idemd_tenant_find(fx->tenants, changed.key_lookup, &found), IDEM_OK);
     assert_int_equal(found.disabled, 0);
     changed.disabled = 1;
-    assert_int_equal(idem_store_tenant_update(cli, &changed), IDEM_OK);
-    assert_int_equal(idem_store_tenant_find(fx->store, changed.key_lookup, &found), IDEM_OK);
+    assert_int_equal(idemd_tenant_update(cli_tenants, &changed), IDEM_OK);
+    assert_int_equal(idemd_tenant_find(fx->tenants, changed.key_lookup, &found), IDEM_OK);
     assert_int_equal(found.disabled, 1);
     changed.disabled = 0;
-    assert_int_equal(idem_store_tenant_update(cli, &changed), IDEM_OK);
+    assert_int_equal(idemd_tenant_update(cli_tenants, &changed), IDEM_OK);
     /* A new key there: the old one is unknown here at once. */
-    assert_int_equal(idem_store_tenant_find(fx->store, changed.key_lookup, &found), IDEM_OK);
+    assert_int_equal(idemd_tenant_find(fx->tenants, changed.key_lookup, &found), IDEM_OK);
     {
       char old_lookup[sizeof changed.key_lookup];
       memcpy(old_lookup, changed.key_lookup, sizeof old_lookup);
       assert_int_equal(
           idem_random_token(changed.key_lookup, sizeof changed.key_lookup - 1), IDEM_OK);
-      assert_int_equal(idem_store_tenant_update(cli, &changed), IDEM_OK);
-      assert_int_equal(idem_store_tenant_find(fx->store, old_lookup, &found), IDEM_ENOTFOUND);
-      assert_int_equal(idem_store_tenant_find(fx->store, changed.key_lookup, &found),
+      assert_int_equal(idemd_tenant_update(cli_tenants, &changed), IDEM_OK);
+      assert_int_equal(idemd_tenant_find(fx->tenants, old_lookup, &found), IDEM_ENOTFOUND);
+      assert_int_equal(idemd_tenant_find(fx->tenants, changed.key_lookup, &found),
                        IDEM_OK);
       assert_int_equal(found.id, fx->tenant.id);
     }
   }
+  idemd_tenants_close(cli_tenants);
   idem_store_close(cli);
 }
 
@@ -431,11 +445,11 @@ static void test_scope_isolation(void **state) {
   fixture_t *fx = *state;
   char fp[IDEM_FINGERPRINT_LEN];
   idem_record_t rec = {0};
-  idem_tenant_t other;
+  idemd_tenant_t other;
   idem_reserve_t req;
 
   make_fp(fp, 1);
-  new_tenant(fx->store, &other);
+  new_tenant(fx->tenants, &other);
   req = request(fx, OP_PAY, "shared-key", fp);
   assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
   idem_record_reset(&rec);
@@ -498,12 +512,12 @@ static void test_resource_outbox_and_complete(void **state) {
   fixture_t *fx = *state;
   char location[64], token[IDEM_TOKEN_MAX + 1];
   idem_record_t rec = {0};
-  idem_tenant_t other;
+  idemd_tenant_t other;
   struct payment p;
   idem_reserve_t req;
   char *body = NULL;
 
-  new_tenant(fx->store, &other);
+  new_tenant(fx->tenants, &other);
   assert_int_equal(count(fx, "payments"), 0);
   assert_int_equal(count(fx, "outbox"), 0);
   req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);

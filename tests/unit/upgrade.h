@@ -15,6 +15,8 @@
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "data/resources.h"
+#include "data/schema.h"
+#include "data/tenants.h"
 #include "idem/store.h"
 
 /* One record in each state, the order completed with its reservation,
@@ -42,7 +44,7 @@ static int old_count(idem_store_t *store, const char *what, int64_t tenant_id, i
 
 /* What old_fill() wrote, as the store read it back before the migration. */
 struct old_data {
-  idem_tenant_t tenant;
+  idemd_tenant_t tenant;
   int64_t now;
   idem_scope_t scopes[OLD_N];
   idem_record_t before[OLD_N];
@@ -58,6 +60,8 @@ struct old_data {
  * row kept), one completed (resource settled, provider reference), a
  * failed request, and an order completed in its reservation. */
 static void old_fill(idem_store_t *store, struct old_data *d) {
+  idemd_tenants_t *tenants = NULL;
+
   memset(d, 0, sizeof *d);
   d->now = idem_now_ms();
   snprintf(d->tenant.name, sizeof d->tenant.name, "acme");
@@ -66,7 +70,9 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
   assert_int_equal(idem_random_bytes(d->tenant.key_hash, sizeof d->tenant.key_hash),
                    IDEM_OK);
   d->tenant.created_at = d->now;
-  assert_int_equal(idem_store_tenant_create(store, &d->tenant), IDEM_OK);
+  assert_int_equal(idemd_tenants_open(store, &tenants), IDEM_OK);
+  assert_int_equal(idemd_tenant_create(tenants, &d->tenant), IDEM_OK);
+  idemd_tenants_close(tenants);
 
   for (int i = 0; i < OLD_N; i++) {
     const int order = i == OLD_ORDER;
@@ -220,7 +226,8 @@ static void assert_same_record(const idem_record_t *got, const idem_record_t *wa
 /* After the migration: every record, field by field, every resource and
  * count, and the tenant are as they were. */
 static void old_check_kept(idem_store_t *store, const struct old_data *d) {
-  idem_tenant_t found;
+  idemd_tenants_t *tenants = NULL;
+  idemd_tenant_t found;
 
   for (int i = 0; i < OLD_N; i++) {
     idem_record_t rec = {0};
@@ -244,7 +251,9 @@ static void old_check_kept(idem_store_t *store, const struct old_data *d) {
       fail_msg("%s: %lld after the migration, %lld before", old_counted[i], (long long)n,
                (long long)d->counts[i]);
   }
-  assert_int_equal(idem_store_tenant_find(store, d->tenant.key_lookup, &found), IDEM_OK);
+  assert_int_equal(idemd_tenants_open(store, &tenants), IDEM_OK);
+  assert_int_equal(idemd_tenant_find(tenants, d->tenant.key_lookup, &found), IDEM_OK);
+  idemd_tenants_close(tenants);
   assert_int_equal(found.id, d->tenant.id);
   assert_string_equal(found.name, d->tenant.name);
   assert_memory_equal(found.key_hash, d->tenant.key_hash, sizeof found.key_hash);

@@ -1,0 +1,169 @@
+/* idemd's schema (see schema.h): its versions, per backend, applied in
+ * order in one write. Never edit a released entry: add a new one. */
+#include "data/schema.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "data/sql.h"
+
+/* 1: the tables and views libidem's schema versions 1 to 4 made for idemd,
+ * in their latest form; on a database that has them already (one that
+ * every idemd before made), nothing changes. */
+static const char *const sqlite_versions[] = {
+    "CREATE TABLE IF NOT EXISTS tenants ("
+    " id INTEGER PRIMARY KEY,"
+    " name TEXT NOT NULL UNIQUE,"
+    " key_lookup TEXT NOT NULL UNIQUE,"
+    " key_hash BLOB NOT NULL,"
+    " disabled INTEGER NOT NULL DEFAULT 0,"
+    " created_at INTEGER NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS resources ("
+    " id TEXT PRIMARY KEY,"
+    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
+    " kind TEXT NOT NULL,"
+    " status TEXT NOT NULL,"
+    " body TEXT NOT NULL,"
+    " provider_ref TEXT,"
+    " created_at INTEGER NOT NULL,"
+    " updated_at INTEGER NOT NULL) WITHOUT ROWID;"
+    "CREATE TABLE IF NOT EXISTS outbox ("
+    " resource_id TEXT PRIMARY KEY REFERENCES resources (id),"
+    " tenant_id INTEGER NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " created_at INTEGER NOT NULL,"
+    " attempts INTEGER NOT NULL DEFAULT 0,"
+    " next_attempt_at INTEGER NOT NULL) WITHOUT ROWID;"
+    /* Read-only views for operators: the resources by kind. */
+    "CREATE VIEW IF NOT EXISTS payments AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.amount') AS amount,"
+    " json_extract(body, '$.currency') AS currency,"
+    " json_extract(body, '$.order_id') AS order_id,"
+    " provider_ref, created_at, updated_at FROM resources"
+    " WHERE kind = 'payment';"
+    "CREATE VIEW IF NOT EXISTS orders AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.customer_id') AS customer_id,"
+    " json_extract(body, '$.total') AS total,"
+    " json_extract(body, '$.currency') AS currency,"
+    " created_at, updated_at FROM resources WHERE kind = 'order';",
+};
+
+static const char *const pg_versions[] = {
+    "CREATE TABLE IF NOT EXISTS tenants ("
+    " id BIGSERIAL PRIMARY KEY,"
+    " name TEXT NOT NULL UNIQUE,"
+    " key_lookup TEXT NOT NULL UNIQUE,"
+    " key_hash TEXT NOT NULL,"
+    " disabled INTEGER NOT NULL DEFAULT 0,"
+    " created_at BIGINT NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS resources ("
+    " id TEXT PRIMARY KEY,"
+    " tenant_id BIGINT NOT NULL REFERENCES tenants (id),"
+    " kind TEXT NOT NULL,"
+    " status TEXT NOT NULL,"
+    " body TEXT NOT NULL,"
+    " provider_ref TEXT,"
+    " created_at BIGINT NOT NULL,"
+    " updated_at BIGINT NOT NULL);"
+    "CREATE TABLE IF NOT EXISTS outbox ("
+    " resource_id TEXT PRIMARY KEY REFERENCES resources (id),"
+    " tenant_id BIGINT NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " created_at BIGINT NOT NULL,"
+    " attempts INTEGER NOT NULL DEFAULT 0,"
+    " next_attempt_at BIGINT NOT NULL);"
+    /* PostgreSQL has no CREATE VIEW IF NOT EXISTS; OR REPLACE would
+     * replace an operator's own view of that name. */
+    "DO $$ BEGIN"
+    " IF to_regclass('payments') IS NULL THEN"
+    "  CREATE VIEW payments AS SELECT id, tenant_id, status,"
+    "  (body::jsonb ->> 'amount')::bigint AS amount,"
+    "  body::jsonb ->> 'currency' AS currency,"
+    "  body::jsonb ->> 'order_id' AS order_id,"
+    "  provider_ref, created_at, updated_at FROM resources"
+    "  WHERE kind = 'payment';"
+    " END IF;"
+    " IF to_regclass('orders') IS NULL THEN"
+    "  CREATE VIEW orders AS SELECT id, tenant_id, status,"
+    "  body::jsonb ->> 'customer_id' AS customer_id,"
+    "  (body::jsonb ->> 'total')::bigint AS total,"
+    "  body::jsonb ->> 'currency' AS currency,"
+    "  created_at, updated_at FROM resources WHERE kind = 'order';"
+    " END IF;"
+    " END $$;",
+};
+
+_Static_assert(sizeof sqlite_versions / sizeof *sqlite_versions == IDEMD_SCHEMA_VERSION,
+               "a SQLite entry per version");
+_Static_assert(sizeof pg_versions / sizeof *pg_versions == IDEMD_SCHEMA_VERSION,
+               "a PostgreSQL entry per version");
+
+/* Several instances migrating at once on PostgreSQL take turns on this
+ * key (pg_advisory_xact_lock), held until the migration commits. */
+#define MIGRATE_LOCK "5216104431"
+
+static const char version_sql[] = "SELECT coalesce(max(version), 0) FROM idemd_schema";
+
+struct migration {
+  int version; /* found */
+  char *err;
+  size_t errlen;
+};
+
+static int got_version(void *arg, const char *const *cols) {
+  *(int *)arg = cols[0] ? atoi(cols[0]) : 0;
+  return IDEM_OK;
+}
+
+static int migrate_fn(void *arg, idem_tx_t *tx) {
+  struct migration *m = arg;
+  const int sqlite = idemd_sql_is_sqlite(tx);
+  const char *const *versions = sqlite ? sqlite_versions : pg_versions;
+  int rc;
+
+  m->version = 0;
+  if ((!sqlite &&
+       (rc = idemd_sql_exec(tx, "SELECT pg_advisory_xact_lock(" MIGRATE_LOCK ")", m->err,
+                            m->errlen)) != IDEM_OK) ||
+      (rc = idemd_sql_exec(tx,
+                           "CREATE TABLE IF NOT EXISTS idemd_schema "
+                           "(version INTEGER NOT NULL)",
+                           m->err, m->errlen)) != IDEM_OK)
+    return rc;
+  if ((rc = idemd_sql_run(tx, IDEMD_SQL_SCHEMA, version_sql, NULL, 0, got_version,
+                          &m->version, NULL)) != IDEM_OK) {
+    snprintf(m->err, m->errlen, "cannot read idemd's schema version");
+    return rc;
+  }
+  if (m->version > IDEMD_SCHEMA_VERSION) {
+    snprintf(m->err, m->errlen,
+             "idemd's schema version %d is newer than this program's %d", m->version,
+             IDEMD_SCHEMA_VERSION);
+    return IDEM_ESCHEMA;
+  }
+  for (int v = m->version; v < IDEMD_SCHEMA_VERSION; v++) {
+    char set[96];
+    snprintf(set, sizeof set,
+             "DELETE FROM idemd_schema; INSERT INTO idemd_schema VALUES (%d)", v + 1);
+    if ((rc = idemd_sql_exec(tx, versions[v], m->err, m->errlen)) != IDEM_OK ||
+        (rc = idemd_sql_exec(tx, set, m->err, m->errlen)) != IDEM_OK)
+      return rc;
+  }
+  return IDEM_OK;
+}
+
+int idemd_schema_migrate(idem_store_t *store, char *err, size_t errlen) {
+  char spare[256];
+  struct migration m = {0, err ? err : spare, err ? errlen : sizeof spare};
+  idem_effect_t e = {migrate_fn, &m};
+  int rc;
+
+  m.err[0] = '\0';
+  rc = idem_store_write(store, &e);
+  if (rc != IDEM_OK && m.err[0] == '\0')
+    snprintf(m.err, m.errlen, "%s", idem_store_last_error());
+  return rc;
+}
