@@ -113,7 +113,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   int nflags = (int)(sizeof flags / sizeof *flags) - 1;
   idemd_config_t cfg;
   unsigned char seed[8];
-  idemd_tenant_t t;
+  idemd_tenant_t t = {0};
+  idemd_api_key_t k;
   int rc;
 
   (void)argc;
@@ -135,9 +136,11 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   FUZZ_CHECK(srv.port > 0, "no port bound");
 
   /* As `idemd tenant create fuzz` does. */
-  rc = idemd_api_key_new("fuzz", &t, token);
+  rc = idemd_api_key_new("default", &k, token);
   FUZZ_CHECK(rc == IDEM_OK, "idemd_api_key_new: %d", rc);
-  rc = idemd_tenant_create(srv.tenants, &t);
+  snprintf(t.name, sizeof t.name, "fuzz");
+  t.created_at = k.created_at;
+  rc = idemd_tenant_create(srv.tenants, &t, &k);
   FUZZ_CHECK(rc == IDEM_OK, "idemd_tenant_create: %d", rc);
   return 0;
 }

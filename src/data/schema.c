@@ -48,6 +48,40 @@ static const char *const sqlite_versions[] = {
     " json_extract(body, '$.total') AS total,"
     " json_extract(body, '$.currency') AS currency,"
     " created_at, updated_at FROM resources WHERE kind = 'order';",
+    /* 2: a tenant has API keys, each with a name, the time it was last
+     * used and, once revoked, when; its one key until now becomes the key
+     * named "default". A key's name is its tenant's own among its keys
+     * not revoked. The tenants table loses its key columns: SQLite cannot
+     * drop a UNIQUE column, so the table is made again. Its rows wait in
+     * a temporary copy; with the foreign keys deferred, the resources
+     * that refer to them count as violations from the DROP until the same
+     * ids are back (SQLite counts them down as the parent rows come
+     * back), so nothing is left to fail at COMMIT. */
+    "PRAGMA defer_foreign_keys = ON;"
+    "CREATE TEMP TABLE tenants_v1 AS SELECT * FROM main.tenants;"
+    "DROP TABLE main.tenants;"
+    "CREATE TABLE main.tenants ("
+    " id INTEGER PRIMARY KEY,"
+    " name TEXT NOT NULL UNIQUE,"
+    " disabled INTEGER NOT NULL DEFAULT 0,"
+    " created_at INTEGER NOT NULL);"
+    "INSERT INTO main.tenants (id, name, disabled, created_at)"
+    " SELECT id, name, disabled, created_at FROM temp.tenants_v1;"
+    "CREATE TABLE main.api_keys ("
+    " id INTEGER PRIMARY KEY,"
+    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
+    " name TEXT NOT NULL,"
+    " key_lookup TEXT NOT NULL UNIQUE,"
+    " key_hash BLOB NOT NULL,"
+    " created_at INTEGER NOT NULL,"
+    " last_used_at INTEGER,"
+    " revoked_at INTEGER);"
+    "CREATE UNIQUE INDEX main.api_keys_name ON api_keys (tenant_id, name)"
+    " WHERE revoked_at IS NULL;"
+    "INSERT INTO main.api_keys (tenant_id, name, key_lookup, key_hash, created_at)"
+    " SELECT id, 'default', key_lookup, key_hash, created_at FROM temp.tenants_v1"
+    " ORDER BY id;"
+    "DROP TABLE temp.tenants_v1;",
 };
 
 static const char *const pg_versions[] = {
@@ -94,6 +128,21 @@ static const char *const pg_versions[] = {
     "  created_at, updated_at FROM resources WHERE kind = 'order';"
     " END IF;"
     " END $$;",
+    /* 2: as SQLite's version 2, the key columns dropped in place. */
+    "CREATE TABLE api_keys ("
+    " id BIGSERIAL PRIMARY KEY,"
+    " tenant_id BIGINT NOT NULL REFERENCES tenants (id),"
+    " name TEXT NOT NULL,"
+    " key_lookup TEXT NOT NULL UNIQUE,"
+    " key_hash TEXT NOT NULL,"
+    " created_at BIGINT NOT NULL,"
+    " last_used_at BIGINT,"
+    " revoked_at BIGINT);"
+    "CREATE UNIQUE INDEX api_keys_name ON api_keys (tenant_id, name)"
+    " WHERE revoked_at IS NULL;"
+    "INSERT INTO api_keys (tenant_id, name, key_lookup, key_hash, created_at)"
+    " SELECT id, 'default', key_lookup, key_hash, created_at FROM tenants ORDER BY id;"
+    "ALTER TABLE tenants DROP COLUMN key_lookup, DROP COLUMN key_hash;",
 };
 
 _Static_assert(sizeof sqlite_versions / sizeof *sqlite_versions == IDEMD_SCHEMA_VERSION,
@@ -118,10 +167,48 @@ static int got_version(void *arg, const char *const *cols) {
   return IDEM_OK;
 }
 
-static int migrate_fn(void *arg, idem_tx_t *tx) {
-  struct migration *m = arg;
+/* SQLite's version 2 makes tenants again: an index or trigger of an
+ * operator's on it would silently go with the old table, and a view or
+ * trigger that names it would read the new one, without the key columns. Such objects
+ * stop the migration here, by name, before anything changes. (PostgreSQL refuses to drop
+ * a column a view reads, by itself.) */
+static const char sqlite_v2_check[] =
+    "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
+    "WHERE type IN ('view', 'trigger', 'index') AND name NOT LIKE 'sqlite_autoindex_%' "
+    "AND (tbl_name = 'tenants' OR (type <> 'index' AND sql LIKE '%tenants%'))";
+
+static int got_text(void *arg, const char *const *cols) {
+  char **out = arg;
+  free(*out);
+  *out = cols[0] ? strdup(cols[0]) : NULL;
+  return IDEM_OK;
+}
+
+/* IDEM_OK when nothing of an operator's stands in the way of version `v`. */
+static int check_foreign_objects(struct migration *m, idem_tx_t *tx, int v) {
+  char *found = NULL;
+  int rc;
+
+  if (!idemd_sql_is_sqlite(tx) || v != 2)
+    return IDEM_OK;
+  rc = idemd_sql_run(tx, IDEMD_SQL_SCHEMA_CHECK, sqlite_v2_check, NULL, 0, got_text,
+                     &found, NULL);
+  if (rc == IDEM_OK && found) {
+    snprintf(
+        m->err, m->errlen,
+        "idemd's schema version 2 copies the table tenants; drop these objects first "
+        "and make them again after the migration: %s",
+        found);
+    rc = IDEM_ESCHEMA;
+  } else if (rc != IDEM_OK) {
+    snprintf(m->err, m->errlen, "cannot read the schema");
+  }
+  free(found);
+  return rc;
+}
+
+static int run_versions(struct migration *m, idem_tx_t *tx, const char *const *versions) {
   const int sqlite = idemd_sql_is_sqlite(tx);
-  const char *const *versions = sqlite ? sqlite_versions : pg_versions;
   int rc;
 
   m->version = 0;
@@ -148,11 +235,16 @@ static int migrate_fn(void *arg, idem_tx_t *tx) {
     char set[96];
     snprintf(set, sizeof set,
              "DELETE FROM idemd_schema; INSERT INTO idemd_schema VALUES (%d)", v + 1);
-    if ((rc = idemd_sql_exec(tx, versions[v], m->err, m->errlen)) != IDEM_OK ||
+    if ((rc = check_foreign_objects(m, tx, v + 1)) != IDEM_OK ||
+        (rc = idemd_sql_exec(tx, versions[v], m->err, m->errlen)) != IDEM_OK ||
         (rc = idemd_sql_exec(tx, set, m->err, m->errlen)) != IDEM_OK)
       return rc;
   }
   return IDEM_OK;
+}
+
+static int migrate_fn(void *arg, idem_tx_t *tx) {
+  return run_versions(arg, tx, idemd_sql_is_sqlite(tx) ? sqlite_versions : pg_versions);
 }
 
 int idemd_schema_migrate(idem_store_t *store, char *err, size_t errlen) {

@@ -23,11 +23,17 @@ enum idemd_sql_slot {
   IDEMD_SQL_CLAIM,
   IDEMD_SQL_COUNT, /* any count: made again whenever its SQL changes */
   IDEMD_SQL_TENANT_INSERT,
-  IDEMD_SQL_TENANT_BY_LOOKUP,
   IDEMD_SQL_TENANT_BY_NAME,
-  IDEMD_SQL_TENANT_UPDATE,
+  IDEMD_SQL_TENANT_SET_DISABLED,
   IDEMD_SQL_TENANT_LIST,
+  IDEMD_SQL_KEY_INSERT,
+  IDEMD_SQL_KEY_FIND,
+  IDEMD_SQL_KEY_LIST,
+  IDEMD_SQL_KEY_REVOKE,
+  IDEMD_SQL_KEY_REVOKE_ALL,
+  IDEMD_SQL_KEY_USED,
   IDEMD_SQL_SCHEMA, /* the migrations' statements, each used once */
+  IDEMD_SQL_SCHEMA_CHECK,
   IDEMD_SQL_SLOTS_
 };
 
@@ -45,7 +51,7 @@ typedef struct idemd_sql_param {
 #define IDEMD_SQL_NUM(v) ((idemd_sql_param_t){.num = (v), .kind = 1})
 #define IDEMD_SQL_BYTES(p, n) ((idemd_sql_param_t){.bytes = (p), .len = (n), .kind = 2})
 #define IDEMD_SQL_MAX_PARAMS 8
-#define IDEMD_SQL_MAX_COLS 8
+#define IDEMD_SQL_MAX_COLS 12
 
 /* Called with each row's columns as text (NULL for SQL NULL). Returns
  * IDEM_OK to go on, or an error to stop with. */

@@ -20,28 +20,61 @@
 #define TEXT IDEMD_SQL_TEXT
 #define NUM IDEMD_SQL_NUM
 
-/* SQLite keeps the key's hash as a BLOB, PostgreSQL as hex text; both are
- * read as hex. */
-#define TENANT_COLUMNS(hash) "id, name, key_lookup, " hash ", disabled, created_at"
-#define SELECT_TENANTS(hash) "SELECT " TENANT_COLUMNS(hash) " FROM tenants "
+/* SQLite keeps a key's hash as a BLOB, PostgreSQL as hex text; both are
+ * read as hex. The statements that differ are made from one text. */
+#define KEY_COLUMNS(hash)                                                                \
+  "k.id, k.tenant_id, k.name, k.key_lookup, " hash ", k.created_at, "                    \
+  "coalesce(k.last_used_at, 0), coalesce(k.revoked_at, 0)"
+#define BOTH(sql, rest)                                                                  \
+  { sql("hex(k.key_hash)") rest, sql("k.key_hash") rest }
 
-static const char insert_sql[] =
-    "INSERT INTO tenants (name, key_lookup, key_hash, created_at) "
-    "VALUES ($1, $2, $3, $4) RETURNING id";
-static const char update_sql[] =
-    "UPDATE tenants SET key_lookup = $1, key_hash = $2, disabled = $3 WHERE name = $4";
-static const struct {
-  enum idemd_sql_slot slot;
-  const char *sqlite, *pg;
-} queries[] = {
-#define QUERY(slot, rest)                                                                \
-  { slot, SELECT_TENANTS("hex(key_hash)") rest, SELECT_TENANTS("key_hash") rest }
-    QUERY(IDEMD_SQL_TENANT_BY_LOOKUP, "WHERE key_lookup = $1"),
-    QUERY(IDEMD_SQL_TENANT_BY_NAME, "WHERE name = $1"),
-    QUERY(IDEMD_SQL_TENANT_LIST, "ORDER BY name LIMIT $1"),
-#undef QUERY
+/* Columns read back from a key: KEY_COLUMNS, then (finds) its tenant's. */
+enum {
+  K_ID,
+  K_TENANT,
+  K_NAME,
+  K_LOOKUP,
+  K_HASH,
+  K_CREATED,
+  K_USED,
+  K_REVOKED,
+  K_TENANT_NAME,
+  K_DISABLED,
+  K_TENANT_CREATED
 };
-enum { Q_BY_LOOKUP, Q_BY_NAME, Q_LIST };
+
+#define FIND_SQL(hash)                                                                   \
+  "SELECT " KEY_COLUMNS(hash) ", t.name, t.disabled, t.created_at FROM api_keys k "      \
+                              "JOIN tenants t ON t.id = k.tenant_id WHERE k.key_lookup " \
+                              "= $1 AND k.revoked_at IS NULL"
+#define LIST_SQL(hash)                                                                   \
+  "SELECT " KEY_COLUMNS(hash) " FROM api_keys k JOIN tenants t ON t.id = k.tenant_id "   \
+                              "WHERE t.name = $1 ORDER BY k.revoked_at IS NOT NULL, "    \
+                              "k.created_at, k.id LIMIT $2"
+static const char *const find_sql[2] = BOTH(FIND_SQL, "");
+static const char *const list_keys_sql[2] = BOTH(LIST_SQL, "");
+
+static const char insert_tenant_sql[] =
+    "INSERT INTO tenants (name, created_at) VALUES ($1, $2) RETURNING id";
+static const char tenant_by_name_sql[] =
+    "SELECT id, name, disabled, created_at FROM tenants WHERE name = $1";
+static const char list_tenants_sql[] =
+    "SELECT t.id, t.name, t.disabled, t.created_at, (SELECT count(*) FROM api_keys k "
+    "WHERE k.tenant_id = t.id AND k.revoked_at IS NULL) FROM tenants t ORDER BY t.name "
+    "LIMIT $1";
+static const char set_disabled_sql[] = "UPDATE tenants SET disabled = $1 WHERE name = $2";
+/* A key of the tenant named $5, if there is one. */
+static const char insert_key_sql[] =
+    "INSERT INTO api_keys (tenant_id, name, key_lookup, key_hash, created_at) "
+    "SELECT id, $1, $2, $3, $4 FROM tenants WHERE name = $5 RETURNING id, tenant_id";
+static const char revoke_sql[] =
+    "UPDATE api_keys SET revoked_at = $1 WHERE revoked_at IS NULL AND name = $2 "
+    "AND tenant_id = (SELECT id FROM tenants WHERE name = $3)";
+static const char revoke_all_sql[] =
+    "UPDATE api_keys SET revoked_at = $1 WHERE revoked_at IS NULL "
+    "AND tenant_id = (SELECT id FROM tenants WHERE name = $2)";
+static const char used_sql[] = "UPDATE api_keys SET last_used_at = $1 WHERE id = $2 "
+                               "AND (last_used_at IS NULL OR last_used_at < $1)";
 
 /* ---- The cache -----------------------------------------------------------
  *
@@ -68,10 +101,23 @@ enum { Q_BY_LOOKUP, Q_BY_NAME, Q_LIST };
 #define RECHECK_US 2000
 
 struct entry {
-  idemd_tenant_t t;
-  int64_t changed;  /* the file's size when `t` was read */
+  idemd_api_key_t key;
+  idemd_tenant_t tenant;
+  int64_t changed;  /* the file's size when they were read */
   int64_t until_ms; /* idem_mono_ms() */
   int used;
+};
+
+/* Keys' last uses, noted per request and written in a batch
+ * (idemd_keys_flush()): open addressing by key id, at most PROBES slots
+ * from a key's own. */
+#define USE_SLOTS 1024
+#define PROBES 8
+
+struct use {
+  int64_t key_id;     /* 0: free */
+  int64_t at;         /* the last use noted */
+  int64_t written_at; /* the last use written */
 };
 
 struct idemd_tenants {
@@ -83,6 +129,8 @@ struct idemd_tenants {
   uint64_t serial; /* tells these apart in per-thread state */
   pthread_mutex_t lock;
   struct entry *cache; /* CACHE_ENTRIES */
+  pthread_mutex_t use_lock;
+  struct use uses[USE_SLOTS];
 };
 
 static atomic_uint_fast64_t serials;
@@ -199,6 +247,7 @@ int idemd_tenants_open(idem_store_t *store, idemd_tenants_t **out) {
   t->fd = -1;
   t->serial = atomic_fetch_add(&serials, 1) + 1;
   pthread_mutex_init(&t->lock, NULL);
+  pthread_mutex_init(&t->use_lock, NULL);
   open_change_file(t);
   *out = t;
   return IDEM_OK;
@@ -207,9 +256,11 @@ int idemd_tenants_open(idem_store_t *store, idemd_tenants_t **out) {
 void idemd_tenants_close(idemd_tenants_t *t) {
   if (t == NULL)
     return;
+  (void)idemd_keys_flush(t);
   if (t->fd >= 0)
     close(t->fd);
   pthread_mutex_destroy(&t->lock);
+  pthread_mutex_destroy(&t->use_lock);
   free(t->cache);
   free(t);
 }
@@ -221,7 +272,7 @@ static struct entry *slot_of(idemd_tenants_t *t, const char *lookup) {
   return &t->cache[h % CACHE_ENTRIES];
 }
 
-/* ---- Rows ---------------------------------------------------------------- */
+/* ---- Reads --------------------------------------------------------------- */
 
 static int unhex(const char *hex, unsigned char *out, size_t len) {
   if (hex == NULL || strlen(hex) != 2 * len)
@@ -235,11 +286,49 @@ static int unhex(const char *hex, unsigned char *out, size_t len) {
   return 0;
 }
 
-/* Rows read into `out`, up to `max`. */
+static int64_t num(const char *col) {
+  return col ? strtoll(col, NULL, 10) : 0;
+}
+
+static void copy(char *dst, size_t cap, const char *col) {
+  (void)idem_copy(dst, cap, col ? col : "");
+}
+
+static void row_to_key(const char *const *cols, idemd_api_key_t *k) {
+  memset(k, 0, sizeof *k);
+  k->id = num(cols[K_ID]);
+  k->tenant_id = num(cols[K_TENANT]);
+  copy(k->name, sizeof k->name, cols[K_NAME]);
+  copy(k->lookup, sizeof k->lookup, cols[K_LOOKUP]);
+  if (unhex(cols[K_HASH], k->hash, sizeof k->hash) != 0)
+    memset(k->hash, 0, sizeof k->hash); /* matches no key */
+  k->created_at = num(cols[K_CREATED]);
+  k->last_used_at = num(cols[K_USED]);
+  k->revoked_at = num(cols[K_REVOKED]);
+}
+
+/* Rows read, up to `max`, into `keys` or `tenants`; `tenant` gets a found
+ * key's tenant. */
 struct rows {
-  idemd_tenant_t *out;
+  idemd_api_key_t *keys;
+  idemd_tenant_t *tenants, *tenant;
   int max, n;
 };
+
+static int got_key(void *arg, const char *const *cols) {
+  struct rows *r = arg;
+  if (r->n >= r->max)
+    return IDEM_OK;
+  row_to_key(cols, &r->keys[r->n++]);
+  if (r->tenant) {
+    memset(r->tenant, 0, sizeof *r->tenant);
+    r->tenant->id = num(cols[K_TENANT]);
+    copy(r->tenant->name, sizeof r->tenant->name, cols[K_TENANT_NAME]);
+    r->tenant->disabled = (int)num(cols[K_DISABLED]);
+    r->tenant->created_at = num(cols[K_TENANT_CREATED]);
+  }
+  return IDEM_OK;
+}
 
 static int got_tenant(void *arg, const char *const *cols) {
   struct rows *r = arg;
@@ -247,38 +336,94 @@ static int got_tenant(void *arg, const char *const *cols) {
 
   if (r->n >= r->max)
     return IDEM_OK;
-  t = &r->out[r->n++];
+  t = &r->tenants[r->n++];
   memset(t, 0, sizeof *t);
-  t->id = cols[0] ? strtoll(cols[0], NULL, 10) : 0;
-  idem_copy(t->name, sizeof t->name, cols[1] ? cols[1] : "");
-  idem_copy(t->key_lookup, sizeof t->key_lookup, cols[2] ? cols[2] : "");
-  if (unhex(cols[3], t->key_hash, sizeof t->key_hash) != 0)
-    memset(t->key_hash, 0, sizeof t->key_hash); /* matches no key */
-  t->disabled = cols[4] ? atoi(cols[4]) : 0;
-  t->created_at = cols[5] ? strtoll(cols[5], NULL, 10) : 0;
+  t->id = num(cols[0]);
+  copy(t->name, sizeof t->name, cols[1]);
+  t->disabled = (int)num(cols[2]);
+  t->created_at = num(cols[3]);
+  t->keys = (int)num(cols[4]);
   return IDEM_OK;
 }
 
+/* One read: statement `slot` (SQLite's text first, PostgreSQL's second;
+ * the same when only one is given) with `n` parameters into `rows`. */
 struct query {
-  int which;
-  idemd_sql_param_t param;
+  enum idemd_sql_slot slot;
+  const char *const *sql; /* [2] */
+  idemd_sql_param_t p[2];
+  int n;
+  idemd_sql_row_fn row;
   struct rows rows;
 };
 
 static int query_fn(void *arg, idem_tx_t *tx) {
   struct query *q = arg;
   q->rows.n = 0;
-  return idemd_sql_run(tx, queries[q->which].slot,
-                       idemd_sql_is_sqlite(tx) ? queries[q->which].sqlite
-                                               : queries[q->which].pg,
-                       &q->param, 1, got_tenant, &q->rows, NULL);
+  return idemd_sql_run(tx, q->slot, q->sql[idemd_sql_is_sqlite(tx) ? 0 : 1], q->p, q->n,
+                       q->row, &q->rows, NULL);
 }
 
-/* One tenant by lookup or name. */
-static int read_one(idemd_tenants_t *t, int which, const char *arg, idemd_tenant_t *out) {
-  struct query q = {which, TEXT(arg), {out, 1, 0}};
-  idem_effect_t e = {query_fn, &q};
+static int read_rows(idemd_tenants_t *t, struct query *q) {
+  idem_effect_t e = {query_fn, q};
   int rc = idem_store_read(t->store, &e);
+  if (rc != IDEM_OK)
+    q->rows.n = 0;
+  return rc;
+}
+
+/* The key in use with this lookup, and its tenant, from the database. */
+static int read_key(idemd_tenants_t *t, const char *lookup, idemd_api_key_t *key,
+                    idemd_tenant_t *tenant) {
+  struct query q = {IDEMD_SQL_KEY_FIND,       find_sql, {TEXT(lookup)}, 1, got_key,
+                    {key, NULL, tenant, 1, 0}};
+  int rc = read_rows(t, &q);
+
+  if (rc == IDEM_OK && q.rows.n == 0)
+    rc = IDEM_ENOTFOUND;
+  if (rc != IDEM_OK) {
+    memset(key, 0, sizeof *key);
+    memset(tenant, 0, sizeof *tenant);
+  }
+  return rc;
+}
+
+int idemd_key_find(idemd_tenants_t *t, const char *lookup, idemd_api_key_t *key,
+                   idemd_tenant_t *tenant) {
+  struct entry *e;
+  int64_t changed, now;
+  int rc;
+
+  if (t->fd < 0 || (changed = changed_lately(t)) < 0)
+    return read_key(t, lookup, key, tenant);
+  /* `changed` is read before the key: a change after it makes the entry
+   * stale at once. */
+  now = idem_mono_ms();
+  e = slot_of(t, lookup);
+  pthread_mutex_lock(&t->lock);
+  if (e->used && e->changed == changed && e->until_ms > now &&
+      strcmp(e->key.lookup, lookup) == 0) {
+    *key = e->key;
+    *tenant = e->tenant;
+    pthread_mutex_unlock(&t->lock);
+    return IDEM_OK;
+  }
+  pthread_mutex_unlock(&t->lock);
+  rc = read_key(t, lookup, key, tenant);
+  if (rc == IDEM_OK) { /* unknown keys are not remembered */
+    pthread_mutex_lock(&t->lock);
+    *e = (struct entry){*key, *tenant, changed, now + TTL_MS, 1};
+    pthread_mutex_unlock(&t->lock);
+  }
+  return rc;
+}
+
+int idemd_tenant_by_name(idemd_tenants_t *t, const char *name, idemd_tenant_t *out) {
+  static const char *const sql[2] = {tenant_by_name_sql, tenant_by_name_sql};
+  /* The listing's row, without its count of keys. */
+  struct query q = {IDEMD_SQL_TENANT_BY_NAME, sql, {TEXT(name)}, 1, got_tenant,
+                    {NULL, out, NULL, 1, 0}};
+  int rc = read_rows(t, &q);
 
   if (rc == IDEM_OK && q.rows.n == 0)
     rc = IDEM_ENOTFOUND;
@@ -287,89 +432,223 @@ static int read_one(idemd_tenants_t *t, int which, const char *arg, idemd_tenant
   return rc;
 }
 
-int idemd_tenant_find(idemd_tenants_t *t, const char *lookup, idemd_tenant_t *out) {
-  struct entry *e;
-  int64_t changed, now;
-  int rc;
-
-  if (t->fd < 0 || (changed = changed_lately(t)) < 0)
-    return read_one(t, Q_BY_LOOKUP, lookup, out);
-  /* `changed` is read before the tenant: a change after it makes the
-   * entry stale at once. */
-  now = idem_mono_ms();
-  e = slot_of(t, lookup);
-  pthread_mutex_lock(&t->lock);
-  if (e->used && e->changed == changed && e->until_ms > now &&
-      strcmp(e->t.key_lookup, lookup) == 0) {
-    *out = e->t;
-    pthread_mutex_unlock(&t->lock);
-    return IDEM_OK;
-  }
-  pthread_mutex_unlock(&t->lock);
-  rc = read_one(t, Q_BY_LOOKUP, lookup, out);
-  if (rc == IDEM_OK) { /* unknown keys are not remembered */
-    pthread_mutex_lock(&t->lock);
-    *e = (struct entry){*out, changed, now + TTL_MS, 1};
-    pthread_mutex_unlock(&t->lock);
-  }
-  return rc;
-}
-
-int idemd_tenant_by_name(idemd_tenants_t *t, const char *name, idemd_tenant_t *out) {
-  return read_one(t, Q_BY_NAME, name, out);
-}
-
 int idemd_tenant_list(idemd_tenants_t *t, idemd_tenant_t *out, int max, int *n) {
-  struct query q = {Q_LIST, NUM(max), {out, max, 0}};
-  idem_effect_t e = {query_fn, &q};
-  int rc = max > 0 ? idem_store_read(t->store, &e) : IDEM_EINVAL;
+  static const char *const sql[2] = {list_tenants_sql, list_tenants_sql};
+  struct query q = {IDEMD_SQL_TENANT_LIST,    sql, {NUM(max)}, 1, got_tenant,
+                    {NULL, out, NULL, max, 0}};
+  int rc = max > 0 ? read_rows(t, &q) : IDEM_EINVAL;
 
   *n = rc == IDEM_OK ? q.rows.n : 0;
   return rc;
 }
 
-/* ---- Changes ------------------------------------------------------------- */
+int idemd_key_list(idemd_tenants_t *t, const char *tenant, idemd_api_key_t *out, int max,
+                   int *n) {
+  struct query q = {
+      IDEMD_SQL_KEY_LIST,       list_keys_sql, {TEXT(tenant), NUM(max)}, 2, got_key,
+      {out, NULL, NULL, max, 0}};
+  int rc = max > 0 ? read_rows(t, &q) : IDEM_EINVAL;
 
-static int got_id(void *arg, const char *const *cols) {
-  *(int64_t *)arg = cols[0] ? strtoll(cols[0], NULL, 10) : 0;
+  *n = rc == IDEM_OK ? q.rows.n : 0;
+  return rc;
+}
+
+/* ---- Changes -------------------------------------------------------------
+ *
+ * Each is one write, then counted in the change file (bump()), so that it
+ * holds for every process once it returns. A write that failed may still
+ * have committed (the connection broke after COMMIT): it is counted too,
+ * which at worst empties the caches once more. */
+
+static int got_ids(void *arg, const char *const *cols) {
+  idemd_api_key_t *k = arg;
+  k->id = num(cols[0]);
+  k->tenant_id = num(cols[1]);
   return IDEM_OK;
 }
 
-static int insert_fn(void *arg, idem_tx_t *tx) {
-  idemd_tenant_t *tenant = arg;
-  idemd_sql_param_t p[4] = {TEXT(tenant->name), TEXT(tenant->key_lookup),
-                            IDEMD_SQL_BYTES(tenant->key_hash, sizeof tenant->key_hash),
-                            NUM(tenant->created_at)};
-  tenant->id = 0;
-  return idemd_sql_run(tx, IDEMD_SQL_TENANT_INSERT, insert_sql, p, 4, got_id, &tenant->id,
-                       NULL);
+/* Inserts `k` for the tenant named `tenant`: IDEM_ENOTFOUND when none. */
+static int insert_key(idem_tx_t *tx, const char *tenant, idemd_api_key_t *k) {
+  idemd_sql_param_t p[5] = {TEXT(k->name), TEXT(k->lookup),
+                            IDEMD_SQL_BYTES(k->hash, sizeof k->hash), NUM(k->created_at),
+                            TEXT(tenant)};
+  int rc;
+
+  k->id = k->tenant_id = 0;
+  rc = idemd_sql_run(tx, IDEMD_SQL_KEY_INSERT, insert_key_sql, p, 5, got_ids, k, NULL);
+  return rc == IDEM_OK && k->id == 0 ? IDEM_ENOTFOUND : rc;
 }
 
-int idemd_tenant_create(idemd_tenants_t *t, idemd_tenant_t *tenant) {
-  idem_effect_t e = {insert_fn, tenant};
+struct create {
+  idemd_tenant_t *tenant;
+  idemd_api_key_t *key;
+};
+
+static int got_id(void *arg, const char *const *cols) {
+  *(int64_t *)arg = num(cols[0]);
+  return IDEM_OK;
+}
+
+static int create_fn(void *arg, idem_tx_t *tx) {
+  struct create *c = arg;
+  idemd_sql_param_t p[2] = {TEXT(c->tenant->name), NUM(c->tenant->created_at)};
+  int rc;
+
+  c->tenant->id = 0;
+  rc = idemd_sql_run(tx, IDEMD_SQL_TENANT_INSERT, insert_tenant_sql, p, 2, got_id,
+                     &c->tenant->id, NULL);
+  return rc == IDEM_OK ? insert_key(tx, c->tenant->name, c->key) : rc;
+}
+
+/* Runs `fn` in a write and counts it in the change file unless `rc` is
+ * `unchanged`, an answer that means nothing was written. */
+static int change(idemd_tenants_t *t, int (*fn)(void *, idem_tx_t *), void *arg,
+                  int unchanged) {
+  idem_effect_t e = {fn, arg};
   int rc = idem_store_write(t->store, &e);
 
-  if (rc != IDEM_EEXIST) /* it may have committed: count it */
+  if (rc != unchanged)
     bump(t);
   return rc;
 }
 
-static int update_fn(void *arg, idem_tx_t *tx) {
-  const idemd_tenant_t *tenant = arg;
-  idemd_sql_param_t p[4] = {TEXT(tenant->key_lookup),
-                            IDEMD_SQL_BYTES(tenant->key_hash, sizeof tenant->key_hash),
-                            NUM(tenant->disabled), TEXT(tenant->name)};
+int idemd_tenant_create(idemd_tenants_t *t, idemd_tenant_t *tenant,
+                        idemd_api_key_t *key) {
+  struct create c = {tenant, key};
+  return change(t, create_fn, &c, IDEM_EEXIST);
+}
+
+struct named {
+  const char *tenant, *name;
+  int64_t num;
+  idemd_api_key_t *key;
+};
+
+static int set_disabled_fn(void *arg, idem_tx_t *tx) {
+  struct named *a = arg;
+  idemd_sql_param_t p[2] = {NUM(a->num), TEXT(a->tenant)};
   int changes = 0;
-  int rc =
-      idemd_sql_run(tx, IDEMD_SQL_TENANT_UPDATE, update_sql, p, 4, NULL, NULL, &changes);
+  int rc = idemd_sql_run(tx, IDEMD_SQL_TENANT_SET_DISABLED, set_disabled_sql, p, 2, NULL,
+                         NULL, &changes);
   return rc == IDEM_OK && changes == 0 ? IDEM_ENOTFOUND : rc;
 }
 
-int idemd_tenant_update(idemd_tenants_t *t, const idemd_tenant_t *tenant) {
-  idem_effect_t e = {update_fn, (void *)tenant};
-  int rc = idem_store_write(t->store, &e);
+int idemd_tenant_set_disabled(idemd_tenants_t *t, const char *name, int disabled) {
+  struct named a = {name, NULL, disabled != 0, NULL};
+  return change(t, set_disabled_fn, &a, IDEM_ENOTFOUND);
+}
 
-  if (rc != IDEM_ENOTFOUND) /* it may have committed: count it */
-    bump(t);
+static int add_fn(void *arg, idem_tx_t *tx) {
+  struct named *a = arg;
+  return insert_key(tx, a->tenant, a->key);
+}
+
+int idemd_key_add(idemd_tenants_t *t, const char *tenant, idemd_api_key_t *key) {
+  struct named a = {tenant, NULL, 0, key};
+  return change(t, add_fn, &a, IDEM_ENOTFOUND);
+}
+
+static int revoke_fn(void *arg, idem_tx_t *tx) {
+  struct named *a = arg;
+  idemd_sql_param_t p[3] = {NUM(idem_tx_now_ms(tx)), TEXT(a->name), TEXT(a->tenant)};
+  int changes = 0;
+  int rc =
+      idemd_sql_run(tx, IDEMD_SQL_KEY_REVOKE, revoke_sql, p, 3, NULL, NULL, &changes);
+  return rc == IDEM_OK && changes == 0 ? IDEM_ENOTFOUND : rc;
+}
+
+int idemd_key_revoke(idemd_tenants_t *t, const char *tenant, const char *name) {
+  struct named a = {tenant, name, 0, NULL};
+  return change(t, revoke_fn, &a, IDEM_ENOTFOUND);
+}
+
+static int replace_all_fn(void *arg, idem_tx_t *tx) {
+  struct named *a = arg;
+  idemd_sql_param_t p[2] = {NUM(idem_tx_now_ms(tx)), TEXT(a->tenant)};
+  int rc =
+      idemd_sql_run(tx, IDEMD_SQL_KEY_REVOKE_ALL, revoke_all_sql, p, 2, NULL, NULL, NULL);
+  return rc == IDEM_OK ? insert_key(tx, a->tenant, a->key) : rc;
+}
+
+int idemd_key_replace_all(idemd_tenants_t *t, const char *tenant, idemd_api_key_t *key) {
+  struct named a = {tenant, NULL, 0, key};
+  return change(t, replace_all_fn, &a, IDEM_ENOTFOUND);
+}
+
+/* ---- Last uses ----------------------------------------------------------- */
+
+void idemd_key_used(idemd_tenants_t *t, int64_t key_id, int64_t now_ms) {
+  uint64_t h = (uint64_t)key_id * 0x9e3779b97f4a7c15ull;
+
+  pthread_mutex_lock(&t->use_lock);
+  for (int i = 0; i < PROBES; i++) {
+    struct use *u = &t->uses[(h + (uint64_t)i) % USE_SLOTS];
+    if (u->key_id == 0)
+      u->key_id = key_id;
+    if (u->key_id == key_id) {
+      if (now_ms > u->at)
+        u->at = now_ms;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&t->use_lock);
+}
+
+struct flush {
+  int n;
+  struct {
+    int slot;
+    int64_t key_id, at;
+  } uses[USE_SLOTS];
+};
+
+static int flush_fn(void *arg, idem_tx_t *tx) {
+  struct flush *f = arg;
+  int rc = IDEM_OK;
+
+  for (int i = 0; rc == IDEM_OK && i < f->n; i++) {
+    idemd_sql_param_t p[2] = {NUM(f->uses[i].at), NUM(f->uses[i].key_id)};
+    rc = idemd_sql_run(tx, IDEMD_SQL_KEY_USED, used_sql, p, 2, NULL, NULL, NULL);
+  }
+  return rc;
+}
+
+int idemd_keys_flush(idemd_tenants_t *t) {
+  struct flush *f = malloc(sizeof *f);
+  idem_effect_t e = {flush_fn, f};
+  int rc = IDEM_OK;
+
+  if (f == NULL)
+    return IDEM_ENOMEM;
+  f->n = 0;
+  pthread_mutex_lock(&t->use_lock);
+  for (int i = 0; i < USE_SLOTS; i++) {
+    struct use *u = &t->uses[i];
+    if (u->key_id != 0 && u->at > u->written_at) {
+      f->uses[f->n].slot = i;
+      f->uses[f->n].key_id = u->key_id;
+      f->uses[f->n++].at = u->at;
+    }
+  }
+  pthread_mutex_unlock(&t->use_lock);
+  if (f->n > 0)
+    rc = idem_store_write(t->store, &e);
+  if (rc == IDEM_OK) {
+    /* Written: a slot not used since is free again. (A key whose probe
+     * passed it may then take a second slot: both are written, and the
+     * later time wins in the table.) */
+    pthread_mutex_lock(&t->use_lock);
+    for (int i = 0; i < f->n; i++) {
+      struct use *u = &t->uses[f->uses[i].slot];
+      if (u->key_id != f->uses[i].key_id)
+        continue;
+      if (u->at <= f->uses[i].at)
+        *u = (struct use){0};
+      else
+        u->written_at = f->uses[i].at;
+    }
+    pthread_mutex_unlock(&t->use_lock);
+  }
+  free(f);
   return rc;
 }

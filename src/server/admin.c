@@ -1,5 +1,6 @@
 /* Tools for the people who run idem: tenants (create, rotate, disable,
- * enable, list) and records (list a tenant's, show one). They print to the
+ * enable, list), their API keys (add, revoke, list) and records (list a
+ * tenant's, show one). They print to the
  * operator's terminal; API keys are printed once and only hashes stored. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,53 +29,67 @@ static int store_failed(const char *what, int rc) {
   return 1;
 }
 
-static int tenant_create(idemd_tenants_t *tenants, const char *name) {
-  char key[IDEMD_API_KEY_MAX + 1];
-  idemd_tenant_t t;
-  int rc = idemd_api_key_new(name, &t, key);
+#define USAGE                                                                 \
+  "usage: idemd tenant create|rotate|disable|enable NAME | list\n"              \
+  "       idemd tenant key add|revoke NAME KEYNAME | key list NAME   [--db ...]\n"
 
-  if (rc == IDEM_EINVAL) {
-    fprintf(stderr, "idemd: a tenant name is 1 to 64 of A-Z a-z 0-9 . _ -\n");
-    return 2;
-  }
-  if (rc == IDEM_OK)
-    rc = idemd_tenant_create(tenants, &t);
-  if (rc == IDEM_EEXIST) {
-    fprintf(stderr, "idemd: tenant '%s' already exists\n", name);
-    return 1;
-  }
-  if (rc != IDEM_OK)
-    return store_failed("tenant create", rc);
+static int no_tenant(const char *name) {
+  fprintf(stderr, "idemd: no tenant named '%s'\n", name);
+  return 1;
+}
+
+static int bad_name(void) {
+  fprintf(stderr, "idemd: a name is 1 to 64 of A-Z a-z 0-9 . _ -\n");
+  return 2;
+}
+
+/* Prints a new key alone on stdout, the one time it is ever shown. */
+static int print_key(const char *key) {
   printf("%s\n", key);
   return 0;
 }
 
-/* rotate, disable, enable: read the tenant, change it, write it back. */
-static int tenant_change(idemd_tenants_t *tenants, const char *action, const char *name) {
+static int tenant_create(idemd_tenants_t *tenants, const char *name) {
   char key[IDEMD_API_KEY_MAX + 1];
-  idemd_tenant_t t, fresh;
-  int rc = idemd_tenant_by_name(tenants, name, &t);
+  idemd_tenant_t t = {0};
+  idemd_api_key_t k;
+  int rc;
 
-  if (rc == IDEM_ENOTFOUND) {
-    fprintf(stderr, "idemd: no tenant named '%s'\n", name);
+  if (!idemd_name_valid(name))
+    return bad_name();
+  if ((rc = idemd_api_key_new("default", &k, key)) != IDEM_OK)
+    return store_failed("key generation", rc);
+  idem_copy(t.name, sizeof t.name, name);
+  t.created_at = k.created_at;
+  rc = idemd_tenant_create(tenants, &t, &k);
+  if (rc == IDEM_EEXIST) {
+    fprintf(stderr, "idemd: tenant '%s' already exists\n", name);
     return 1;
   }
+  return rc == IDEM_OK ? print_key(key) : store_failed("tenant create", rc);
+}
+
+/* rotate: every key in use replaced by one new key, at once. */
+static int tenant_rotate(idemd_tenants_t *tenants, const char *name) {
+  char key[IDEMD_API_KEY_MAX + 1];
+  idemd_api_key_t k;
+  int rc = idemd_api_key_new("default", &k, key);
+
+  if (rc == IDEM_OK)
+    rc = idemd_key_replace_all(tenants, name, &k);
+  if (rc == IDEM_ENOTFOUND)
+    return no_tenant(name);
+  return rc == IDEM_OK ? print_key(key) : store_failed("tenant rotate", rc);
+}
+
+static int tenant_enable(idemd_tenants_t *tenants, const char *action, const char *name) {
+  int rc = idemd_tenant_set_disabled(tenants, name, strcmp(action, "disable") == 0);
+
+  if (rc == IDEM_ENOTFOUND)
+    return no_tenant(name);
   if (rc != IDEM_OK)
-    return store_failed("tenant lookup", rc);
-  if (strcmp(action, "rotate") == 0) {
-    if ((rc = idemd_api_key_new(name, &fresh, key)) != IDEM_OK)
-      return store_failed("key generation", rc);
-    memcpy(t.key_lookup, fresh.key_lookup, sizeof t.key_lookup);
-    memcpy(t.key_hash, fresh.key_hash, sizeof t.key_hash);
-  } else {
-    t.disabled = strcmp(action, "disable") == 0;
-  }
-  if ((rc = idemd_tenant_update(tenants, &t)) != IDEM_OK)
     return store_failed("tenant update", rc);
-  if (strcmp(action, "rotate") == 0)
-    printf("%s\n", key);
-  else
-    fprintf(stderr, "idemd: tenant '%s' %sd\n", name, action);
+  fprintf(stderr, "idemd: tenant '%s' %sd\n", name, action);
   return 0;
 }
 
@@ -86,41 +101,124 @@ static int tenant_list(idemd_tenants_t *tenants) {
     return 1;
   rc = idemd_tenant_list(tenants, list, MAX_LIST, &n);
   if (rc == IDEM_OK) {
-    printf("%-24s %-9s %s\n", "NAME", "STATUS", "CREATED");
+    printf("%-24s %-9s %-5s %s\n", "NAME", "STATUS", "KEYS", "CREATED");
     for (int i = 0; i < n; i++) {
       char when[32];
       idem_format_time(list[i].created_at, when, sizeof when);
-      printf("%-24s %-9s %s\n", list[i].name,
-             list[i].disabled ? "disabled" : "active", when);
+      printf("%-24s %-9s %-5d %s\n", list[i].name,
+             list[i].disabled ? "disabled" : "active", list[i].keys, when);
     }
   }
   free(list);
   return rc == IDEM_OK ? 0 : store_failed("tenant list", rc);
 }
 
-int idemd_cmd_tenant(const idemd_config_t *cfg, const char *action,
-                     const char *name) {
-  int list = strcmp(action, "list") == 0;
-  int known = list || strcmp(action, "create") == 0 || strcmp(action, "rotate") == 0 ||
-              strcmp(action, "disable") == 0 || strcmp(action, "enable") == 0;
+static int key_add(idemd_tenants_t *tenants, const char *tenant, const char *name) {
+  char key[IDEMD_API_KEY_MAX + 1];
+  idemd_api_key_t k;
+  int rc = idemd_api_key_new(name, &k, key);
+
+  if (rc == IDEM_EINVAL)
+    return bad_name();
+  if (rc == IDEM_OK)
+    rc = idemd_key_add(tenants, tenant, &k);
+  if (rc == IDEM_ENOTFOUND)
+    return no_tenant(tenant);
+  if (rc == IDEM_EEXIST) {
+    fprintf(stderr, "idemd: tenant '%s' has a key named '%s' in use already\n", tenant,
+            name);
+    return 1;
+  }
+  return rc == IDEM_OK ? print_key(key) : store_failed("key add", rc);
+}
+
+static int key_revoke(idemd_tenants_t *tenants, const char *tenant, const char *name) {
+  idemd_tenant_t t;
+  int rc = idemd_tenant_by_name(tenants, tenant, &t);
+
+  if (rc == IDEM_ENOTFOUND)
+    return no_tenant(tenant);
+  if (rc == IDEM_OK)
+    rc = idemd_key_revoke(tenants, tenant, name);
+  if (rc == IDEM_ENOTFOUND) {
+    fprintf(stderr, "idemd: tenant '%s' has no key named '%s' in use\n", tenant, name);
+    return 1;
+  }
+  if (rc != IDEM_OK)
+    return store_failed("key revoke", rc);
+  fprintf(stderr, "idemd: key '%s' of tenant '%s' revoked\n", name, tenant);
+  return 0;
+}
+
+static int key_list(idemd_tenants_t *tenants, const char *tenant) {
+  idemd_api_key_t *list = calloc(MAX_LIST, sizeof *list);
+  idemd_tenant_t t;
+  int n = 0, rc;
+
+  if (list == NULL)
+    return 1;
+  rc = idemd_tenant_by_name(tenants, tenant, &t);
+  if (rc == IDEM_OK)
+    rc = idemd_key_list(tenants, tenant, list, MAX_LIST, &n);
+  if (rc == IDEM_OK) {
+    printf("%-24s %-8s %-19s %-20s %-20s %-20s\n", "NAME", "STATUS", "KEY", "CREATED",
+           "LAST USED", "REVOKED");
+    for (int i = 0; i < n; i++) {
+      char prefix[48], created[32], used[32] = "-", revoked[32] = "-";
+      snprintf(prefix, sizeof prefix, "idem_%s_...", list[i].lookup);
+      idem_format_time(list[i].created_at, created, sizeof created);
+      if (list[i].last_used_at)
+        idem_format_time(list[i].last_used_at, used, sizeof used);
+      if (list[i].revoked_at)
+        idem_format_time(list[i].revoked_at, revoked, sizeof revoked);
+      printf("%-24s %-8s %-19s %-20s %-20s %-20s\n", list[i].name,
+             list[i].revoked_at ? "revoked" : "active", prefix, created, used, revoked);
+    }
+  }
+  free(list);
+  if (rc == IDEM_ENOTFOUND)
+    return no_tenant(tenant);
+  return rc == IDEM_OK ? 0 : store_failed("key list", rc);
+}
+
+int idemd_cmd_tenant(const idemd_config_t *cfg, int argc, char *const *argv) {
+  const char *action = argc > 0 ? argv[0] : "";
+  const int key = strcmp(action, "key") == 0;
+  const char *sub = key && argc > 1 ? argv[1] : "";
   idemd_tenants_t *tenants = NULL;
   idem_store_t *store;
-  int rc;
+  int rc, ok;
 
-  if (!known || (!list && name == NULL)) {
-    fprintf(stderr, "usage: idemd tenant create|rotate|disable|enable NAME | list [--db ...]\n");
+  if (key)
+    ok = ((strcmp(sub, "add") == 0 || strcmp(sub, "revoke") == 0) && argc == 4) ||
+         (strcmp(sub, "list") == 0 && argc == 3);
+  else if (strcmp(action, "list") == 0)
+    ok = argc == 1;
+  else
+    ok = argc == 2 && (strcmp(action, "create") == 0 || strcmp(action, "rotate") == 0 ||
+                       strcmp(action, "disable") == 0 || strcmp(action, "enable") == 0);
+  if (!ok) {
+    fputs(USAGE, stderr);
     return 2;
   }
   if ((store = idemd_open_store(cfg)) == NULL)
     return 1;
   if (idemd_tenants_open(store, &tenants) != IDEM_OK)
     rc = store_failed("tenants", IDEM_ENOMEM);
-  else if (list)
+  else if (key && strcmp(sub, "add") == 0)
+    rc = key_add(tenants, argv[2], argv[3]);
+  else if (key && strcmp(sub, "revoke") == 0)
+    rc = key_revoke(tenants, argv[2], argv[3]);
+  else if (key)
+    rc = key_list(tenants, argv[2]);
+  else if (strcmp(action, "list") == 0)
     rc = tenant_list(tenants);
   else if (strcmp(action, "create") == 0)
-    rc = tenant_create(tenants, name);
+    rc = tenant_create(tenants, argv[1]);
+  else if (strcmp(action, "rotate") == 0)
+    rc = tenant_rotate(tenants, argv[1]);
   else
-    rc = tenant_change(tenants, action, name);
+    rc = tenant_enable(tenants, action, argv[1]);
   idemd_tenants_close(tenants);
   idem_store_close(store);
   return rc;

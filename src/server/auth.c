@@ -11,32 +11,33 @@
 #define LOOKUP_LEN 12
 #define SECRET_LEN 40 /* 200 bits */
 
-static int valid_name(const char *name) {
+int idemd_name_valid(const char *name) {
   size_t n = strlen(name);
   return n >= 1 && n <= 64 &&
          strspn(name, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
                       "0123456789._-") == n;
 }
 
-int idemd_api_key_new(const char *name, idemd_tenant_t *t, char *key) {
+int idemd_api_key_new(const char *name, idemd_api_key_t *k, char *key) {
   char lookup[LOOKUP_LEN + 1], secret[SECRET_LEN + 1];
 
-  memset(t, 0, sizeof *t);
-  if (!valid_name(name))
+  memset(k, 0, sizeof *k);
+  if (!idemd_name_valid(name))
     return IDEM_EINVAL;
   if (idem_random_token(lookup, LOOKUP_LEN) != IDEM_OK ||
       idem_random_token(secret, SECRET_LEN) != IDEM_OK)
     return IDEM_ECRYPTO;
   snprintf(key, IDEMD_API_KEY_MAX + 1, "idem_%s_%s", lookup, secret);
-  idem_copy(t->name, sizeof t->name, name);
-  idem_copy(t->key_lookup, sizeof t->key_lookup, lookup);
-  t->created_at = idem_now_ms();
-  return idem_sha256(key, strlen(key), t->key_hash);
+  idem_copy(k->name, sizeof k->name, name);
+  idem_copy(k->lookup, sizeof k->lookup, lookup);
+  k->created_at = idem_now_ms();
+  return idem_sha256(key, strlen(key), k->hash);
 }
 
 int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
                        idemd_tenant_t *out) {
   char lookup[LOOKUP_LEN + 1];
+  idemd_api_key_t k;
   unsigned char hash[IDEM_SHA256_LEN];
   const char *key;
   size_t len;
@@ -60,12 +61,13 @@ int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
     return IDEM_ENOTFOUND;
   if (idem_sha256(key, len, hash) != IDEM_OK)
     return IDEM_ECRYPTO;
-  rc = idemd_tenant_find(tenants, lookup, out);
+  rc = idemd_key_find(tenants, lookup, &k, out);
   if (rc != IDEM_OK)
     return rc;
-  if (!idem_ct_equal(hash, out->key_hash, sizeof hash) || out->disabled) {
+  if (!idem_ct_equal(hash, k.hash, sizeof hash) || out->disabled) {
     memset(out, 0, sizeof *out);
     return IDEM_ENOTFOUND;
   }
+  idemd_key_used(tenants, k.id, idem_now_ms());
   return IDEM_OK;
 }

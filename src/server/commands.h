@@ -14,11 +14,13 @@
  * requests are still unfinished after --shutdown-timeout. */
 int idemd_cmd_serve(const idemd_config_t *cfg);
 
-/* `idemd tenant ACTION [NAME]`: create (prints the new API key alone on
- * stdout), rotate (prints the new key; the old one stops working),
- * disable, enable, list. */
-int idemd_cmd_tenant(const idemd_config_t *cfg, const char *action,
-                     const char *name);
+/* `idemd tenant ARGS...` (`argv` holds the words after "tenant", flags
+ * taken out): create NAME (prints the new API key, named "default", alone
+ * on stdout), rotate NAME (prints a new key; every key in use until then
+ * stops working), disable NAME, enable NAME, list; key add NAME KEYNAME
+ * (prints the new key; the others keep working), key revoke NAME KEYNAME,
+ * key list NAME. */
+int idemd_cmd_tenant(const idemd_config_t *cfg, int argc, char *const *argv);
 
 /* What `idemd records` was asked. */
 typedef struct idemd_records_args {

@@ -87,16 +87,13 @@ int main(int argc, char **argv) {
   if (strcmp(cmd, "sweep") == 0)
     return parse_flags(&cfg, argc - 2, argv + 2) ? 2 : idemd_cmd_sweep(&cfg);
   if (strcmp(cmd, "tenant") == 0) {
-    const char *action = argc > 2 ? argv[2] : "";
-    int list = strcmp(action, "list") == 0;
-    int first_flag = list ? 3 : 4;
-    if (argc < first_flag || (!list && argc > 3 && strncmp(argv[3], "--", 2) == 0)) {
-      fprintf(stderr, "usage: idemd tenant create|rotate|disable|enable NAME | list [--db ...]\n");
+    /* The words, then the flags. */
+    int words = 0;
+    while (2 + words < argc && strncmp(argv[2 + words], "--", 2) != 0)
+      words++;
+    if (parse_flags(&cfg, argc - 2 - words, argv + 2 + words))
       return 2;
-    }
-    if (parse_flags(&cfg, argc - first_flag, argv + first_flag))
-      return 2;
-    return idemd_cmd_tenant(&cfg, action, list ? NULL : argv[3]);
+    return idemd_cmd_tenant(&cfg, words, argv + 2);
   }
   if (strcmp(cmd, "records") == 0) {
     idemd_records_args_t a = {0};

@@ -14,6 +14,7 @@
 #include "server/server.h"
 #include "server/readiness.h"
 #include "server/sweeper.h"
+#include "util/ticker.h"
 
 /* Opens the store named by the configuration and migrates libidem's
  * tables, then idemd's. Store messages
@@ -65,6 +66,15 @@ static int load_log_secret(idemd_server_t *srv) {
   rc = idem_sha256(secret, strlen(secret), srv->log_secret);
   free(secret);
   return rc;
+}
+
+/* How often the API keys' last uses are written (data/tenants.h): the
+ * delay `idemd tenant key list` may show them with. */
+#define KEY_USES_MS 10000
+
+static void flush_key_uses(void *arg) {
+  idemd_server_t *srv = arg;
+  (void)idemd_keys_flush(srv->tenants);
 }
 
 static idem_provider_t *open_provider(const idemd_config_t *cfg) {
@@ -159,6 +169,12 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
     idemd_sweeper_stop(srv);
     goto stop_reconciler;
   }
+  if ((srv->key_uses = idem__ticker_start(KEY_USES_MS, flush_key_uses, srv)) == NULL) {
+    fprintf(stderr, "idemd: cannot start the API keys' writer\n");
+    idemd_readiness_stop(srv);
+    idemd_sweeper_stop(srv);
+    goto stop_reconciler;
+  }
   snprintf(listen, sizeof listen, "%s:%d", cfg->listen_host, srv->port);
   snprintf(threads, sizeof threads, "%d", cfg->threads);
   snprintf(workers, sizeof workers, "%d", cfg->workers);
@@ -191,6 +207,7 @@ int idemd_server_drain(idemd_server_t *srv) {
 
 void idemd_server_stop(idemd_server_t *srv) {
   idemd_http_stop(srv);
+  idem__ticker_stop(srv->key_uses);
   idemd_readiness_stop(srv);
   idemd_sweeper_stop(srv);
   idem_reconciler_stop(srv->reconciler);
@@ -198,6 +215,7 @@ void idemd_server_stop(idemd_server_t *srv) {
   idem_engine_free(srv->engine);
   idemd_replay_cache_free(srv->replays);
   idem_hmac_free(srv->key_id_mac);
+  idemd_tenants_close(srv->tenants); /* the keys' last uses written */
   idem_store_close(srv->store);
   idemd_log_event("info", "stopped", NULL);
 }

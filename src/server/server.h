@@ -36,6 +36,7 @@ typedef struct idemd_server {
   idem_reconciler_t *reconciler;
   struct idem__ticker *sweeper;
   struct idem__ticker *prober; /* a small write while none is made (readiness.c) */
+  struct idem__ticker *key_uses; /* writes the API keys' last uses (server.c) */
   struct idem__ticker *wait_timer; /* times out parked duplicates */
   atomic_int inflight; /* requests started and not yet answered */
   atomic_int async_pending; /* requests in the engine's asynchronous form

@@ -892,6 +892,113 @@ static void test_tenant_rotate_disable_enable(void **state) {
   h_server_stop(s);
 }
 
+/* A key from `idemd tenant key add TENANT NAME` (malloc'd). */
+static char *key_add(h_server_t *s, const char *tenant, const char *name) {
+  const char *const args[] = {"tenant", "key", "add", tenant, name, NULL};
+  char *out = cli_ok(s, args);
+  size_t n = strlen(out);
+  assert_true(n > 5 && out[n - 1] == '\n');
+  out[n - 1] = '\0';
+  assert_null(strchr(out, '\n')); /* the key alone on stdout */
+  assert_int_equal(strncmp(out, "idem_", 5), 0);
+  return out;
+}
+
+/* The line of `idemd tenant key list TENANT` for the key named `name` in
+ * use (or revoked, `revoked`): its STATUS and LAST USED columns. */
+static void key_line(h_server_t *s, const char *tenant, const char *name, int revoked,
+                     char *status, char *used) {
+  const char *const args[] = {"tenant", "key", "list", tenant, NULL};
+  char *out = cli_ok(s, args), *line = out;
+  char got[80], prefix[80], created[32], when[32];
+
+  for (; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+    if (sscanf(line, "%79s %31s %79s %31s %31s", got, status, prefix, created, when) == 5 &&
+        strcmp(got, name) == 0 && (strcmp(status, "revoked") == 0) == revoked) {
+      snprintf(used, 32, "%s", when);
+      assert_int_equal(strncmp(prefix, "idem_", 5), 0);
+      free(out);
+      return;
+    }
+  }
+  fail_msg("tenant key list has no %s key named %s:\n%s", revoked ? "revoked" : "active",
+           name, out);
+}
+
+/* `idemd tenant key add|revoke|list` while the server runs: a second key
+ * works beside the first (a rotation's overlap), the first revoked is
+ * refused at once, and the listing shows each key's state and last use
+ * (written by the server as it stops, at the latest). */
+static void test_tenant_keys(void **state) {
+  h_server_t *s = h_server_start(NULL);
+  const char *first = h_tenant(s, "acme");
+  char *second, status[32], used[32];
+  h_resp_t paid, r;
+  (void)state;
+
+  h_post(s, "/payments", first, "with-first", PAYMENT, &paid);
+  h_assert_first(&paid, 201);
+  second = key_add(s, "acme", "ci");
+  assert_string_not_equal(second, first);
+  /* Both keys are the tenant's: the same payment, the same keys. */
+  assert_get(s, paid.location, first, 200);
+  assert_get(s, paid.location, second, 200);
+  h_post(s, "/payments", second, "with-first", PAYMENT, &r);
+  h_assert_replay_of(&r, &paid);
+  h_resp_free(&r);
+  key_line(s, "acme", "default", 0, status, used);
+  assert_string_equal(status, "active");
+  key_line(s, "acme", "ci", 0, status, used);
+  assert_string_equal(status, "active");
+
+  /* A name in use, a bad name, an unknown tenant, an unknown key. */
+  {
+    const char *const taken[] = {"tenant", "key", "add", "acme", "ci", NULL};
+    const char *const bad[] = {"tenant", "key", "add", "acme", "c i", NULL};
+    const char *const nobody[] = {"tenant", "key", "add", "nobody", "x", NULL};
+    const char *const unknown[] = {"tenant", "key", "revoke", "acme", "nope", NULL};
+    const char *const usage[] = {"tenant", "key", "add", "acme", NULL};
+    char *out = NULL;
+    assert_int_equal(run_cli(s, taken, &out), 1);
+    assert_string_equal(out, "");
+    free(out);
+    assert_int_equal(run_cli(s, bad, &out), 2);
+    free(out);
+    assert_int_equal(run_cli(s, nobody, &out), 1);
+    free(out);
+    assert_int_equal(run_cli(s, unknown, &out), 1);
+    free(out);
+    assert_int_equal(run_cli(s, usage, &out), 2);
+    free(out);
+  }
+
+  /* The first revoked: refused at once; the second still works. */
+  free(cli_ok(s, (const char *const[]){"tenant", "key", "revoke", "acme", "default", NULL}));
+  assert_get(s, paid.location, first, 401);
+  h_post(s, "/payments", first, "after-revoke", PAYMENT, &r);
+  h_assert_error(&r, 401, NULL);
+  h_resp_free(&r);
+  assert_get(s, paid.location, second, 200);
+  h_post(s, "/payments", second, "after-revoke", PAYMENT, &r);
+  h_assert_first(&r, 201);
+  h_resp_free(&r);
+  key_line(s, "acme", "default", 1, status, used);
+  assert_string_equal(status, "revoked");
+
+  /* Stopped, the server has written when each key was last used. */
+  h_server_stop(s);
+  key_line(s, "acme", "default", 1, status, used);
+  assert_string_not_equal(used, "-");
+  key_line(s, "acme", "ci", 0, status, used);
+  assert_string_not_equal(used, "-");
+  /* A key never used has none. */
+  free(key_add(s, "acme", "spare"));
+  key_line(s, "acme", "spare", 0, status, used);
+  assert_string_equal(used, "-");
+  free(second);
+  h_resp_free(&paid);
+}
+
 /* `idemd records` and `records show` print a tenant's records (state,
  * fingerprint, resource, provider reference) and nothing of another
  * tenant's, even under the same key. */
@@ -1338,6 +1445,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_sigterm_drains_load, h_teardown),
       cmocka_unit_test_teardown(test_sweeper_deletes_only_expired, h_teardown),
       cmocka_unit_test_teardown(test_tenant_rotate_disable_enable, h_teardown),
+      cmocka_unit_test_teardown(test_tenant_keys, h_teardown),
       cmocka_unit_test_teardown(test_records_tools, h_teardown),
       cmocka_unit_test(test_no_arguments_serves),
   };

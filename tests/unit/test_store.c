@@ -33,6 +33,7 @@ typedef struct fixture {
   char dir[512];  /* our temporary directory; "" on a shared URL */
   char path[600]; /* the SQLite file in it */
   idemd_tenant_t tenant;
+  idemd_api_key_t key; /* the tenant's */
   int64_t now;
 } fixture_t;
 
@@ -45,14 +46,38 @@ static void random_name(char *out, size_t cap, const char *prefix) {
   snprintf(out, cap, "%s%s", prefix, token);
 }
 
-static void new_tenant(idemd_tenants_t *tenants, idemd_tenant_t *t) {
+/* A key named `name` with a random lookup and hash (as idemd_api_key_new()
+ * makes, without the key itself). */
+static void new_key(idemd_api_key_t *k, const char *name) {
+  memset(k, 0, sizeof *k);
+  snprintf(k->name, sizeof k->name, "%s", name);
+  assert_int_equal(idem_random_token(k->lookup, sizeof k->lookup - 1), IDEM_OK);
+  assert_int_equal(idem_random_bytes(k->hash, sizeof k->hash), IDEM_OK);
+  k->created_at = idem_now_ms();
+}
+
+/* A tenant of a random name, with its key `k` named "default". */
+static void new_tenant(idemd_tenants_t *tenants, idemd_tenant_t *t, idemd_api_key_t *k) {
   memset(t, 0, sizeof *t);
   random_name(t->name, sizeof t->name, "tenant-");
-  assert_int_equal(idem_random_token(t->key_lookup, sizeof t->key_lookup - 1), IDEM_OK);
-  assert_int_equal(idem_random_bytes(t->key_hash, sizeof t->key_hash), IDEM_OK);
   t->created_at = idem_now_ms();
-  assert_int_equal(idemd_tenant_create(tenants, t), IDEM_OK);
+  new_key(k, "default");
+  assert_int_equal(idemd_tenant_create(tenants, t, k), IDEM_OK);
   assert_true(t->id > 0);
+  assert_true(k->id > 0);
+  assert_int_equal(k->tenant_id, t->id);
+}
+
+/* The key in use with lookup `lookup`: IDEM_OK and its tenant's id, or
+ * the error, with `*tenant_id` 0. */
+static int find(idemd_tenants_t *tenants, const char *lookup, int64_t *tenant_id) {
+  idemd_api_key_t k;
+  idemd_tenant_t t;
+  int rc = idemd_key_find(tenants, lookup, &k, &t);
+  *tenant_id = rc == IDEM_OK ? t.id : 0;
+  if (rc == IDEM_OK)
+    assert_int_equal(k.tenant_id, t.id);
+  return rc;
 }
 
 /* A fingerprint-shaped string (64 characters) that differs by `seed`. */
@@ -238,7 +263,7 @@ static int setup(void **state) {
   if (rc != IDEM_OK)
     fail_msg("idemd's schema: %s (%s)", idem_err_name(rc), idem_store_last_error());
   assert_int_equal(idemd_tenants_open(fx->store, &fx->tenants), IDEM_OK);
-  new_tenant(fx->tenants, &fx->tenant);
+  new_tenant(fx->tenants, &fx->tenant, &fx->key);
   *state = fx;
   return 0;
 }
@@ -261,7 +286,7 @@ static int teardown(void **state) {
 
 static void test_migrate_is_idempotent(void **state) {
   fixture_t *fx = *state;
-  idemd_tenant_t found;
+  int64_t tenant_id;
 
   assert_int_equal(idem_store_migrate(fx->store), IDEM_OK);
   assert_int_equal(idem_store_migrate(fx->store), IDEM_OK);
@@ -271,75 +296,163 @@ static void test_migrate_is_idempotent(void **state) {
     assert_string_equal(idem_store_backend(fx->store), "sqlite");
   assert_int_equal(idemd_schema_migrate(fx->store, NULL, 0), IDEM_OK);
   /* Data written before a migration is still there after it. */
-  assert_int_equal(idemd_tenant_find(fx->tenants, fx->tenant.key_lookup, &found),
-                   IDEM_OK);
-  assert_int_equal(found.id, fx->tenant.id);
+  assert_int_equal(find(fx->tenants, fx->key.lookup, &tenant_id), IDEM_OK);
+  assert_int_equal(tenant_id, fx->tenant.id);
 }
 
 static void test_tenants(void **state) {
   fixture_t *fx = *state;
-  idemd_tenant_t found, other, dup;
+  idemd_tenant_t found, other, dup, *list;
+  idemd_api_key_t key, other_key, dup_key;
+  int64_t tenant_id;
+  int n = 0, seen = 0;
 
-  assert_int_equal(idemd_tenant_find(fx->tenants, fx->tenant.key_lookup, &found),
-                   IDEM_OK);
+  assert_int_equal(idemd_key_find(fx->tenants, fx->key.lookup, &key, &found), IDEM_OK);
   assert_int_equal(found.id, fx->tenant.id);
   assert_string_equal(found.name, fx->tenant.name);
-  assert_string_equal(found.key_lookup, fx->tenant.key_lookup);
-  assert_memory_equal(found.key_hash, fx->tenant.key_hash, sizeof found.key_hash);
   assert_int_equal(found.disabled, 0);
   assert_int_equal(found.created_at, fx->tenant.created_at);
+  assert_int_equal(key.id, fx->key.id);
+  assert_int_equal(key.tenant_id, fx->tenant.id);
+  assert_string_equal(key.name, "default");
+  assert_string_equal(key.lookup, fx->key.lookup);
+  assert_memory_equal(key.hash, fx->key.hash, sizeof key.hash);
+  assert_int_equal(key.created_at, fx->key.created_at);
+  assert_int_equal(key.revoked_at, 0);
+  assert_int_equal(idemd_tenant_by_name(fx->tenants, fx->tenant.name, &found), IDEM_OK);
+  assert_int_equal(found.id, fx->tenant.id);
 
-  new_tenant(fx->tenants, &other);
+  new_tenant(fx->tenants, &other, &other_key);
   assert_true(other.id != fx->tenant.id);
-  assert_int_equal(idemd_tenant_find(fx->tenants, other.key_lookup, &found), IDEM_OK);
-  assert_int_equal(found.id, other.id);
+  assert_int_equal(find(fx->tenants, other_key.lookup, &tenant_id), IDEM_OK);
+  assert_int_equal(tenant_id, other.id);
 
-  /* The name is taken, whatever the key. */
+  /* The name is taken, whatever the key: nothing is written. */
   dup = fx->tenant;
   dup.id = 0;
-  assert_int_equal(idem_random_token(dup.key_lookup, sizeof dup.key_lookup - 1), IDEM_OK);
-  assert_int_equal(idemd_tenant_create(fx->tenants, &dup), IDEM_EEXIST);
-  assert_int_equal(idemd_tenant_find(fx->tenants, dup.key_lookup, &found),
+  new_key(&dup_key, "default");
+  assert_int_equal(idemd_tenant_create(fx->tenants, &dup, &dup_key), IDEM_EEXIST);
+  assert_int_equal(find(fx->tenants, dup_key.lookup, &tenant_id), IDEM_ENOTFOUND);
+  assert_int_equal(find(fx->tenants, "no-such-lookup", &tenant_id), IDEM_ENOTFOUND);
+  assert_int_equal(idemd_tenant_by_name(fx->tenants, "no-such-tenant", &found),
                    IDEM_ENOTFOUND);
-  assert_int_equal(idemd_tenant_find(fx->tenants, "no-such-lookup", &found),
+
+  /* The listing counts each tenant's keys in use. */
+  list = calloc(1000, sizeof *list);
+  assert_non_null(list);
+  assert_int_equal(idemd_tenant_list(fx->tenants, list, 1000, &n), IDEM_OK);
+  for (int i = 0; i < n; i++)
+    if (list[i].id == fx->tenant.id || list[i].id == other.id) {
+      assert_int_equal(list[i].keys, 1);
+      seen++;
+    }
+  assert_int_equal(seen, 2);
+  free(list);
+}
+
+/* A tenant's keys: several at once, each by a name of its own among those
+ * in use, revoked one by one (a revoked name may be used again), listed in
+ * use first; with the last times they were used. */
+static void test_keys(void **state) {
+  fixture_t *fx = *state;
+  idemd_api_key_t ci, again, taken, list[8];
+  int64_t tenant_id;
+  int n = 0;
+
+  new_key(&ci, "ci");
+  assert_int_equal(idemd_key_add(fx->tenants, fx->tenant.name, &ci), IDEM_OK);
+  assert_int_equal(ci.tenant_id, fx->tenant.id);
+  /* Both keys work: the overlap of a rotation. */
+  assert_int_equal(find(fx->tenants, ci.lookup, &tenant_id), IDEM_OK);
+  assert_int_equal(tenant_id, fx->tenant.id);
+  assert_int_equal(find(fx->tenants, fx->key.lookup, &tenant_id), IDEM_OK);
+
+  new_key(&taken, "ci");
+  assert_int_equal(idemd_key_add(fx->tenants, fx->tenant.name, &taken), IDEM_EEXIST);
+  assert_int_equal(find(fx->tenants, taken.lookup, &tenant_id), IDEM_ENOTFOUND);
+  assert_int_equal(idemd_key_add(fx->tenants, "no-such-tenant", &taken), IDEM_ENOTFOUND);
+  assert_int_equal(find(fx->tenants, taken.lookup, &tenant_id), IDEM_ENOTFOUND);
+
+  /* The old key revoked: it is refused, the new one is not. */
+  assert_int_equal(idemd_key_revoke(fx->tenants, fx->tenant.name, "default"), IDEM_OK);
+  assert_int_equal(find(fx->tenants, fx->key.lookup, &tenant_id), IDEM_ENOTFOUND);
+  assert_int_equal(find(fx->tenants, ci.lookup, &tenant_id), IDEM_OK);
+  assert_int_equal(idemd_key_revoke(fx->tenants, fx->tenant.name, "default"),
                    IDEM_ENOTFOUND);
+  assert_int_equal(idemd_key_revoke(fx->tenants, "no-such-tenant", "ci"), IDEM_ENOTFOUND);
+
+  /* The name is free again. */
+  new_key(&again, "default");
+  assert_int_equal(idemd_key_add(fx->tenants, fx->tenant.name, &again), IDEM_OK);
+  assert_int_equal(find(fx->tenants, again.lookup, &tenant_id), IDEM_OK);
+
+  /* Uses noted, written, and listed; an earlier time does not undo a
+   * later one. */
+  idemd_key_used(fx->tenants, ci.id, fx->now + 5000);
+  idemd_key_used(fx->tenants, ci.id, fx->now + 4000);
+  assert_int_equal(idemd_keys_flush(fx->tenants), IDEM_OK);
+  idemd_key_used(fx->tenants, ci.id, fx->now + 3000);
+  assert_int_equal(idemd_keys_flush(fx->tenants), IDEM_OK);
+
+  assert_int_equal(idemd_key_list(fx->tenants, fx->tenant.name, list, 8, &n), IDEM_OK);
+  assert_int_equal(n, 3);
+  assert_string_equal(list[0].name, "ci");
+  assert_int_equal(list[0].revoked_at, 0);
+  assert_int_equal(list[0].last_used_at, fx->now + 5000);
+  assert_string_equal(list[0].lookup, ci.lookup);
+  assert_string_equal(list[1].name, "default");
+  assert_string_equal(list[1].lookup, again.lookup);
+  assert_int_equal(list[1].revoked_at, 0);
+  assert_int_equal(list[1].last_used_at, 0);
+  assert_string_equal(list[2].name, "default");
+  assert_string_equal(list[2].lookup, fx->key.lookup);
+  assert_true(list[2].revoked_at > 0);
+  assert_int_equal(idemd_key_list(fx->tenants, "no-such-tenant", list, 8, &n), IDEM_OK);
+  assert_int_equal(n, 0);
+
+  /* All replaced at once: only the new one works. */
+  new_key(&taken, "default");
+  assert_int_equal(idemd_key_replace_all(fx->tenants, fx->tenant.name, &taken), IDEM_OK);
+  assert_int_equal(find(fx->tenants, ci.lookup, &tenant_id), IDEM_ENOTFOUND);
+  assert_int_equal(find(fx->tenants, again.lookup, &tenant_id), IDEM_ENOTFOUND);
+  assert_int_equal(find(fx->tenants, taken.lookup, &tenant_id), IDEM_OK);
+  assert_int_equal(idemd_key_replace_all(fx->tenants, "no-such-tenant", &ci), IDEM_ENOTFOUND);
 }
 
 /* A change made through another handle on the same database (another
- * process: `idemd tenant rotate-key` while a server runs) is seen by the
+ * process: `idemd tenant key revoke` while a server runs) is seen by the
  * next lookup at once, though lookups are remembered (SQLite). */
 static void test_tenant_change_seen_at_once(void **state) {
   fixture_t *fx = *state;
   idem_store_t *cli = NULL;
   idemd_tenants_t *cli_tenants = NULL;
-  idemd_tenant_t found, changed = fx->tenant;
+  idemd_api_key_t key, fresh, old = fx->key;
+  idemd_tenant_t found;
   const char *url = fx->dir[0] ? fx->path : getenv("IDEM_TEST_STORE_URL");
+  char name[16];
 
   assert_int_equal(idem_store_open(url, NULL, &cli), IDEM_OK);
   assert_int_equal(idemd_tenants_open(cli, &cli_tenants), IDEM_OK);
   for (int round = 0; round < 3; round++) {
     /* Remembered here, then disabled there: refused at once. */
-    assert_int_equal(idemd_tenant_find(fx->tenants, changed.key_lookup, &found), IDEM_OK);
+    assert_int_equal(idemd_key_find(fx->tenants, old.lookup, &key, &found), IDEM_OK);
     assert_int_equal(found.disabled, 0);
-    changed.disabled = 1;
-    assert_int_equal(idemd_tenant_update(cli_tenants, &changed), IDEM_OK);
-    assert_int_equal(idemd_tenant_find(fx->tenants, changed.key_lookup, &found), IDEM_OK);
+    assert_int_equal(idemd_tenant_set_disabled(cli_tenants, fx->tenant.name, 1), IDEM_OK);
+    assert_int_equal(idemd_key_find(fx->tenants, old.lookup, &key, &found), IDEM_OK);
     assert_int_equal(found.disabled, 1);
-    changed.disabled = 0;
-    assert_int_equal(idemd_tenant_update(cli_tenants, &changed), IDEM_OK);
-    /* A new key there: the old one is unknown here at once. */
-    assert_int_equal(idemd_tenant_find(fx->tenants, changed.key_lookup, &found), IDEM_OK);
-    {
-      char old_lookup[sizeof changed.key_lookup];
-      memcpy(old_lookup, changed.key_lookup, sizeof old_lookup);
-      assert_int_equal(
-          idem_random_token(changed.key_lookup, sizeof changed.key_lookup - 1), IDEM_OK);
-      assert_int_equal(idemd_tenant_update(cli_tenants, &changed), IDEM_OK);
-      assert_int_equal(idemd_tenant_find(fx->tenants, old_lookup, &found), IDEM_ENOTFOUND);
-      assert_int_equal(idemd_tenant_find(fx->tenants, changed.key_lookup, &found),
-                       IDEM_OK);
-      assert_int_equal(found.id, fx->tenant.id);
-    }
+    assert_int_equal(idemd_tenant_set_disabled(cli_tenants, fx->tenant.name, 0), IDEM_OK);
+    /* A new key there, the old one revoked: unknown here at once. */
+    assert_int_equal(idemd_key_find(fx->tenants, old.lookup, &key, &found), IDEM_OK);
+    assert_int_equal(found.disabled, 0);
+    snprintf(name, sizeof name, "key-%d", round);
+    new_key(&fresh, name);
+    assert_int_equal(idemd_key_add(cli_tenants, fx->tenant.name, &fresh), IDEM_OK);
+    assert_int_equal(idemd_key_find(fx->tenants, fresh.lookup, &key, &found), IDEM_OK);
+    assert_int_equal(idemd_key_revoke(cli_tenants, fx->tenant.name, old.name), IDEM_OK);
+    assert_int_equal(idemd_key_find(fx->tenants, old.lookup, &key, &found), IDEM_ENOTFOUND);
+    assert_int_equal(idemd_key_find(fx->tenants, fresh.lookup, &key, &found), IDEM_OK);
+    assert_int_equal(found.id, fx->tenant.id);
+    old = fresh;
   }
   idemd_tenants_close(cli_tenants);
   idem_store_close(cli);
@@ -446,10 +559,11 @@ static void test_scope_isolation(void **state) {
   char fp[IDEM_FINGERPRINT_LEN];
   idem_record_t rec = {0};
   idemd_tenant_t other;
+  idemd_api_key_t other_key;
   idem_reserve_t req;
 
   make_fp(fp, 1);
-  new_tenant(fx->tenants, &other);
+  new_tenant(fx->tenants, &other, &other_key);
   req = request(fx, OP_PAY, "shared-key", fp);
   assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
   idem_record_reset(&rec);
@@ -513,11 +627,12 @@ static void test_resource_outbox_and_complete(void **state) {
   char location[64], token[IDEM_TOKEN_MAX + 1];
   idem_record_t rec = {0};
   idemd_tenant_t other;
+  idemd_api_key_t other_key;
   struct payment p;
   idem_reserve_t req;
   char *body = NULL;
 
-  new_tenant(fx->tenants, &other);
+  new_tenant(fx->tenants, &other, &other_key);
   assert_int_equal(count(fx, "payments"), 0);
   assert_int_equal(count(fx, "outbox"), 0);
   req = reserve_payment(fx, "key-1", LEASE_MS, &p, token);
@@ -2131,6 +2246,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_migrate_is_idempotent),
       STORE_TEST(test_tenant_change_seen_at_once),
       STORE_TEST(test_tenants),
+      STORE_TEST(test_keys),
       STORE_TEST(test_tenant_is_the_callers),
       STORE_TEST(test_reserve_won_then_exists),
       STORE_TEST(test_scope_isolation),

@@ -9,6 +9,8 @@
 
 #include "support.h"
 
+#include <libpq-fe.h>
+#include <sqlite3.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -42,9 +44,57 @@ static int old_count(idem_store_t *store, const char *what, int64_t tenant_id, i
 #define OLD_LEASE_MS 60000
 #define OLD_TTL_MS 86400000
 
+/* The released schema's tenant: its one key in the row. */
+struct old_tenant {
+  int64_t id;
+  char name[65];
+  char key_lookup[33];
+  unsigned char key_hash[32];
+  int64_t created_at;
+};
+
+/* Inserts `t` as the released idemd did, into the tenants table of the
+ * released schema, and sets its id. */
+static int old_tenant_insert(void *arg, idem_tx_t *tx) {
+  struct old_tenant *t = arg;
+  char hash[65], created[24];
+  int ok;
+
+  idem_hex(t->key_hash, sizeof t->key_hash, hash);
+  snprintf(created, sizeof created, "%lld", (long long)t->created_at);
+  if (idem_tx_backend(tx)[0] == 's') {
+    sqlite3 *db = idem_tx_handle(tx);
+    sqlite3_stmt *st = NULL;
+    ok = sqlite3_prepare_v2(db,
+                            "INSERT INTO tenants (name, key_lookup, key_hash, created_at) "
+                            "VALUES (?1, ?2, ?3, ?4)",
+                            -1, &st, NULL) == SQLITE_OK;
+    if (ok) {
+      sqlite3_bind_text(st, 1, t->name, -1, SQLITE_STATIC);
+      sqlite3_bind_text(st, 2, t->key_lookup, -1, SQLITE_STATIC);
+      sqlite3_bind_blob(st, 3, t->key_hash, sizeof t->key_hash, SQLITE_STATIC);
+      sqlite3_bind_int64(st, 4, t->created_at);
+      ok = sqlite3_step(st) == SQLITE_DONE;
+      t->id = sqlite3_last_insert_rowid(db);
+    }
+    sqlite3_finalize(st);
+  } else {
+    const char *p[4] = {t->name, t->key_lookup, hash, created};
+    PGresult *res = PQexecParams(idem_tx_handle(tx),
+                                 "INSERT INTO tenants (name, key_lookup, key_hash, "
+                                 "created_at) VALUES ($1, $2, $3, $4) RETURNING id",
+                                 4, NULL, p, NULL, NULL, 0);
+    ok = PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) == 1;
+    if (ok)
+      t->id = strtoll(PQgetvalue(res, 0, 0), NULL, 10);
+    PQclear(res);
+  }
+  return ok ? IDEM_OK : IDEM_ESTORE;
+}
+
 /* What old_fill() wrote, as the store read it back before the migration. */
 struct old_data {
-  idemd_tenant_t tenant;
+  struct old_tenant tenant;
   int64_t now;
   idem_scope_t scopes[OLD_N];
   idem_record_t before[OLD_N];
@@ -60,7 +110,7 @@ struct old_data {
  * row kept), one completed (resource settled, provider reference), a
  * failed request, and an order completed in its reservation. */
 static void old_fill(idem_store_t *store, struct old_data *d) {
-  idemd_tenants_t *tenants = NULL;
+  idem_effect_t insert = {old_tenant_insert, &d->tenant};
 
   memset(d, 0, sizeof *d);
   d->now = idem_now_ms();
@@ -70,9 +120,7 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
   assert_int_equal(idem_random_bytes(d->tenant.key_hash, sizeof d->tenant.key_hash),
                    IDEM_OK);
   d->tenant.created_at = d->now;
-  assert_int_equal(idemd_tenants_open(store, &tenants), IDEM_OK);
-  assert_int_equal(idemd_tenant_create(tenants, &d->tenant), IDEM_OK);
-  idemd_tenants_close(tenants);
+  assert_int_equal(idem_store_write(store, &insert), IDEM_OK);
 
   for (int i = 0; i < OLD_N; i++) {
     const int order = i == OLD_ORDER;
@@ -228,6 +276,7 @@ static void assert_same_record(const idem_record_t *got, const idem_record_t *wa
 static void old_check_kept(idem_store_t *store, const struct old_data *d) {
   idemd_tenants_t *tenants = NULL;
   idemd_tenant_t found;
+  idemd_api_key_t key;
 
   for (int i = 0; i < OLD_N; i++) {
     idem_record_t rec = {0};
@@ -251,12 +300,19 @@ static void old_check_kept(idem_store_t *store, const struct old_data *d) {
       fail_msg("%s: %lld after the migration, %lld before", old_counted[i], (long long)n,
                (long long)d->counts[i]);
   }
+  /* The tenant's key is its key named "default" (idemd's version 2). */
   assert_int_equal(idemd_tenants_open(store, &tenants), IDEM_OK);
-  assert_int_equal(idemd_tenant_find(tenants, d->tenant.key_lookup, &found), IDEM_OK);
+  assert_int_equal(idemd_key_find(tenants, d->tenant.key_lookup, &key, &found), IDEM_OK);
   idemd_tenants_close(tenants);
   assert_int_equal(found.id, d->tenant.id);
   assert_string_equal(found.name, d->tenant.name);
-  assert_memory_equal(found.key_hash, d->tenant.key_hash, sizeof found.key_hash);
+  assert_int_equal(found.created_at, d->tenant.created_at);
+  assert_int_equal(found.disabled, 0);
+  assert_int_equal(key.tenant_id, d->tenant.id);
+  assert_string_equal(key.name, "default");
+  assert_int_equal(key.created_at, d->tenant.created_at);
+  assert_int_equal(key.revoked_at, 0);
+  assert_memory_equal(key.hash, d->tenant.key_hash, sizeof key.hash);
 }
 
 /* Reserves `key` under `tenant_id` (a tenant with no row anywhere), then
