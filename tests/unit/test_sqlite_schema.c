@@ -467,7 +467,7 @@ static char *table_shape(sqlite3 *db, const char *name) {
  * version and migrated through every one holds. */
 static void test_fresh_is_what_migrations_leave(void **state) {
   static const char *const libidem_tables[] = {"meta", "idempotency_records"};
-  static const char *const idemd_tables[] = {"tenants", "resources", "outbox"};
+  static const char *const idemd_tables[] = {"tenants", "api_keys", "resources", "outbox"};
   struct fixture *fx = *state;
   char old_path[320];
   idem_store_t *store, *old;
@@ -554,6 +554,61 @@ static void test_newer_idemd_schema_refused(void **state) {
   idem_store_close(store);
 }
 
+/* idemd's version 2 makes tenants again: an operator's index or trigger
+ * on it, or a view that names it, stops the migration before anything
+ * changes, by name; once they are dropped it goes through, and every
+ * tenant's key is its key named "default". */
+static void test_idemd_v2_refuses_foreign_objects(void **state) {
+  struct fixture *fx = *state;
+  idem_store_t *store;
+  sqlite3 *db;
+  char why[512];
+
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem__sqlite_migrate_to(store, 4), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  sql(db, "INSERT INTO tenants (id, name, key_lookup, key_hash, created_at) "
+          "VALUES (1, 'acme', 'lookup', x'00', 1);"
+          "INSERT INTO resources (id, tenant_id, kind, status, body, created_at, updated_at) "
+          "VALUES ('ord_1', 1, 'order', 'created', '{}', 1, 1);"
+          "CREATE VIEW my_tenants AS SELECT name FROM tenants;"
+          "CREATE INDEX my_by_created ON tenants (created_at);"
+          "CREATE INDEX my_by_kind ON resources (kind);");
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+
+  assert_int_equal(idemd_schema_migrate(store, why, sizeof why), IDEM_ESCHEMA);
+  assert_contains(why, "view my_tenants");
+  assert_contains(why, "index my_by_created");
+  assert_null(strstr(why, "my_by_kind"));
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = 'api_keys'"),
+                   0);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_table_info('tenants') WHERE "
+                              "name = 'key_lookup'"),
+                   1);
+
+  sql(db, "DROP VIEW my_tenants; DROP INDEX my_by_created;");
+  if (idemd_schema_migrate(store, why, sizeof why) != IDEM_OK)
+    fail_msg("idemd's schema: %s", why);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_table_info('tenants') WHERE "
+                              "name = 'key_lookup'"),
+                   0);
+  assert_int_equal(number(db, "SELECT count(*) FROM api_keys WHERE tenant_id = 1 AND "
+                              "name = 'default' AND key_lookup = 'lookup' AND key_hash = x'00'"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_check"), 0);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = 'my_by_kind'"),
+                   1);
+  /* The resources' reference still holds: a row of no tenant is refused. */
+  assert_int_not_equal(sqlite3_exec(db,
+                                    "PRAGMA foreign_keys = ON; INSERT INTO resources (id, "
+                                    "tenant_id, kind, status, body, created_at, updated_at) "
+                                    "VALUES ('ord_2', 2, 'order', 'created', '{}', 1, 1)",
+                                    NULL, NULL, NULL),
+                       SQLITE_OK);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_setup_teardown(test_from_version_2, setup, teardown),
@@ -564,6 +619,8 @@ int main(void) {
                                       teardown),
       cmocka_unit_test_setup_teardown(test_fresh_is_what_migrations_leave, setup, teardown),
       cmocka_unit_test_setup_teardown(test_newer_idemd_schema_refused, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_idemd_v2_refuses_foreign_objects, setup,
+                                      teardown),
   };
   return cmocka_run_group_tests_name("sqlite schema migrations", tests, NULL, NULL);
 }
