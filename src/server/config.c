@@ -243,6 +243,8 @@ void idemd_config_usage(FILE *out) {
           "usage: idemd [serve] [options]\n"
           "       idemd tenant create|rotate|disable|enable NAME [--db ...]\n"
           "       idemd tenant list [--db ...]\n"
+          "       idemd tenant key add|revoke NAME KEYNAME [--db ...]\n"
+          "       idemd tenant key list NAME [--db ...]\n"
           "       idemd records --tenant NAME [--state pending|processing|completed|failed]\n"
           "                     [--older-than DURATION] [--limit N] [--db ...]\n"
           "       idemd records show --tenant NAME --operation OP --key KEY [--db ...]\n"
