@@ -28,7 +28,7 @@ static const char get_resource[] =
 /* The due rows, oldest turn first, each sent to the back of the queue. */
 #define CLAIM_SQL(lock)                                                                  \
   "UPDATE outbox SET attempts = attempts + 1, next_attempt_at = $1 "                     \
-  "WHERE resource_id IN (SELECT resource_id FROM outbox "                                \
+  "WHERE (tenant_id, resource_id) IN (SELECT tenant_id, resource_id FROM outbox "        \
   "WHERE next_attempt_at <= $1 ORDER BY next_attempt_at LIMIT $2" lock ") "              \
   "RETURNING tenant_id, operation, key, resource_id"
 static const char claim_sqlite[] = CLAIM_SQL("");

@@ -48,6 +48,56 @@ static const char *const sqlite_versions[] = {
     " json_extract(body, '$.total') AS total,"
     " json_extract(body, '$.currency') AS currency,"
     " created_at, updated_at FROM resources WHERE kind = 'order';",
+    /* 2: a resource's id is its tenant's (PUT /orders/{id} takes the id a
+     * client chose, and two tenants may choose the same): the key of
+     * resources is (tenant_id, id), and the outbox refers to a resource by
+     * both. SQLite changes no key in place: both tables are made again
+     * with every row, and the views over resources (idemd's, dropped to
+     * let the tables go) come back as they were. */
+    "DROP VIEW IF EXISTS payments;"
+    "DROP VIEW IF EXISTS orders;"
+    "CREATE TABLE resources_v2 ("
+    " id TEXT NOT NULL,"
+    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
+    " kind TEXT NOT NULL,"
+    " status TEXT NOT NULL,"
+    " body TEXT NOT NULL,"
+    " provider_ref TEXT,"
+    " created_at INTEGER NOT NULL,"
+    " updated_at INTEGER NOT NULL,"
+    " PRIMARY KEY (tenant_id, id)) WITHOUT ROWID;"
+    "INSERT INTO resources_v2 (id, tenant_id, kind, status, body, provider_ref,"
+    " created_at, updated_at) SELECT id, tenant_id, kind, status, body, provider_ref,"
+    " created_at, updated_at FROM resources;"
+    "CREATE TABLE outbox_v2 ("
+    " resource_id TEXT NOT NULL,"
+    " tenant_id INTEGER NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " created_at INTEGER NOT NULL,"
+    " attempts INTEGER NOT NULL DEFAULT 0,"
+    " next_attempt_at INTEGER NOT NULL,"
+    " PRIMARY KEY (tenant_id, resource_id),"
+    " FOREIGN KEY (tenant_id, resource_id) REFERENCES resources_v2 (tenant_id, id))"
+    " WITHOUT ROWID;"
+    "INSERT INTO outbox_v2 (resource_id, tenant_id, operation, key, created_at, attempts,"
+    " next_attempt_at) SELECT resource_id, tenant_id, operation, key, created_at,"
+    " attempts, next_attempt_at FROM outbox;"
+    "DROP TABLE outbox;"
+    "DROP TABLE resources;"
+    "ALTER TABLE resources_v2 RENAME TO resources;" /* the outbox's reference follows */
+    "ALTER TABLE outbox_v2 RENAME TO outbox;"
+    "CREATE VIEW payments AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.amount') AS amount,"
+    " json_extract(body, '$.currency') AS currency,"
+    " json_extract(body, '$.order_id') AS order_id,"
+    " provider_ref, created_at, updated_at FROM resources"
+    " WHERE kind = 'payment';"
+    "CREATE VIEW orders AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.customer_id') AS customer_id,"
+    " json_extract(body, '$.total') AS total,"
+    " json_extract(body, '$.currency') AS currency,"
+    " created_at, updated_at FROM resources WHERE kind = 'order';",
 };
 
 static const char *const pg_versions[] = {
@@ -94,6 +144,18 @@ static const char *const pg_versions[] = {
     "  created_at, updated_at FROM resources WHERE kind = 'order';"
     " END IF;"
     " END $$;",
+    /* 2: as SQLite's 2, the key of resources is (tenant_id, id) and the
+     * outbox refers to a resource by both; the constraints keep the names
+     * PostgreSQL gave version 1's (and libidem's) keys. Nothing is
+     * rewritten; the keys' indexes are built again, with both tables
+     * locked until the migration commits. */
+    "ALTER TABLE outbox DROP CONSTRAINT outbox_resource_id_fkey;"
+    "ALTER TABLE outbox DROP CONSTRAINT outbox_pkey;"
+    "ALTER TABLE resources DROP CONSTRAINT resources_pkey;"
+    "ALTER TABLE resources ADD CONSTRAINT resources_pkey PRIMARY KEY (tenant_id, id);"
+    "ALTER TABLE outbox ADD CONSTRAINT outbox_pkey PRIMARY KEY (tenant_id, resource_id);"
+    "ALTER TABLE outbox ADD CONSTRAINT outbox_resource_id_fkey FOREIGN KEY"
+    " (tenant_id, resource_id) REFERENCES resources (tenant_id, id);",
 };
 
 _Static_assert(sizeof sqlite_versions / sizeof *sqlite_versions == IDEMD_SCHEMA_VERSION,

@@ -317,9 +317,21 @@ static void test_from_released_version(void **state) {
   assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('resources') "
                               "WHERE \"table\" = 'tenants'"),
                    1);
-  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('outbox') "
-                              "WHERE \"table\" = 'resources'"),
+  assert_int_equal(number(db, "SELECT count(DISTINCT id) FROM pragma_foreign_key_list("
+                              "'outbox') WHERE \"table\" = 'resources'"),
                    1);
+  /* idemd's version 2: a resource's id is its tenant's, and the outbox
+   * names a resource by both. */
+  {
+    char *key = text(db, "SELECT group_concat(name, ',') FROM (SELECT name FROM "
+                         "pragma_table_info('resources') WHERE pk > 0 ORDER BY pk)");
+    char *ref = text(db, "SELECT group_concat(\"from\" || '>' || \"to\", ',') FROM (SELECT "
+                         "* FROM pragma_foreign_key_list('outbox') ORDER BY seq)");
+    assert_string_equal(key, "tenant_id,id");
+    assert_string_equal(ref, "tenant_id>tenant_id,resource_id>id");
+    free(key);
+    free(ref);
+  }
   assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_check"), 0);
   assert_int_equal(number(db, "SELECT count(*) FROM pragma_integrity_check WHERE "
                               "integrity_check <> 'ok'"),
