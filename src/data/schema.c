@@ -169,6 +169,15 @@ _Static_assert(sizeof pg_versions / sizeof *pg_versions == IDEMD_SCHEMA_VERSION,
 
 static const char version_sql[] = "SELECT coalesce(max(version), 0) FROM idemd_schema";
 
+/* SQLite's version 2 makes resources and outbox again: an index or trigger
+ * of an operator's on them would silently go, and a view or trigger of
+ * theirs that names them would make the renames fail. */
+static const char foreign_sql[] =
+    "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
+    "WHERE type IN ('view', 'trigger', 'index') AND name NOT LIKE 'sqlite_autoindex_%' "
+    "AND name NOT IN ('payments', 'orders') AND (tbl_name IN ('resources', 'outbox') "
+    "OR (type <> 'index' AND (sql LIKE '%resources%' OR sql LIKE '%outbox%')))";
+
 struct migration {
   int version; /* found */
   char *err;
@@ -178,6 +187,17 @@ struct migration {
 static int got_version(void *arg, const char *const *cols) {
   *(int *)arg = cols[0] ? atoi(cols[0]) : 0;
   return IDEM_OK;
+}
+
+static int got_foreign(void *arg, const char *const *cols) {
+  struct migration *m = arg;
+  if (cols[0] == NULL)
+    return IDEM_OK;
+  snprintf(m->err, m->errlen,
+           "idemd's schema version 2 rebuilds the tables resources and outbox; drop "
+           "these objects first and make them again after the migration: %s",
+           cols[0]);
+  return IDEM_ESCHEMA;
 }
 
 static int migrate_fn(void *arg, idem_tx_t *tx) {
@@ -210,6 +230,11 @@ static int migrate_fn(void *arg, idem_tx_t *tx) {
     char set[96];
     snprintf(set, sizeof set,
              "DELETE FROM idemd_schema; INSERT INTO idemd_schema VALUES (%d)", v + 1);
+    /* Objects of an operator's stop the rebuild before anything changes. */
+    if (sqlite && v + 1 == 2 &&
+        (rc = idemd_sql_run(tx, IDEMD_SQL_SCHEMA, foreign_sql, NULL, 0, got_foreign, m,
+                            NULL)) != IDEM_OK)
+      return rc;
     if ((rc = idemd_sql_exec(tx, versions[v], m->err, m->errlen)) != IDEM_OK ||
         (rc = idemd_sql_exec(tx, set, m->err, m->errlen)) != IDEM_OK)
       return rc;

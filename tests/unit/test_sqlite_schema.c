@@ -544,6 +544,54 @@ static void test_fresh_is_what_migrations_leave(void **state) {
   idem_store_close(store);
 }
 
+/* idemd's version 2 makes resources and outbox again: an operator's index
+ * or trigger on them, or a view that names them, stops it before anything
+ * changes, by name; once they are dropped it goes through, rows kept. */
+static void test_idemd_version_2_refuses_foreign_objects(void **state) {
+  struct fixture *fx = *state;
+  idem_store_t *store;
+  sqlite3 *db;
+  char why[512];
+
+  /* libidem's version 4 made idemd's tables as idemd's version 1 has them. */
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem__sqlite_migrate_to(store, 4), IDEM_OK);
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  sql(db, "INSERT INTO tenants (id, name, key_lookup, key_hash, created_at) "
+          "VALUES (1, 'acme', 'lookup', x'00', 1);"
+          "INSERT INTO resources (id, tenant_id, kind, status, body, provider_ref, "
+          "created_at, updated_at) VALUES ('ord_1', 1, 'order', 'created', '{}', NULL, 1, 1);"
+          "CREATE VIEW my_orders AS SELECT id FROM resources;"
+          "CREATE INDEX my_by_kind ON resources (kind);"
+          "CREATE TRIGGER my_stamp AFTER INSERT ON outbox BEGIN SELECT 1; END;"
+          "CREATE INDEX my_tenant_names ON tenants (name, created_at);");
+  assert_int_equal(idemd_schema_migrate(store, why, sizeof why), IDEM_ESCHEMA);
+  assert_contains(why, "view my_orders");
+  assert_contains(why, "index my_by_kind");
+  assert_contains(why, "trigger my_stamp");
+  if (strstr(why, "my_tenant_names") != NULL)
+    fail_msg("an index on tenants was named: %s", why);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
+                              "'idemd_schema'"),
+                   0);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_table_info('resources') "
+                              "WHERE pk > 0"),
+                   1);
+
+  sql(db, "DROP VIEW my_orders; DROP INDEX my_by_kind; DROP TRIGGER my_stamp;");
+  assert_int_equal(idemd_schema_migrate(store, why, sizeof why), IDEM_OK);
+  assert_int_equal(number(db, "SELECT version FROM idemd_schema"), IDEMD_SCHEMA_VERSION);
+  assert_int_equal(number(db, "SELECT count(*) FROM orders WHERE id = 'ord_1' AND "
+                              "tenant_id = 1"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
+                              "'my_tenant_names'"),
+                   1);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
 /* idemd's schema at a version newer than this program's is refused, and
  * nothing is changed. */
 static void test_newer_idemd_schema_refused(void **state) {
@@ -574,6 +622,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_version_4_refuses_foreign_objects, setup,
                                       teardown),
       cmocka_unit_test_setup_teardown(test_fresh_is_what_migrations_leave, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_idemd_version_2_refuses_foreign_objects, setup,
+                                      teardown),
       cmocka_unit_test_setup_teardown(test_newer_idemd_schema_refused, setup, teardown),
   };
   return cmocka_run_group_tests_name("sqlite schema migrations", tests, NULL, NULL);
