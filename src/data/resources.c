@@ -4,6 +4,7 @@
 #include "data/resources.h"
 
 #include "data/sql.h"
+#include "idem/clock.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,10 +26,24 @@ static const char outbox_due[] =
     "UPDATE outbox SET next_attempt_at = $1 WHERE resource_id = $2 AND tenant_id = $3";
 static const char get_resource[] =
     "SELECT body FROM resources WHERE id = $1 AND tenant_id = $2 AND kind = $3";
+static const char put_order[] =
+    "INSERT INTO resources (id, tenant_id, kind, status, body, provider_ref, "
+    "created_at, updated_at) VALUES ($1, $2, $3, $4, $5, NULL, $6, $6) "
+    "ON CONFLICT (tenant_id, id) DO NOTHING";
+/* The order's text ends in "status":"created","created_at":"..."}
+ * (server/order_cmd.c): the status is rewritten and cancelled_at added
+ * before the brace, the same bytes on both stores. `"status":"created"`
+ * cannot occur inside one of its strings, whose quotes are escaped. The
+ * status condition makes the first cancellation the only one. */
+static const char cancel_order[] =
+    "UPDATE resources SET status = 'cancelled', updated_at = $1, "
+    "body = replace(substr(body, 1, length(body) - 1), '\"status\":\"created\"', "
+    "'\"status\":\"cancelled\"') || ',\"cancelled_at\":\"' || $2 || '\"}' "
+    "WHERE id = $3 AND tenant_id = $4 AND kind = 'order' AND status = 'created'";
 /* The due rows, oldest turn first, each sent to the back of the queue. */
 #define CLAIM_SQL(lock)                                                                  \
   "UPDATE outbox SET attempts = attempts + 1, next_attempt_at = $1 "                     \
-  "WHERE resource_id IN (SELECT resource_id FROM outbox "                                \
+  "WHERE (tenant_id, resource_id) IN (SELECT tenant_id, resource_id FROM outbox "        \
   "WHERE next_attempt_at <= $1 ORDER BY next_attempt_at LIMIT $2" lock ") "              \
   "RETURNING tenant_id, operation, key, resource_id"
 static const char claim_sqlite[] = CLAIM_SQL("");
@@ -108,6 +123,80 @@ int idemd_resource_get(idem_store_t *store, int64_t tenant_id, const char *kind,
     return IDEM_ENOTFOUND;
   *body = g.body;
   return IDEM_OK;
+}
+
+/* ---- orders written without a key --------------------------------------- */
+
+struct order_write {
+  const idemd_resource_t *row; /* a PUT's order, or NULL for a cancellation */
+  int64_t tenant_id;
+  const char *id;
+  int changed; /* rows the statement changed */
+  struct get got; /* the order after it */
+};
+
+/* Runs again from the start when SQLite runs its batch again. */
+static int order_write_fn(void *arg, idem_tx_t *tx) {
+  struct order_write *w = arg;
+  int64_t now = idem_tx_now_ms(tx);
+  idemd_sql_param_t get[3] = {TEXT(w->id), NUM(w->tenant_id), TEXT("order")};
+  int rc;
+
+  w->changed = 0;
+  free(w->got.body);
+  w->got.body = NULL;
+  if (w->row) {
+    const idemd_resource_t *res = w->row;
+    idemd_sql_param_t p[6] = {TEXT(res->id),     NUM(res->tenant_id), TEXT("order"),
+                              TEXT(res->status), TEXT(res->body),     NUM(now)};
+    rc = idemd_sql_run(tx, IDEMD_SQL_PUT_ORDER, put_order, p, 6, NULL, NULL, &w->changed);
+    if (rc != IDEM_OK || w->changed > 0)
+      return rc;
+  } else {
+    char at[32];
+    idem_format_time(now, at, sizeof at);
+    idemd_sql_param_t p[4] = {NUM(now), TEXT(at), TEXT(w->id), NUM(w->tenant_id)};
+    rc = idemd_sql_run(tx, IDEMD_SQL_CANCEL_ORDER, cancel_order, p, 4, NULL, NULL,
+                       &w->changed);
+    if (rc != IDEM_OK)
+      return rc;
+  }
+  return idemd_sql_run(tx, IDEMD_SQL_GET_RESOURCE, get_resource, get, 3, got_body, &w->got,
+                       NULL);
+}
+
+/* Runs `w` in a write of its own; its order's text goes to `*body`. */
+static int order_write(idem_store_t *store, struct order_write *w, char **body) {
+  idem_effect_t e = {order_write_fn, w};
+  int rc = idem_store_write(store, &e);
+
+  *body = NULL;
+  if (rc != IDEM_OK) {
+    free(w->got.body);
+    return rc;
+  }
+  *body = w->got.body;
+  return IDEM_OK;
+}
+
+int idemd_order_put(idem_store_t *store, const idemd_resource_t *row, char **existing) {
+  struct order_write w = {.row = row, .tenant_id = row->tenant_id, .id = row->id};
+  int rc = order_write(store, &w, existing);
+
+  if (rc != IDEM_OK)
+    return rc;
+  return w.changed > 0 ? IDEM_OK : IDEM_EEXIST;
+}
+
+int idemd_order_cancel(idem_store_t *store, int64_t tenant_id, const char *id,
+                       char **body, int *changed) {
+  struct order_write w = {.tenant_id = tenant_id, .id = id};
+  int rc = order_write(store, &w, body);
+
+  *changed = w.changed > 0;
+  if (rc == IDEM_OK && *body == NULL)
+    return IDEM_ENOTFOUND;
+  return rc;
 }
 
 struct count {

@@ -16,7 +16,7 @@
 typedef struct idemd_resource {
   int64_t tenant_id;
   const char *kind;         /* "payment", "order" */
-  const char *id;           /* "pay_...", "ord_...": unique across kinds */
+  const char *id;           /* "pay_...", "ord_...": a tenant's, unique across kinds */
   const char *status;       /* "pending", "created", ... */
   const char *body;         /* the resource as a JSON object */
   const char *provider_ref; /* may be NULL */
@@ -32,6 +32,25 @@ typedef struct idemd_resource {
  * inserts the resource and its outbox row. IDEM_EEXIST when the id is
  * taken; IDEM_ESTORE on any other failure. */
 int idemd_resource_insert(void *arg, idem_tx_t *tx);
+
+/* Writes a tenant's order under the id its client chose (`row`, kind
+ * "order", no outbox row) unless the tenant has a resource of that id:
+ * one statement decides, by the unique key (tenant, id), never a read
+ * first (docs/idempotency.md, section 3.5). IDEM_OK when this call made it
+ * (`*existing` NULL); IDEM_EEXIST when the id was taken, `*existing` then
+ * the order stored under it, malloc'd for the caller to free (NULL when
+ * the id holds no order); a store error otherwise. */
+int idemd_order_put(idem_store_t *store, const idemd_resource_t *row, char **existing);
+
+/* Sets a tenant's order cancelled, stamped with the write's time, unless
+ * it is cancelled already, in one statement, and reads it back in the
+ * same write: `*body` (malloc'd, the caller frees it) is the order as it
+ * then stands, so every cancellation of an order answers the first one's
+ * cancelled_at; `*changed` is 1 when this call cancelled it.
+ * IDEM_ENOTFOUND when the tenant has no order `id`; a store error
+ * otherwise. */
+int idemd_order_cancel(idem_store_t *store, int64_t tenant_id, const char *id,
+                       char **body, int *changed);
 
 /* What a completion changes in a payment. Borrowed. */
 typedef struct idemd_resource_update {

@@ -82,6 +82,56 @@ static const char *const sqlite_versions[] = {
     " SELECT id, 'default', key_lookup, key_hash, created_at FROM temp.tenants_v1"
     " ORDER BY id;"
     "DROP TABLE temp.tenants_v1;",
+    /* 3: a resource's id is its tenant's (PUT /orders/{id} takes the id a
+     * client chose, and two tenants may choose the same): the key of
+     * resources is (tenant_id, id), and the outbox refers to a resource by
+     * both. SQLite changes no key in place: both tables are made again
+     * with every row, and the views over resources (idemd's, dropped to
+     * let the tables go) come back as they were. */
+    "DROP VIEW IF EXISTS payments;"
+    "DROP VIEW IF EXISTS orders;"
+    "CREATE TABLE resources_v2 ("
+    " id TEXT NOT NULL,"
+    " tenant_id INTEGER NOT NULL REFERENCES tenants (id),"
+    " kind TEXT NOT NULL,"
+    " status TEXT NOT NULL,"
+    " body TEXT NOT NULL,"
+    " provider_ref TEXT,"
+    " created_at INTEGER NOT NULL,"
+    " updated_at INTEGER NOT NULL,"
+    " PRIMARY KEY (tenant_id, id)) WITHOUT ROWID;"
+    "INSERT INTO resources_v2 (id, tenant_id, kind, status, body, provider_ref,"
+    " created_at, updated_at) SELECT id, tenant_id, kind, status, body, provider_ref,"
+    " created_at, updated_at FROM resources;"
+    "CREATE TABLE outbox_v2 ("
+    " resource_id TEXT NOT NULL,"
+    " tenant_id INTEGER NOT NULL,"
+    " operation TEXT NOT NULL,"
+    " key TEXT NOT NULL,"
+    " created_at INTEGER NOT NULL,"
+    " attempts INTEGER NOT NULL DEFAULT 0,"
+    " next_attempt_at INTEGER NOT NULL,"
+    " PRIMARY KEY (tenant_id, resource_id),"
+    " FOREIGN KEY (tenant_id, resource_id) REFERENCES resources_v2 (tenant_id, id))"
+    " WITHOUT ROWID;"
+    "INSERT INTO outbox_v2 (resource_id, tenant_id, operation, key, created_at, attempts,"
+    " next_attempt_at) SELECT resource_id, tenant_id, operation, key, created_at,"
+    " attempts, next_attempt_at FROM outbox;"
+    "DROP TABLE outbox;"
+    "DROP TABLE resources;"
+    "ALTER TABLE resources_v2 RENAME TO resources;" /* the outbox's reference follows */
+    "ALTER TABLE outbox_v2 RENAME TO outbox;"
+    "CREATE VIEW payments AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.amount') AS amount,"
+    " json_extract(body, '$.currency') AS currency,"
+    " json_extract(body, '$.order_id') AS order_id,"
+    " provider_ref, created_at, updated_at FROM resources"
+    " WHERE kind = 'payment';"
+    "CREATE VIEW orders AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.customer_id') AS customer_id,"
+    " json_extract(body, '$.total') AS total,"
+    " json_extract(body, '$.currency') AS currency,"
+    " created_at, updated_at FROM resources WHERE kind = 'order';",
 };
 
 static const char *const pg_versions[] = {
@@ -143,6 +193,18 @@ static const char *const pg_versions[] = {
     "INSERT INTO api_keys (tenant_id, name, key_lookup, key_hash, created_at)"
     " SELECT id, 'default', key_lookup, key_hash, created_at FROM tenants ORDER BY id;"
     "ALTER TABLE tenants DROP COLUMN key_lookup, DROP COLUMN key_hash;",
+    /* 3: as SQLite's 3, the key of resources is (tenant_id, id) and the
+     * outbox refers to a resource by both; the constraints keep the names
+     * PostgreSQL gave version 1's (and libidem's) keys. Nothing is
+     * rewritten; the keys' indexes are built again, with both tables
+     * locked until the migration commits. */
+    "ALTER TABLE outbox DROP CONSTRAINT outbox_resource_id_fkey;"
+    "ALTER TABLE outbox DROP CONSTRAINT outbox_pkey;"
+    "ALTER TABLE resources DROP CONSTRAINT resources_pkey;"
+    "ALTER TABLE resources ADD CONSTRAINT resources_pkey PRIMARY KEY (tenant_id, id);"
+    "ALTER TABLE outbox ADD CONSTRAINT outbox_pkey PRIMARY KEY (tenant_id, resource_id);"
+    "ALTER TABLE outbox ADD CONSTRAINT outbox_resource_id_fkey FOREIGN KEY"
+    " (tenant_id, resource_id) REFERENCES resources (tenant_id, id);",
 };
 
 _Static_assert(sizeof sqlite_versions / sizeof *sqlite_versions == IDEMD_SCHEMA_VERSION,
@@ -169,13 +231,27 @@ static int got_version(void *arg, const char *const *cols) {
 
 /* SQLite's version 2 makes tenants again: an index or trigger of an
  * operator's on it would silently go with the old table, and a view or
- * trigger that names it would read the new one, without the key columns. Such objects
- * stop the migration here, by name, before anything changes. (PostgreSQL refuses to drop
- * a column a view reads, by itself.) */
-static const char sqlite_v2_check[] =
-    "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
-    "WHERE type IN ('view', 'trigger', 'index') AND name NOT LIKE 'sqlite_autoindex_%' "
-    "AND (tbl_name = 'tenants' OR (type <> 'index' AND sql LIKE '%tenants%'))";
+ * trigger that names it would read the new one, without the key columns.
+ * Version 3 makes resources and outbox again, with the same risks (idemd's
+ * own views are dropped and made again by the version itself). Such
+ * objects stop the migration, by name, before anything changes.
+ * (PostgreSQL refuses to drop a column or key that a view or another
+ * table depends on, by itself.) */
+static const struct {
+  int version;
+  const char *tables; /* as the message names them */
+  const char *sql;
+} sqlite_checks[] = {
+    {2, "the table tenants",
+     "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
+     "WHERE type IN ('view', 'trigger', 'index') AND name NOT LIKE 'sqlite_autoindex_%' "
+     "AND (tbl_name = 'tenants' OR (type <> 'index' AND sql LIKE '%tenants%'))"},
+    {3, "the tables resources and outbox",
+     "SELECT group_concat(type || ' ' || name, ', ') FROM sqlite_schema "
+     "WHERE type IN ('view', 'trigger', 'index') AND name NOT LIKE 'sqlite_autoindex_%' "
+     "AND name NOT IN ('payments', 'orders') AND (tbl_name IN ('resources', 'outbox') "
+     "OR (type <> 'index' AND (sql LIKE '%resources%' OR sql LIKE '%outbox%')))"},
+};
 
 static int got_text(void *arg, const char *const *cols) {
   char **out = arg;
@@ -186,25 +262,28 @@ static int got_text(void *arg, const char *const *cols) {
 
 /* IDEM_OK when nothing of an operator's stands in the way of version `v`. */
 static int check_foreign_objects(struct migration *m, idem_tx_t *tx, int v) {
-  char *found = NULL;
-  int rc;
+  for (size_t i = 0; idemd_sql_is_sqlite(tx) && i < sizeof sqlite_checks / sizeof *sqlite_checks; i++) {
+    char *found = NULL;
+    int rc;
 
-  if (!idemd_sql_is_sqlite(tx) || v != 2)
-    return IDEM_OK;
-  rc = idemd_sql_run(tx, IDEMD_SQL_SCHEMA_CHECK, sqlite_v2_check, NULL, 0, got_text,
-                     &found, NULL);
-  if (rc == IDEM_OK && found) {
-    snprintf(
-        m->err, m->errlen,
-        "idemd's schema version 2 copies the table tenants; drop these objects first "
-        "and make them again after the migration: %s",
-        found);
-    rc = IDEM_ESCHEMA;
-  } else if (rc != IDEM_OK) {
-    snprintf(m->err, m->errlen, "cannot read the schema");
+    if (sqlite_checks[i].version != v)
+      continue;
+    rc = idemd_sql_run(tx, IDEMD_SQL_SCHEMA_CHECK, sqlite_checks[i].sql, NULL, 0, got_text,
+                       &found, NULL);
+    if (rc == IDEM_OK && found) {
+      snprintf(m->err, m->errlen,
+               "idemd's schema version %d copies %s; drop these objects first "
+               "and make them again after the migration: %s",
+               v, sqlite_checks[i].tables, found);
+      rc = IDEM_ESCHEMA;
+    } else if (rc != IDEM_OK) {
+      snprintf(m->err, m->errlen, "cannot read the schema");
+    }
+    free(found);
+    if (rc != IDEM_OK)
+      return rc;
   }
-  free(found);
-  return rc;
+  return IDEM_OK;
 }
 
 static int run_versions(struct migration *m, idem_tx_t *tx, const char *const *versions) {

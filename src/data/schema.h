@@ -10,7 +10,7 @@
 #include "idem/store.h"
 
 /* The version idemd_schema_migrate() brings a database to. */
-#define IDEMD_SCHEMA_VERSION 2
+#define IDEMD_SCHEMA_VERSION 3
 
 /* Creates or upgrades idemd's tables to IDEMD_SCHEMA_VERSION, in one write
  * (several idemd starting at once on PostgreSQL take turns). Idempotent.

@@ -21,6 +21,8 @@ enum idemd_sql_slot {
   IDEMD_SQL_OUTBOX_DUE,
   IDEMD_SQL_GET_RESOURCE,
   IDEMD_SQL_CLAIM,
+  IDEMD_SQL_PUT_ORDER,
+  IDEMD_SQL_CANCEL_ORDER,
   IDEMD_SQL_COUNT, /* any count: made again whenever its SQL changes */
   IDEMD_SQL_TENANT_INSERT,
   IDEMD_SQL_TENANT_BY_NAME,

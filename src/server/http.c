@@ -241,7 +241,7 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
   struct header_scan scan = {0};
   const char *conflict;
   uint64_t declared;
-  int too_large, rc, status;
+  int too_large, rc, status, allowed;
 
   set_path(r, url);
   set_request_id(r);
@@ -256,16 +256,15 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
     return refuse(r, 431, "request headers are too large", NULL);
   if ((conflict = header_conflict(r, &scan, &status, &r->refusal_close)) != NULL)
     return refuse(r, status, conflict, NULL);
-  d = idemd_route_match(url, r->resource_id, sizeof r->resource_id);
+  d = idemd_route_match(url, r->method, r->resource_id, sizeof r->resource_id, &allowed);
   if (d == NULL)
     return refuse(r, 404, "not found", NULL);
   r->route = d->route;
   r->op = d->op;
-  if (!idemd_route_allows(d, r->method))
+  if (!allowed)
     return refuse(r, 405, "method not allowed", d->allow);
   r->needs_auth = d->needs_auth;
-  too_large = declared > IDEMD_MAX_BODY &&
-              (r->route == ROUTE_PAYMENTS || r->route == ROUTE_ORDERS);
+  too_large = declared > IDEMD_MAX_BODY && strcmp(d->method, "GET") != 0; /* takes a body */
   if (too_large && r->drain) {
     /* Dropped as it comes; 401 or 413 once it is all here. */
     r->body_too_large = 1;

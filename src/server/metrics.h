@@ -15,6 +15,8 @@ typedef enum idemd_op {
   OP_HEALTHZ,
   OP_METRICS,
   OP_READYZ,
+  OP_CANCEL_ORDER, /* POST /orders/{id}/cancel */
+  OP_PUT_ORDER,    /* PUT /orders/{id} */
   OP_COUNT_
 } idemd_op_t;
 

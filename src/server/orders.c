@@ -1,6 +1,10 @@
-/* POST /orders and GET /orders/{id}. An order has no outside effect, so it
- * is written together with its idempotency record, already completed, in
- * the one transaction that reserves the key. */
+/* The order routes that write: POST /orders, written together with its
+ * idempotency record, already completed, in the one transaction that
+ * reserves the key (an order has no outside effect); and the two that are
+ * idempotent by design, without a key (docs/idempotency.md, section 3.5):
+ * PUT /orders/{id}, whose id the client chose, decided by the unique key
+ * (tenant, id), and POST /orders/{id}/cancel, which sets a state. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -8,6 +12,7 @@
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "data/resources.h"
+#include "server/fields.h"
 #include "server/flow.h"
 #include "server/reply.h"
 #include "server/order_cmd.h"
@@ -100,4 +105,126 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
                                 .outcome = &oc->done,
                                 .prepare = prepare, .ctx = oc};
   return idemd_flow_run(r, &oc->effect);
+}
+
+/* ---- without a key ------------------------------------------------------ */
+
+/* What says whether two orders hold one command: the fingerprint of the
+ * canonical validated command (docs/idempotency.md, section 2.3) under
+ * one name, whichever route wrote the order. */
+static int command_fingerprint(const json_t *cmd, char out[IDEM_FINGERPRINT_LEN]) {
+  size_t len;
+  char *canon = idemd_order_canon(cmd, &len);
+  int rc;
+
+  if (canon == NULL)
+    return IDEM_ENOMEM;
+  rc = idem_fingerprint_text("order", canon, len, out);
+  free(canon);
+  return rc;
+}
+
+/* The fingerprint of the command the stored order `text` was made from:
+ * its customer, items and currency validated again. IDEM_EINVAL when the
+ * text holds no such order. */
+static int stored_fingerprint(const char *text, char out[IDEM_FINGERPRINT_LEN]) {
+  json_t *order = json_loads(text, JSON_REJECT_DUPLICATES, NULL);
+  json_t *given, *cmd = NULL, *errors = NULL;
+  int64_t total;
+  int rc = IDEM_EINVAL;
+
+  if (!json_is_object(order)) {
+    json_decref(order);
+    return IDEM_EINVAL;
+  }
+  given = json_pack("{s:O?, s:O?, s:O?}", "customer_id",
+                    json_object_get(order, "customer_id"), "items",
+                    json_object_get(order, "items"), "currency",
+                    json_object_get(order, "currency"));
+  if (given == NULL)
+    rc = IDEM_ENOMEM;
+  else if (idemd_validate_order(given, &cmd, &errors, &total) == 0)
+    rc = command_fingerprint(cmd, out);
+  json_decref(errors);
+  json_decref(cmd);
+  json_decref(given);
+  json_decref(order);
+  return rc;
+}
+
+enum MHD_Result idemd_orders_put(idemd_request_t *r, const json_t *body) {
+  json_t *cmd = NULL, *errors = NULL;
+  char created_at[32], want[IDEM_FINGERPRINT_LEN], have[IDEM_FINGERPRINT_LEN];
+  char location[8 + IDEMD_PATH_ID_MAX + 1];
+  char *text, *existing = NULL;
+  int64_t total = 0;
+  idemd_resource_t row;
+  enum MHD_Result ret;
+  int rc;
+
+  if (idemd_validate_order(body, &cmd, &errors, &total) != 0) {
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_errors(r, errors);
+  }
+  idem_format_time(idem_now_ms(), created_at, sizeof created_at);
+  text = idemd_order_json(cmd, r->resource_id, total, created_at);
+  rc = text ? command_fingerprint(cmd, want) : IDEM_ENOMEM;
+  json_decref(cmd);
+  if (rc != IDEM_OK) {
+    free(text);
+    return idemd_reply_store_error(r, rc);
+  }
+  row = (idemd_resource_t){.tenant_id = r->tenant.id, .kind = "order",
+                           .id = r->resource_id, .status = "created", .body = text};
+  rc = idemd_order_put(r->srv->store, &row, &existing);
+  if (rc == IDEM_OK) {
+    idemd_reply_headers_t h = {.location = location};
+    snprintf(location, sizeof location, "/orders/%s", r->resource_id);
+    r->outcome = OUTCOME_NEW;
+    ret = idemd_reply(r, 201, text, strlen(text), &h);
+  } else if (rc == IDEM_EEXIST) {
+    rc = existing ? stored_fingerprint(existing, have) : IDEM_EINVAL;
+    if (rc == IDEM_ENOMEM) {
+      ret = idemd_reply_store_error(r, rc);
+    } else if (rc == IDEM_OK && strcmp(have, want) == 0) {
+      r->outcome = OUTCOME_REPLAY; /* the order there: not a replay of a key */
+      ret = idemd_reply(r, 200, existing, strlen(existing), NULL);
+    } else {
+      r->outcome = OUTCOME_MISMATCH;
+      ret = idemd_reply_error(r, 409, "order exists with different content", NULL);
+    }
+  } else {
+    ret = idemd_reply_store_error(r, rc);
+  }
+  free(existing);
+  free(text);
+  return ret;
+}
+
+enum MHD_Result idemd_orders_cancel(idemd_request_t *r, const json_t *body) {
+  static const char *const no_fields[] = {NULL};
+  char *text = NULL;
+  enum MHD_Result ret;
+  int changed = 0, rc;
+
+  if (body && json_object_size(body) > 0) {
+    json_t *errors = json_array();
+    idemd__unknown_fields(body, no_fields, "", errors);
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_errors(r, errors);
+  }
+  rc = idemd_order_id_valid(r->resource_id)
+           ? idemd_order_cancel(r->srv->store, r->tenant.id, r->resource_id, &text,
+                                &changed)
+           : IDEM_ENOTFOUND; /* no order has such an id */
+  if (rc == IDEM_ENOTFOUND) {
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_error(r, 404, "order not found", NULL);
+  }
+  if (rc != IDEM_OK)
+    return idemd_reply_store_error(r, rc);
+  r->outcome = changed ? OUTCOME_NEW : OUTCOME_REPLAY;
+  ret = idemd_reply(r, 200, text, strlen(text), NULL);
+  free(text);
+  return ret;
 }

@@ -22,43 +22,81 @@
 #include "server/body.h"
 
 static const idemd_route_def_t routes[] = {
-    {"/payments", 0, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT, 1},
-    {"/payments/", 1, "GET", "GET, HEAD", ROUTE_PAYMENT, OP_GET_PAYMENT, 1},
-    {"/orders", 0, "POST", "POST", ROUTE_ORDERS, OP_CREATE_ORDER, 1},
-    {"/orders/", 1, "GET", "GET, HEAD", ROUTE_ORDER, OP_GET_ORDER, 1},
-    {"/healthz", 0, "GET", "GET, HEAD", ROUTE_HEALTHZ, OP_HEALTHZ, 0},
-    {"/metrics", 0, "GET", "GET, HEAD", ROUTE_METRICS, OP_METRICS, 0},
-    {"/readyz", 0, "GET", "GET, HEAD", ROUTE_READYZ, OP_READYZ, 0},
+    {"/payments", "", IDEMD_ID_NONE, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT, 1},
+    {"/payments/", "", IDEMD_ID_PLAIN, "GET", "GET, HEAD", ROUTE_PAYMENT, OP_GET_PAYMENT, 1},
+    {"/orders", "", IDEMD_ID_NONE, "POST", "POST", ROUTE_ORDERS, OP_CREATE_ORDER, 1},
+    {"/orders/", "", IDEMD_ID_ORDER, "GET", "GET, HEAD, PUT", ROUTE_ORDER, OP_GET_ORDER, 1},
+    {"/orders/", "", IDEMD_ID_ORDER, "PUT", "GET, HEAD, PUT", ROUTE_ORDER_PUT, OP_PUT_ORDER,
+     1},
+    {"/orders/", "/cancel", IDEMD_ID_ORDER, "POST", "POST", ROUTE_ORDER_CANCEL,
+     OP_CANCEL_ORDER, 1},
+    {"/healthz", "", IDEMD_ID_NONE, "GET", "GET, HEAD", ROUTE_HEALTHZ, OP_HEALTHZ, 0},
+    {"/metrics", "", IDEMD_ID_NONE, "GET", "GET, HEAD", ROUTE_METRICS, OP_METRICS, 0},
+    {"/readyz", "", IDEMD_ID_NONE, "GET", "GET, HEAD", ROUTE_READYZ, OP_READYZ, 0},
 };
 
-const idemd_route_def_t *idemd_route_match(const char *url, char *id, size_t idcap) {
-  for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
-    const idemd_route_def_t *d = &routes[i];
-    size_t n = strlen(d->prefix);
-    if (!d->has_id) {
-      if (strcmp(url, d->prefix) == 0)
-        return d;
-      continue;
-    }
-    if (strncmp(url, d->prefix, n) == 0) {
-      const char *rest = url + n;
-      size_t len = strlen(rest);
-      /* An id is 1 to 63 of [A-Za-z0-9_]; anything else names nothing. */
-      if (len == 0 || len >= idcap ||
-          strspn(rest, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                       "0123456789_") != len)
-        return NULL;
-      memcpy(id, rest, len + 1);
-      return d;
-    }
-  }
-  return NULL;
+/* Whether the `len` bytes at `s` are an {id} under `rule`. */
+static int id_fits(idemd_id_rule_t rule, const char *s, size_t len) {
+  if (rule == IDEMD_ID_PLAIN)
+    return len >= 1 && len <= 63 &&
+           strspn(s, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                     "0123456789_") >= len;
+  if (len < 1 || len > IDEMD_PATH_ID_MAX)
+    return 0;
+  for (size_t i = 0; i < len; i++)
+    if ((unsigned char)s[i] < 0x21 || (unsigned char)s[i] > 0x7e || s[i] == '/')
+      return 0;
+  return 1;
 }
 
-int idemd_route_allows(const idemd_route_def_t *d, const char *method) {
+/* Whether `url` is the path of `d`; its {id} goes to `id`. */
+static int path_matches(const idemd_route_def_t *d, const char *url, char *id,
+                        size_t idcap) {
+  size_t n = strlen(d->prefix), len;
+
+  if (d->id_rule == IDEMD_ID_NONE)
+    return strcmp(url, d->prefix) == 0;
+  if (strncmp(url, d->prefix, n) != 0)
+    return 0;
+  url += n;
+  len = strcspn(url, "/"); /* the {id} is one segment */
+  if (strcmp(url + len, d->suffix) != 0 || len >= idcap || !id_fits(d->id_rule, url, len))
+    return 0;
+  memcpy(id, url, len);
+  id[len] = '\0';
+  return 1;
+}
+
+static int method_fits(const idemd_route_def_t *d, const char *method) {
   if (strcmp(method, d->method) == 0)
     return 1;
   return strcmp(d->method, "GET") == 0 && strcmp(method, "HEAD") == 0;
+}
+
+const idemd_route_def_t *idemd_route_match(const char *url, const char *method, char *id,
+                                           size_t idcap, int *allowed) {
+  const idemd_route_def_t *first = NULL;
+
+  *allowed = 0;
+  for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
+    const idemd_route_def_t *d = &routes[i];
+    if (!path_matches(d, url, id, idcap))
+      continue;
+    if (method_fits(d, method)) {
+      *allowed = 1;
+      return d;
+    }
+    if (first == NULL)
+      first = d;
+  }
+  return first;
+}
+
+int idemd_order_id_valid(const char *id) {
+  size_t len = strlen(id);
+  return strncmp(id, "ord_", 4) == 0 && len >= 5 && len <= 4 + 64 &&
+         strspn(id + 4, "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                        "0123456789_-") == len - 4;
 }
 
 static int is_json_media_type(const char *ct) {
@@ -150,8 +188,13 @@ static enum MHD_Result serve_resource(idemd_request_t *r, const char *kind,
   return ret;
 }
 
-/* The checks that need the whole body, then the route's handler. */
-static enum MHD_Result serve_create(idemd_request_t *r) {
+/* The checks that need the whole body (docs/idempotency.md, section 3.2),
+ * then the route's handler. A creating POST needs its Idempotency-Key; a
+ * PUT's {id} is checked where the key would be, and a cancellation takes
+ * neither a key nor a field, its body empty or {}: the routes that are
+ * idempotent by design ignore an Idempotency-Key (docs/idempotency.md,
+ * section 3.5). */
+static enum MHD_Result serve_body(idemd_request_t *r) {
   const char *ct, *raw;
   json_t *body = NULL;
   const char *msg = NULL;
@@ -164,15 +207,33 @@ static enum MHD_Result serve_create(idemd_request_t *r) {
   ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
   if (!is_json_media_type(ct))
     return idemd_reply_error(r, 415, "Content-Type must be application/json", NULL);
-  raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
-  rc = idem_key_parse(raw, raw ? strlen(raw) : 0, r->key, NULL);
-  if (rc != IDEM_OK)
-    return idemd_reply_error(r, 400, idem_strerror(rc), NULL);
-  idemd_key_id(r, idemd_op_name(r->op));
+  if (r->route == ROUTE_PAYMENTS || r->route == ROUTE_ORDERS) {
+    raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
+    rc = idem_key_parse(raw, raw ? strlen(raw) : 0, r->key, NULL);
+    if (rc != IDEM_OK)
+      return idemd_reply_error(r, 400, idem_strerror(rc), NULL);
+    idemd_key_id(r, idemd_op_name(r->op));
+  } else if (r->route == ROUTE_ORDER_PUT && !idemd_order_id_valid(r->resource_id)) {
+    return idemd_reply_error(
+        r, 400, "order id must be ord_ followed by 1 to 64 of A-Z a-z 0-9 _ -", NULL);
+  }
+  if (r->route == ROUTE_ORDER_CANCEL && r->body_len == 0)
+    return idemd_orders_cancel(r, NULL);
   if (idemd_parse_body(r->body, r->body_len, &body, &out_of_range, &msg) != 0)
     return idemd_reply_error(r, 400, msg, NULL);
-  ret = r->route == ROUTE_PAYMENTS ? idemd_payments_create(r, body)
-                                   : idemd_orders_create(r, body);
+  switch (r->route) {
+  case ROUTE_PAYMENTS:
+    ret = idemd_payments_create(r, body);
+    break;
+  case ROUTE_ORDERS:
+    ret = idemd_orders_create(r, body);
+    break;
+  case ROUTE_ORDER_PUT:
+    ret = idemd_orders_put(r, body);
+    break;
+  default: /* ROUTE_ORDER_CANCEL */
+    ret = idemd_orders_cancel(r, body);
+  }
   json_decref(body);
   return ret;
 }
@@ -218,7 +279,13 @@ enum MHD_Result idemd_dispatch(idemd_request_t *r) {
     return serve_resource(r, "order", "order not found");
   case ROUTE_PAYMENTS:
   case ROUTE_ORDERS:
-    return serve_create(r);
+    return serve_body(r);
+  case ROUTE_ORDER_PUT:
+  case ROUTE_ORDER_CANCEL:
+    /* A write of their own, with no key: it waits on the store. */
+    if (!r->may_block)
+      return idemd_defer(r, idemd_dispatch);
+    return serve_body(r);
   default:
     return idemd_reply_error(r, 404, "not found", NULL);
   }

@@ -6,10 +6,20 @@
 
 #include "server/server.h"
 
-/* One route: a path (or a prefix followed by "{id}") and its method. */
+/* How a route's {id} is spelled. */
+typedef enum idemd_id_rule {
+  IDEMD_ID_NONE = 0, /* an exact path */
+  IDEMD_ID_PLAIN,    /* 1 to 63 of [A-Za-z0-9_] */
+  IDEMD_ID_ORDER,    /* 1 to IDEMD_PATH_ID_MAX visible ASCII but '/': the
+                        route's handler says what is wrong with it */
+} idemd_id_rule_t;
+
+/* One route: a path (or a prefix, an {id} and a suffix) and one method.
+ * Routes of one path follow each other and share their `allow`. */
 typedef struct idemd_route_def {
-  const char *prefix; /* exact path, or prefix of "/{id}" routes */
-  int has_id;
+  const char *prefix; /* exact path, or what comes before "{id}" */
+  const char *suffix; /* what follows "{id}" ("" for none) */
+  idemd_id_rule_t id_rule;
   const char *method;
   const char *allow;
   idemd_route_t route;
@@ -17,12 +27,13 @@ typedef struct idemd_route_def {
   int needs_auth;
 } idemd_route_def_t;
 
-/* The route `url` names, with its {id} copied to `id` (at most idcap - 1
- * characters of [A-Za-z0-9_]); NULL when it names none. */
-const idemd_route_def_t *idemd_route_match(const char *url, char *id, size_t idcap);
-
-/* Whether the route takes `method` (HEAD wherever GET is taken). */
-int idemd_route_allows(const idemd_route_def_t *d, const char *method);
+/* The route `url` and `method` name, with its {id} copied to `id` (idcap
+ * at least IDEMD_PATH_ID_MAX + 1), and `*allowed` 1; when the path is
+ * known but not for `method`, its first route (for its `allow` and its
+ * operation) and `*allowed` 0; NULL for an unknown path. HEAD goes
+ * wherever GET does. */
+const idemd_route_def_t *idemd_route_match(const char *url, const char *method, char *id,
+                                           size_t idcap, int *allowed);
 
 /* Checks the API key against the store: IDEM_OK (and r->authenticated),
  * IDEM_ENOTFOUND when it names no tenant, or the store's error. Answers

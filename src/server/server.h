@@ -19,6 +19,9 @@
 #include "server/workers.h"
 
 #define IDEMD_MAX_BODY (64 * 1024)
+/* The longest {id} a path may carry (routes.c): room for a client's order
+ * id (ord_ and 64) and for telling a longer one apart (400, not 404). */
+#define IDEMD_PATH_ID_MAX 95
 
 typedef struct idemd_server {
   idemd_config_t cfg;
@@ -53,6 +56,8 @@ typedef enum idemd_route {
   ROUTE_PAYMENT,   /* GET /payments/{id} */
   ROUTE_ORDERS,    /* POST /orders */
   ROUTE_ORDER,     /* GET /orders/{id} */
+  ROUTE_ORDER_PUT, /* PUT /orders/{id} */
+  ROUTE_ORDER_CANCEL, /* POST /orders/{id}/cancel */
   ROUTE_HEALTHZ,
   ROUTE_METRICS,
   ROUTE_READYZ
@@ -66,7 +71,7 @@ typedef struct idemd_request {
   idemd_route_t route;
   const char *method;
   char path[128]; /* for the log line (longer paths are cut there) */
-  char resource_id[64]; /* {id} of GET routes */
+  char resource_id[IDEMD_PATH_ID_MAX + 1]; /* {id} of the path */
   char request_id[65];
   int64_t start_us;
 
@@ -137,6 +142,19 @@ _Static_assert(sizeof(idemd_request_t) <= 1032,
  * validated-as-object request body. */
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
+/* PUT /orders/{id} (r->resource_id, already checked by
+ * idemd_order_id_valid()): creates the order under the client's id, or
+ * answers the one there (200, or 409 when its command differs). Runs
+ * where it may block (a worker). */
+enum MHD_Result idemd_orders_put(idemd_request_t *r, const json_t *body);
+/* POST /orders/{id}/cancel: sets the order cancelled (once) and answers
+ * it. `body` (NULL when the request had none) must have no field: each
+ * is a 422. Runs where it may block (a worker). */
+enum MHD_Result idemd_orders_cancel(idemd_request_t *r, const json_t *body);
+
+/* 1 when `id` is an order id a client may choose: "ord_" then 1 to 64 of
+ * A-Z a-z 0-9 _ - (the ids idemd makes are such ids too), else 0. */
+int idemd_order_id_valid(const char *id);
 
 /* Frees a request and what it owns. */
 void idemd_request_free(idemd_request_t *r);

@@ -379,7 +379,7 @@ def check_exchange(full, ex):
         errs = schema_errors(rb['schema'], ex['req_json'])
         body = parse_json(ex['body']) if ex['method'] != 'HEAD' else None
         validation_422 = status == '422' and isinstance(body, dict) and 'errors' in body
-        accepted = status in ('201', '202', '402', '409') or (
+        accepted = status in ('200', '201', '202', '402', '409') or (
             status == '422' and not validation_422)
         if accepted and errs:
             problems.append('%s: the server accepted a body the documented request '
@@ -754,6 +754,52 @@ def drive(d, tok, other, server):
     d.call('GET', '/orders/' + ord_id, 401, 'no credentials', 'idem_bad')
     d.call('HEAD', '/orders/' + ord_id, 401, 'head, no credentials')
 
+    # --- PUT /orders/{id} and POST /orders/{id}/cancel: no key, by design
+    U = '/orders/ord_client-1_A'
+    C = U + '/cancel'
+    put1 = d.call('PUT', U, 201, 'put a new order', tok, None, order)
+    if put1['headers'].get('location') != U:
+        raise Failure('PUT answered Location %r' % put1['headers'].get('location'))
+    d.call('PUT', U, 200, 'put it again, spelled otherwise', tok, None,
+           {'items': [{'unit_price': '1000', 'quantity': 2, 'sku': 'A1'}], 'customer_id': 'c1'})
+    d.call('PUT', U, 200, 'put with an Idempotency-Key: ignored', tok, 'any key', order)
+    d.call('PUT', U, 409, 'put another order under the id', tok, None,
+           dict(order, customer_id='c2'))
+    d.call('PUT', U, 201, "another tenant's order of the same id", other, None,
+           dict(order, customer_id='c3'))
+    d.call('PUT', '/orders/' + ord_id, 200, 'put over an order POST made', tok, None, order)
+    d.call('PUT', '/orders/ord_' + 'z' * 64, 201, 'the longest id', tok, None, order)
+    for label, path in [('id without ord_', '/orders/client-1'), ('id ord_ alone', '/orders/ord_'),
+                        ('id with a dot', '/orders/ord_a.b'),
+                        ('id too long', '/orders/ord_' + 'z' * 65)]:
+        d.call('PUT', path, 400, label, tok, None, order)
+    d.call('PUT', U, 400, 'put, not JSON', tok, None, b'{not json')
+    for label, bad in [
+        ('put, no items', {'customer_id': 'c1', 'items': []}),
+        ('put, quantity 0', {'customer_id': 'c1',
+                             'items': [{'sku': 'A1', 'quantity': 0, 'unit_price': 1}]}),
+        ('put, the id in the body', dict(order, id='ord_client-1_A')),
+    ]:
+        d.call('PUT', U, 422, label, tok, None, bad, reject=True)
+    d.call('PUT', U, 401, 'put, no credentials', None, None, order)
+    d.call('PUT', U, 413, 'put, over 64 KiB', tok, None, big)
+    d.call('PUT', U, 415, 'put, no JSON type', tok, None, order, ctype='text/plain')
+
+    d.call('POST', C, 200, 'cancel', tok, None, b'')
+    d.call('POST', C, 200, 'cancel again, {}', tok, None, {})
+    d.call('POST', C, 200, 'cancel with an Idempotency-Key: ignored', tok, 'k', b'')
+    d.call('GET', U, 200, 'read a cancelled order', tok)
+    d.call('PUT', U, 200, 'put the command of a cancelled order', tok, None, order)
+    d.call('POST', '/orders/ord_nosuchorder/cancel', 404, 'cancel no such order', tok, None, b'')
+    d.call('POST', '/orders/' + ord_id + '/cancel', 404, "cancel another tenant's order",
+           other, None, b'')
+    d.call('POST', '/orders/bad.id/cancel', 404, 'cancel an id no order has', tok, None, b'')
+    d.call('POST', C, 401, 'cancel, no credentials', None, None, b'')
+    d.call('POST', C, 400, 'cancel, body not an object', tok, None, b'[]')
+    d.call('POST', C, 422, 'cancel with a field', tok, None, {'reason': 'x'}, reject=True)
+    d.call('POST', C, 413, 'cancel, over 64 KiB', tok, None, big)
+    d.call('POST', C, 415, 'cancel, no JSON type', tok, None, b'', ctype='text/plain')
+
     # --- /healthz and /metrics, no credentials needed
     d.call('GET', '/healthz', 200, 'healthz')
     d.call('HEAD', '/healthz', 200, 'head healthz')
@@ -770,12 +816,14 @@ def drive(d, tok, other, server):
 
     # --- unmatched: unknown paths (before credentials) and methods
     for path in ('/nowhere', '/payments/', '/payments/has-dash', '/orders/a/b', '/Payments',
-                 '/payments/' + 'x' * 64):
+                 '/payments/' + 'x' * 64, '/orders/x/cancel/y', '/orders/' + 'x' * 96,
+                 '/orders//cancel'):
         d.call('GET', path, 404, 'unknown path')
     d.call('POST', '/nowhere', 404, 'unknown path, POST', tok, 'k', {'amount': 1})
     for method, path in (('GET', P), ('HEAD', P), ('PUT', O), ('DELETE', '/payments/' + pay_id),
                          ('POST', '/payments/' + pay_id), ('POST', '/healthz'),
-                         ('PATCH', '/metrics'), ('OPTIONS', O), ('DELETE', '/orders/x')):
+                         ('PATCH', '/metrics'), ('OPTIONS', O), ('DELETE', '/orders/x'),
+                         ('GET', '/orders/x/cancel'), ('PUT', '/orders/x/cancel')):
         d.call(method, path, 405, 'method not allowed')
 
     # --- request line and headers over --max-header-bytes: 431, any route
@@ -801,6 +849,8 @@ def drive(d, tok, other, server):
         d.call('HEAD', '/payments/' + pay_id, 503, 'store failure', tok)
         d.call('GET', '/orders/' + ord_id, 503, 'store failure', tok)
         d.call('HEAD', '/orders/' + ord_id, 503, 'store failure', tok)
+        d.call('PUT', '/orders/ord_store', 503, 'store failure', tok, None, order)
+        d.call('POST', '/orders/' + ord_id + '/cancel', 503, 'store failure', tok, None, b'')
         d.call('GET', '/healthz', 503, 'store unreachable')
         d.call('HEAD', '/healthz', 503, 'store unreachable')
         d.call('GET', '/readyz', 503, 'store failure')
@@ -859,6 +909,18 @@ def mutations(doc):
               {'content': {'application/json': {'schema': {'type': 'object'}}}})),
         m('unmatched 503 not documented', lambda c: c['x-unmatched-responses'].pop('503')),
         m('path /orders/{id} removed', lambda c: paths(c).pop('/orders/{id}')),
+        m('path /orders/{id}/cancel removed', lambda c: paths(c).pop('/orders/{id}/cancel')),
+        m('PUT of /orders/{id} removed', lambda c: paths(c)['/orders/{id}'].pop('put')),
+        m('409 removed from PUT /orders/{id}',
+          lambda c: paths(c)['/orders/{id}']['put']['responses'].pop('409')),
+        m('a cancelled order documented without cancelled_at',
+          lambda c: schemas(c)['OrderResource']['properties'].pop('cancelled_at')),
+        m('cancel documented as answering a created order',
+          lambda c: schemas(c)['CancelledOrder']['allOf'][1].update(
+              {'properties': {'status': {'const': 'created'}}})),
+        m('order id pattern without the dash',
+          lambda c: c['components']['headers']['OrderLocation']['schema'].update(
+              {'pattern': '^/orders/ord_[A-Za-z0-9_]+$'})),
         m('HEAD of /metrics removed', lambda c: paths(c)['/metrics'].pop('head')),
         m('a status never produced documented',
           lambda c: paths(c)['/healthz']['get']['responses'].update(

@@ -801,7 +801,7 @@ static void test_transport_rejections(void **state) {
         {"PATCH", "/orders", "POST"},
         {"GET", "/orders", "POST"},
         {"POST", "/payments/pay_x", "GET, HEAD"},
-        {"DELETE", "/orders/ord_x", "GET, HEAD"},
+        {"DELETE", "/orders/ord_x", "GET, HEAD, PUT"},
         {"PUT", "/payments/pay_x", "GET, HEAD"},
         {"POST", "/healthz", "GET, HEAD"},
         {"DELETE", "/metrics", "GET, HEAD"},

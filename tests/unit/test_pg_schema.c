@@ -160,6 +160,19 @@ static void test_from_released_version(void **state) {
                    0);
   assert_int_equal(references(fx->db, "resources", "tenants"), 1);
   assert_int_equal(references(fx->db, "outbox", "resources"), 1);
+  /* idemd's version 3: a resource's id is its tenant's, and the outbox
+   * names a resource by both. */
+  {
+    char *key = value(fx->db, "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE "
+                              "conname = 'resources_pkey'");
+    char *ref = value(fx->db, "SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE "
+                              "conname = 'outbox_resource_id_fkey'");
+    assert_string_equal(key, "PRIMARY KEY (tenant_id, id)");
+    assert_string_equal(ref,
+                        "FOREIGN KEY (tenant_id, resource_id) REFERENCES resources(tenant_id, id)");
+    free(key);
+    free(ref);
+  }
   assert_int_equal(number(fx->db, "SELECT amount FROM payments WHERE id = 'pay_3'"),
                    1003);
   assert_int_equal(number(fx->db, "SELECT total FROM orders WHERE id = 'ord_4'"), 1004);

@@ -318,9 +318,21 @@ static void test_from_released_version(void **state) {
   assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('resources') "
                               "WHERE \"table\" = 'tenants'"),
                    1);
-  assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_list('outbox') "
-                              "WHERE \"table\" = 'resources'"),
+  assert_int_equal(number(db, "SELECT count(DISTINCT id) FROM pragma_foreign_key_list("
+                              "'outbox') WHERE \"table\" = 'resources'"),
                    1);
+  /* idemd's version 3: a resource's id is its tenant's, and the outbox
+   * names a resource by both. */
+  {
+    char *key = text(db, "SELECT group_concat(name, ',') FROM (SELECT name FROM "
+                         "pragma_table_info('resources') WHERE pk > 0 ORDER BY pk)");
+    char *ref = text(db, "SELECT group_concat(\"from\" || '>' || \"to\", ',') FROM (SELECT "
+                         "* FROM pragma_foreign_key_list('outbox') ORDER BY seq)");
+    assert_string_equal(key, "tenant_id,id");
+    assert_string_equal(ref, "tenant_id>tenant_id,resource_id>id");
+    free(key);
+    free(ref);
+  }
   assert_int_equal(number(db, "SELECT count(*) FROM pragma_foreign_key_check"), 0);
   assert_int_equal(number(db, "SELECT count(*) FROM pragma_integrity_check WHERE "
                               "integrity_check <> 'ok'"),
@@ -533,6 +545,54 @@ static void test_fresh_is_what_migrations_leave(void **state) {
   idem_store_close(store);
 }
 
+/* idemd's version 3 makes resources and outbox again: an operator's index
+ * or trigger on them, or a view that names them, stops it before anything
+ * changes, by name; once they are dropped it goes through, rows kept. */
+static void test_idemd_v3_refuses_foreign_objects(void **state) {
+  struct fixture *fx = *state;
+  idem_store_t *store;
+  sqlite3 *db;
+  char why[512];
+
+  /* libidem's version 4 made idemd's tables as idemd's version 1 has them. */
+  assert_int_equal(idem_store_open(fx->path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem__sqlite_migrate_to(store, 4), IDEM_OK);
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(sqlite3_open(fx->path, &db), SQLITE_OK);
+  sql(db, "INSERT INTO tenants (id, name, key_lookup, key_hash, created_at) "
+          "VALUES (1, 'acme', 'lookup', x'00', 1);"
+          "INSERT INTO resources (id, tenant_id, kind, status, body, provider_ref, "
+          "created_at, updated_at) VALUES ('ord_1', 1, 'order', 'created', '{}', NULL, 1, 1);"
+          "CREATE VIEW my_orders AS SELECT id FROM resources;"
+          "CREATE INDEX my_by_kind ON resources (kind);"
+          "CREATE TRIGGER my_stamp AFTER INSERT ON outbox BEGIN SELECT 1; END;"
+          "CREATE INDEX my_record_times ON idempotency_records (created_at);");
+  assert_int_equal(idemd_schema_migrate(store, why, sizeof why), IDEM_ESCHEMA);
+  assert_contains(why, "view my_orders");
+  assert_contains(why, "index my_by_kind");
+  assert_contains(why, "trigger my_stamp");
+  if (strstr(why, "my_record_times") != NULL)
+    fail_msg("an index on the records was named: %s", why);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
+                              "'idemd_schema'"),
+                   0);
+  assert_int_equal(number(db, "SELECT count(*) FROM pragma_table_info('resources') "
+                              "WHERE pk > 0"),
+                   1);
+
+  sql(db, "DROP VIEW my_orders; DROP INDEX my_by_kind; DROP TRIGGER my_stamp;");
+  assert_int_equal(idemd_schema_migrate(store, why, sizeof why), IDEM_OK);
+  assert_int_equal(number(db, "SELECT version FROM idemd_schema"), IDEMD_SCHEMA_VERSION);
+  assert_int_equal(number(db, "SELECT count(*) FROM orders WHERE id = 'ord_1' AND "
+                              "tenant_id = 1"),
+                   1);
+  assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
+                              "'my_record_times'"),
+                   1);
+  sqlite3_close(db);
+  idem_store_close(store);
+}
+
 /* idemd's schema at a version newer than this program's is refused, and
  * nothing is changed. */
 static void test_newer_idemd_schema_refused(void **state) {
@@ -573,7 +633,8 @@ static void test_idemd_v2_refuses_foreign_objects(void **state) {
           "VALUES ('ord_1', 1, 'order', 'created', '{}', 1, 1);"
           "CREATE VIEW my_tenants AS SELECT name FROM tenants;"
           "CREATE INDEX my_by_created ON tenants (created_at);"
-          "CREATE INDEX my_by_kind ON resources (kind);");
+          "CREATE TABLE my_notes (kind TEXT);"
+          "CREATE INDEX my_by_kind ON my_notes (kind);");
   assert_int_equal(idem_store_migrate(store), IDEM_OK);
 
   assert_int_equal(idemd_schema_migrate(store, why, sizeof why), IDEM_ESCHEMA);
@@ -618,6 +679,8 @@ int main(void) {
       cmocka_unit_test_setup_teardown(test_version_4_refuses_foreign_objects, setup,
                                       teardown),
       cmocka_unit_test_setup_teardown(test_fresh_is_what_migrations_leave, setup, teardown),
+      cmocka_unit_test_setup_teardown(test_idemd_v3_refuses_foreign_objects, setup,
+                                      teardown),
       cmocka_unit_test_setup_teardown(test_newer_idemd_schema_refused, setup, teardown),
       cmocka_unit_test_setup_teardown(test_idemd_v2_refuses_foreign_objects, setup,
                                       teardown),
