@@ -42,7 +42,7 @@ for p in "${patch_files[@]}"; do
 done
 
 # Debian's configuration, with GnuTLS for HTTPS as Debian's has it
-# (CMake links GnuTLS's shared library), less
+# (idemd --tls-cert/--tls-key; CMake links GnuTLS's shared library), less
 # what idemd never uses (the documentation, examples and libcurl-based
 # tests), as a static library, with the flags Debian builds the package
 # with (its rules ask for every hardening option).
