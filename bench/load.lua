@@ -10,6 +10,8 @@
 --                         replays of the key just before
 --   IDEM_KEY     the key of replay and mismatch
 --   IDEM_EXPECT  the status every answer must have
+--   IDEM_CLOSE   1: Connection: close on every request (wrk then opens a
+--                new connection for each)
 -- Prints one line: "result rps=... p50_ms=... p99_ms=... max_ms=... bad=N requests=N".
 local mode = os.getenv("IDEM_MODE") or "new"
 local expect = tonumber(os.getenv("IDEM_EXPECT") or "201")
@@ -32,6 +34,9 @@ wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer " .. (os.getenv("IDEM_TOKEN") or "")
 
 local fixed = os.getenv("IDEM_KEY") or "bench-key"
+if os.getenv("IDEM_CLOSE") == "1" then
+  wrk.headers["Connection"] = "close"
+end
 
 request = function()
   counter = counter + 1

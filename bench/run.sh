@@ -14,22 +14,30 @@
 #      body; req/s, p50, p99, the slowest answer and the ratio to nginx;
 #   3. the same on PostgreSQL (a throwaway cluster), with pgbench running
 #      the same statements as its baseline;
-#   4. a long run of mixed requests, reporting idemd's RSS before and after.
+#   4. a long run of mixed requests, reporting idemd's RSS before and after;
+#   5. with --tls, new-key payments and replays over HTTPS (keep-alive, a
+#      throwaway ECDSA P-256 certificate), and replays on a new connection
+#      each: idemd serving it itself (--tls-cert), and nginx terminating
+#      it in front of a plain idemd, against the same over plain HTTP, in
+#      three alternating rounds.
 #
-# Usage: bench/run.sh [--duration S] [--long N] [--skip-pg]
+# Usage: bench/run.sh [--duration S] [--long N] [--skip-pg] [--tls]
 #   --duration S  seconds per wrk run after a 2 s warm-up (default 10)
 #   --long N      requests in the RSS run (default 1000000; 0 skips it)
+#   --tls         adds the TLS runs (5; 27 runs more)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 duration=10
 long=1000000
 skip_pg=0
+tls=0
 while [ $# -gt 0 ]; do
   case $1 in
     --duration) duration=$2; shift 2 ;;
     --long) long=$2; shift 2 ;;
     --skip-pg) skip_pg=1; shift ;;
-    *) echo "usage: bench/run.sh [--duration S] [--long N] [--skip-pg]" >&2; exit 2 ;;
+    --tls) tls=1; shift ;;
+    *) echo "usage: bench/run.sh [--duration S] [--long N] [--skip-pg] [--tls]" >&2; exit 2 ;;
   esac
 done
 
@@ -59,7 +67,7 @@ free_port() {
   done
 }
 wait_http() {
-  for _ in $(seq 100); do curl -s -o /dev/null "http://127.0.0.1:$1/${2:-healthz}" && return 0; sleep 0.1; done
+  for _ in $(seq 100); do curl -sk -o /dev/null "$scheme://127.0.0.1:$1/${2:-healthz}" && return 0; sleep 0.1; done
   echo "bench: nothing answers on port $1" >&2; exit 1
 }
 
@@ -82,21 +90,23 @@ thread_ticks() {
 
 failures=0
 baseline=0
+scheme=http # wrk_run's; https for the TLS runs
+close=0     # 1: a new connection for every request (Connection: close)
 cpu_pid="" # the idemd whose threads' CPU wrk_run reports, if any
 # wrk_run LABEL PORT MODE PATH BODY EXPECT [KEY] -> prints a line, sets $rps
 wrk_run() {
   local label=$1 port=$2 mode=$3 path=$4 body=$5 expect=$6 key=${7:-bench-key}
   local env=(IDEM_TOKEN="${token:-}" IDEM_MODE="$mode" IDEM_PATH="$path" IDEM_BODY="$body"
-             IDEM_EXPECT="$expect" IDEM_KEY="$key")
+             IDEM_EXPECT="$expect" IDEM_KEY="$key" IDEM_CLOSE="$close")
   # A request unanswered after 10 s counts as lost (wrk's default is 2 s:
   # a slower answer still came, and shows in the max column instead).
   env "${env[@]}" wrk -t1 -c64 -d2s --timeout 10s -s "$repo/bench/load.lua" \
-    "http://127.0.0.1:$port" >/dev/null 2>&1 || true
+    "$scheme://127.0.0.1:$port" >/dev/null 2>&1 || true
   local out full before="" after="" wrk_cpu
   [ -n "$cpu_pid" ] && before=$(thread_ticks "$cpu_pid")
   # bash's time keyword: wrk's own CPU (user and system seconds).
   wrk_cpu=$( { TIMEFORMAT='%U %S'; time env "${env[@]}" wrk -t1 -c64 -d"${duration}s" --latency \
-             --timeout 10s -s "$repo/bench/load.lua" "http://127.0.0.1:$port" \
+             --timeout 10s -s "$repo/bench/load.lua" "$scheme://127.0.0.1:$port" \
              >"$run/wrk.out" 2>&1; } 2>&1) || true
   [ -n "$cpu_pid" ] && after=$(thread_ticks "$cpu_pid")
   full=$(cat "$run/wrk.out")
@@ -163,19 +173,24 @@ http {
   }
 }
 NGINX
+# start_nginx: nginx on $run/nginx.conf, which listens on $port_ng.
 # free_port only probes: another process may take the port first. Then
 # nginx exits at once, and another port is tried, loudly after five.
-for attempt in 1 2 3 4 5; do
-  "$nginx" -c "$run/nginx.conf" 2>"$run/nginx-start.log" && break
-  if [ "$attempt" = 5 ]; then
-    echo "bench: nginx did not start:" >&2
-    cat "$run/nginx-start.log" >&2
-    exit 1
-  fi
-  old_port=$port_ng
-  port_ng=$(free_port)
-  sed -i "s/listen 127.0.0.1:$old_port;/listen 127.0.0.1:$port_ng;/" "$run/nginx.conf"
-done
+start_nginx() {
+  local attempt old_port
+  for attempt in 1 2 3 4 5; do
+    "$nginx" -c "$run/nginx.conf" 2>"$run/nginx-start.log" && return 0
+    if [ "$attempt" = 5 ]; then
+      echo "bench: nginx did not start:" >&2
+      cat "$run/nginx-start.log" >&2
+      exit 1
+    fi
+    old_port=$port_ng
+    port_ng=$(free_port)
+    sed -i -E "s/listen 127.0.0.1:$old_port([ ;])/listen 127.0.0.1:$port_ng\1/" "$run/nginx.conf"
+  done
+}
+start_nginx
 wait_http "$port_ng" payments
 token=""
 wrk_run "nginx: fixed 201 for POST /payments" "$port_ng" new /payments "$pay" 201
@@ -202,22 +217,28 @@ floor_run "floor: libmicrohttpd, answered at once"
 floor_run "floor: + a payment's two group commits" --commits 2 --file "$run/floor.wal"
 
 # 2. idemd on SQLite, default settings.
-bench_idemd() { # NAME DB -> runs the four cases against a fresh idemd
+start_idemd() { # NAME DB [FLAGS...] -> a fresh idemd on DB, with the key
+                # bench-key used once; sets token, idemd_pid, idemd_port
   local name=$1 db=$2 port
+  shift 2
   port=$(free_port)
   token=$("$idemd" tenant create bench --db "$db")
-  "$idemd" serve --db "$db" --listen "127.0.0.1:$port" 2>"$run/idemd-$name.log" &
+  "$idemd" serve --db "$db" --listen "127.0.0.1:$port" "$@" 2>"$run/idemd-$name.log" &
   pids+=($!)
   cpu_pid=$!
-  wait_http "$port"
-  curl -s -o /dev/null -X POST "http://127.0.0.1:$port/payments" -H "Authorization: Bearer $token" \
-    -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-key' -d "$pay"
-  wrk_run "idemd $name: new-key POST /payments" "$port" new /payments "$pay" 201
-  wrk_run "idemd $name: new-key POST /orders" "$port" new /orders "$order" 201
-  wrk_run "idemd $name: replays of one key" "$port" replay /payments "$pay" 201 bench-key
-  wrk_run "idemd $name: key reused with another body" "$port" mismatch /payments "$pay" 422 bench-key
-  idemd_pid=${pids[-1]}
+  idemd_pid=$!
   idemd_port=$port
+  wait_http "$port"
+  curl -sk -o /dev/null -X POST "$scheme://127.0.0.1:$port/payments" -H "Authorization: Bearer $token" \
+    -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-key' -d "$pay"
+}
+bench_idemd() { # NAME DB -> runs the four cases against a fresh idemd
+  local name=$1
+  start_idemd "$@"
+  wrk_run "idemd $name: new-key POST /payments" "$idemd_port" new /payments "$pay" 201
+  wrk_run "idemd $name: new-key POST /orders" "$idemd_port" new /orders "$order" 201
+  wrk_run "idemd $name: replays of one key" "$idemd_port" replay /payments "$pay" 201 bench-key
+  wrk_run "idemd $name: key reused with another body" "$idemd_port" mismatch /payments "$pay" 422 bench-key
 }
 bench_idemd sqlite "$run/idem.db"
 
@@ -245,6 +266,78 @@ if [ "$long" -gt 0 ]; then
   [ "${bad:-1}" = 0 ] || { echo "bench: FAILED: long run: ${bad:-?} unexpected answers" >&2; failures=$((failures + 1)); }
 fi
 kill "$idemd_pid"; wait "$idemd_pid" 2>/dev/null || true
+
+# 5. TLS (--tls), on SQLite: payments and replays over HTTPS with
+# keep-alive, and replays on a new connection each (a TLS handshake per
+# request), with idemd serving HTTPS itself and with nginx terminating it
+# in front of a plain idemd, each on a fresh idemd; in three alternating
+# rounds, each starting over plain HTTP, whose figures are the baseline
+# ("x... of baseline") of the round's two HTTPS runs of the same case.
+tls_cases() { # LABEL PORT: the three cases, each against its figure in plain[]
+  local label=$1 port=$2
+  baseline=${plain[0]:-0}
+  wrk_run "$label: new-key POST /payments" "$port" new /payments "$pay" 201
+  plain[0]=${plain[0]:-$rps}
+  baseline=${plain[1]:-0}
+  wrk_run "$label: replays of one key" "$port" replay /payments "$pay" 201 bench-key
+  plain[1]=${plain[1]:-$rps}
+  close=1 baseline=${plain[2]:-0}
+  wrk_run "$label: replays, a new connection each" "$port" replay /payments "$pay" 201 bench-key
+  plain[2]=${plain[2]:-$rps}
+  close=0
+}
+stop_idemd() {
+  kill "$idemd_pid"; wait "$idemd_pid" 2>/dev/null || true
+}
+if [ "$tls" = 1 ]; then
+  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 \
+    -keyout "$run/tls.key" -out "$run/tls.crt" -subj /CN=127.0.0.1 \
+    -addext subjectAltName=IP:127.0.0.1 >/dev/null 2>&1
+  for round in 1 2 3; do
+    plain=() scheme=http
+    start_idemd "plain-$round" "$run/plain-$round.db"
+    tls_cases "$round plain HTTP" "$idemd_port"
+    stop_idemd
+    scheme=https
+    start_idemd "tls-$round" "$run/tls-$round.db" --tls-cert "$run/tls.crt" --tls-key "$run/tls.key"
+    tls_cases "$round HTTPS, idemd --tls-cert" "$idemd_port"
+    stop_idemd
+    scheme=http
+    start_idemd "nginx-$round" "$run/nginx-$round.db"
+    port_ng=$(free_port)
+    cat >"$run/nginx.conf" <<NGINX
+worker_processes 1;
+pid $run/nginx.pid;
+error_log $run/nginx-error.log warn;
+events { worker_connections 1024; }
+http {
+  access_log off;
+  client_body_temp_path $run/body; proxy_temp_path $run/proxy;
+  fastcgi_temp_path $run/fastcgi; uwsgi_temp_path $run/uwsgi; scgi_temp_path $run/scgi;
+  upstream idem { server 127.0.0.1:$idemd_port; keepalive 64; keepalive_timeout 5s; }
+  server {
+    listen 127.0.0.1:$port_ng ssl;
+    ssl_certificate $run/tls.crt;
+    ssl_certificate_key $run/tls.key;
+    ssl_protocols TLSv1.2 TLSv1.3;
+    location / {
+      proxy_pass http://idem;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+}
+NGINX
+    start_nginx
+    scheme=https
+    # The CPU printed is idemd's alone: nginx's worker is not counted.
+    wait_http "$port_ng"
+    tls_cases "$round HTTPS, nginx in front (1 worker)" "$port_ng"
+    kill "$(cat "$run/nginx.pid")"; rm -f "$run/nginx.pid"
+    stop_idemd
+  done
+  scheme=http baseline=0
+fi
 
 # 3. PostgreSQL, against pgbench running the same statements.
 if [ "$skip_pg" = 0 ]; then

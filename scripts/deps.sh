@@ -12,6 +12,8 @@ pkgs=(build-essential cmake pkg-config
       postgresql postgresql-client  # throwaway clusters of the PostgreSQL tests
       python3 python3-yaml python3-jsonschema  # tests/api/check_openapi.py
       curl tcl xz-utils patch  # scripts/sqlite-source.sh, scripts/mhd-source.sh
+      libgnutls28-dev  # HTTPS in libmicrohttpd (scripts/mhd-source.sh), linked by idemd
+      openssl  # throwaway certificates of tests/tls/test_tls.sh
       prometheus  # promtool, for tests/integration/test_promtool.c (the package
                   # also brings a Prometheus server on :9090 where systemd runs)
       dpkg-dev systemd groff-base  # tests/package: dpkg-shlibdeps for cpack,

@@ -41,10 +41,11 @@ for p in "${patch_files[@]}"; do
   patch -d "$src" -p1 -s -F0 -N --batch <"$p"
 done
 
-# Debian's configuration, less what idemd never uses (TLS, which would
-# need GnuTLS; the documentation, examples and libcurl-based tests), as a
-# static library, with the flags Debian builds the package with (its
-# rules ask for every hardening option).
+# Debian's configuration, with GnuTLS for HTTPS as Debian's has it
+# (idemd --tls-cert/--tls-key; CMake links GnuTLS's shared library), less
+# what idemd never uses (the documentation, examples and libcurl-based
+# tests), as a static library, with the flags Debian builds the package
+# with (its rules ask for every hardening option).
 cflags="-O2 -fstack-protector-strong" cppflags="-D_FORTIFY_SOURCE=2"
 if command -v dpkg-buildflags >/dev/null; then
   cflags=$(DEB_BUILD_MAINT_OPTIONS=hardening=+all dpkg-buildflags --get CFLAGS)
@@ -52,7 +53,7 @@ if command -v dpkg-buildflags >/dev/null; then
 fi
 (cd "$src" &&
   ./configure -q --disable-shared --enable-static --with-pic \
-    --disable-https --disable-doc --disable-examples --disable-curl \
+    --enable-https --with-gnutls --disable-doc --disable-examples --disable-curl \
     CFLAGS="$cflags" CPPFLAGS="$cppflags" >"$work/configure.log" 2>&1 &&
   make -s -j"$(nproc)" -C src/microhttpd >"$work/make.log" 2>&1) || {
   echo "mhd-source: the build failed; the last lines of its log:" >&2

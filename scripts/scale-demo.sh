@@ -2,7 +2,8 @@
 # Two idemd instances on one throwaway PostgreSQL database behind nginx
 # (deploy/nginx/idem.conf), then 20 copies of one payment and one order sent
 # at once through nginx: exactly one of each must exist, every answer must be
-# 201 with the same id, and both instances must have served requests.
+# 201 with the same id, both instances must have served requests, and nginx
+# answers GET /metrics 404.
 # Usage: scripts/scale-demo.sh [path/to/idemd]   (default: build/idemd)
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -93,6 +94,12 @@ for case in "/payments|{\"amount\": 15990}|pay-once|payments" \
     echo "scale-demo: FAILED for $path" >&2; fail=1
   fi
 done
+# The example keeps /metrics off the public side.
+status=$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$port_lb/metrics")
+echo "scale-demo: GET /metrics through nginx -> $status"
+if [ "$status" != 404 ]; then
+  echo "scale-demo: FAILED: nginx passes /metrics through" >&2; fail=1
+fi
 served_a=$(grep -c '"msg":"request"' "$run/idemd-$port_a.log" || true)
 served_b=$(grep -c '"msg":"request"' "$run/idemd-$port_b.log" || true)
 echo "scale-demo: requests served by instance A: $served_a, by instance B: $served_b"

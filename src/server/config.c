@@ -25,8 +25,15 @@ struct option {
 #define OFF(f) offsetof(idemd_config_t, f), sizeof(((idemd_config_t *)0)->f)
 
 static const struct option options[] = {
-    {"--listen", "IDEMD_LISTEN", K_LISTEN, OFF(listen_host), 0, 0,
+    {"--listen", "IDEMD_LISTEN", K_LISTEN, OFF(listen), 0, 0,
      "127.0.0.1:8080", "address and port to listen on"},
+    {"--metrics-listen", "IDEMD_METRICS_LISTEN", K_LISTEN, OFF(metrics_listen), 0, 0,
+     "(off)", "address and port for GET /metrics (then not on --listen), "
+     "/healthz and /readyz; plain HTTP"},
+    {"--tls-cert", "IDEMD_TLS_CERT", K_TEXT, OFF(tls_cert), 0, 0, "(none)",
+     "PEM certificate (chain) file: HTTPS on --listen, with --tls-key"},
+    {"--tls-key", "IDEMD_TLS_KEY", K_TEXT, OFF(tls_key), 0, 0, "(none)",
+     "PEM private key file of --tls-cert"},
     {"--db", "IDEMD_DB", K_TEXT, OFF(db), 0, 0, "./idem.db",
      "SQLite file (or postgresql:// URL)"},
     {"--provider", "IDEMD_PROVIDER", K_TEXT, OFF(provider), 0, 0, "sandbox",
@@ -118,7 +125,8 @@ int idemd_parse_duration(const char *s, int64_t *ms) {
   return 0;
 }
 
-static int set_listen(idemd_config_t *cfg, const char *v) {
+/* HOST:PORT, for --listen and --metrics-listen. */
+static int set_listen(idemd_addr_t *a, const char *v) {
   const char *colon = strrchr(v, ':');
   char *end;
   long port;
@@ -127,15 +135,15 @@ static int set_listen(idemd_config_t *cfg, const char *v) {
   if (colon == NULL || colon == v)
     return -1;
   hostlen = (size_t)(colon - v);
-  if (hostlen >= sizeof cfg->listen_host)
+  if (hostlen >= sizeof a->host)
     return -1;
   errno = 0;
   port = strtol(colon + 1, &end, 10);
   if (errno || *end || colon[1] == '\0' || port < 0 || port > 65535)
     return -1;
-  memcpy(cfg->listen_host, v, hostlen);
-  cfg->listen_host[hostlen] = '\0';
-  cfg->listen_port = (int)port;
+  memcpy(a->host, v, hostlen);
+  a->host[hostlen] = '\0';
+  a->port = (int)port;
   return 0;
 }
 
@@ -143,7 +151,7 @@ static int set_option(idemd_config_t *cfg, const struct option *o, const char *v
   char *field = (char *)cfg + o->offset;
   switch (o->kind) {
   case K_LISTEN:
-    return set_listen(cfg, v);
+    return set_listen((idemd_addr_t *)field, v);
   case K_TEXT:
     if (v[0] == '\0')
       return -1;
@@ -228,6 +236,18 @@ int idemd_config_parse(idemd_config_t *cfg, int argc, char **argv, FILE *err) {
       strncmp(cfg->provider, "http://", 7) != 0 &&
       strncmp(cfg->provider, "https://", 8) != 0)
     return bad_value(err, "--provider", cfg->provider);
+  if ((cfg->tls_cert[0] == '\0') != (cfg->tls_key[0] == '\0')) {
+    fprintf(err, "idemd: --tls-cert and --tls-key go together: %s was given alone\n",
+            cfg->tls_cert[0] ? "--tls-cert" : "--tls-key");
+    return -1;
+  }
+  if (cfg->metrics_listen.host[0] && cfg->metrics_listen.port != 0 &&
+      cfg->metrics_listen.port == cfg->listen.port &&
+      strcmp(cfg->metrics_listen.host, cfg->listen.host) == 0) {
+    fprintf(err, "idemd: --metrics-listen must differ from --listen (%s:%d)\n",
+            cfg->listen.host, cfg->listen.port);
+    return -1;
+  }
   if (cfg->lease_ms <= cfg->provider_timeout_ms) {
     /* Otherwise the reconciler could take over a worker still waiting for
      * the provider: harmless (same provider key) but wasteful. */

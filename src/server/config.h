@@ -6,9 +6,17 @@
 #include <stdint.h>
 #include <stdio.h>
 
+/* A host (a name or an address, as getaddrinfo() takes it) and a port. */
+typedef struct idemd_addr {
+  char host[64];
+  int port; /* 0: the kernel picks one */
+} idemd_addr_t;
+
 typedef struct idemd_config {
-  char listen_host[64];
-  int listen_port;
+  idemd_addr_t listen;
+  idemd_addr_t metrics_listen; /* host "": off (GET /metrics on `listen`) */
+  char tls_cert[1024];         /* PEM files; both "" or both set */
+  char tls_key[1024];
   char db[1024];
   char provider[256];
   int threads;                /* event threads; 0: one fewer than the cores */

@@ -27,6 +27,7 @@
 #include "server/reply.h"
 #include "server/routes.h"
 #include "server/suspend.h"
+#include "server/tls.h"
 #include "util/ticker.h"
 
 /* A body we will not use (past the 64 KiB cap, or refused from the headers)
@@ -232,6 +233,18 @@ static int headers_fit(const idemd_request_t *r, struct header_scan *h) {
   return used <= (size_t)r->srv->cfg.max_header_bytes;
 }
 
+/* Whether the listener `r` came in on serves route `d`. With
+ * --metrics-listen, GET /metrics is served there and not on --listen,
+ * where it is an unknown path (404, counted as one), and that listener
+ * serves /metrics, /healthz and /readyz only (docs/operations.md,
+ * "Metrics listener"). */
+static int served_here(const idemd_request_t *r, const idemd_route_def_t *d) {
+  if (r->metrics_listener)
+    return d->route == ROUTE_METRICS || d->route == ROUTE_HEALTHZ ||
+           d->route == ROUTE_READYZ;
+  return d->route != ROUTE_METRICS || r->srv->cfg.metrics_listen.host[0] == '\0';
+}
+
 /* First call for a request: headers only. Decides at once when the path,
  * method, credentials or declared length already do; the answer goes out
  * now, or after the body when one follows (refuse()). */
@@ -257,7 +270,7 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
   if ((conflict = header_conflict(r, &scan, &status, &r->refusal_close)) != NULL)
     return refuse(r, status, conflict, NULL);
   d = idemd_route_match(url, r->method, r->resource_id, sizeof r->resource_id, &allowed);
-  if (d == NULL)
+  if (d == NULL || !served_here(r, d))
     return refuse(r, 404, "not found", NULL);
   r->route = d->route;
   r->op = d->op;
@@ -290,11 +303,12 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
   return MHD_YES;
 }
 
-static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
-                                  const char *url, const char *method,
-                                  const char *version, const char *upload_data,
-                                  size_t *upload_data_size, void **con_cls) {
-  idemd_server_t *srv = cls;
+/* libmicrohttpd's request callback, for either listener: `metrics` is
+ * whether it is --metrics-listen's. */
+static enum MHD_Result handle(idemd_server_t *srv, int metrics, struct MHD_Connection *conn,
+                              const char *url, const char *method, const char *version,
+                              const char *upload_data, size_t *upload_data_size,
+                              void **con_cls) {
   idemd_request_t *r = *con_cls;
 
   if (r == NULL) {
@@ -305,7 +319,8 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
     r->conn = conn;
     r->method = method;
     r->start_us = idem_mono_us();
-    r->conn_guard = idemd_guard_of(conn);
+    r->conn_guard = idemd_guard_of(conn); /* NULL on the metrics listener */
+    r->metrics_listener = metrics;
     *con_cls = r;
     atomic_fetch_add(&srv->inflight, 1);
     return on_headers(r, url, version);
@@ -371,6 +386,22 @@ static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
    * takes (a provider call, a wait for a duplicate) without being cut. */
   idemd_guard_busy(r->srv->guard, r->conn_guard, 1);
   return idemd_dispatch(r);
+}
+
+static enum MHD_Result on_request(void *cls, struct MHD_Connection *conn,
+                                  const char *url, const char *method,
+                                  const char *version, const char *upload_data,
+                                  size_t *upload_data_size, void **con_cls) {
+  return handle(cls, 0, conn, url, method, version, upload_data, upload_data_size,
+                con_cls);
+}
+
+static enum MHD_Result on_metrics_request(void *cls, struct MHD_Connection *conn,
+                                          const char *url, const char *method,
+                                          const char *version, const char *upload_data,
+                                          size_t *upload_data_size, void **con_cls) {
+  return handle(cls, 1, conn, url, method, version, upload_data, upload_data_size,
+                con_cls);
 }
 
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -443,25 +474,114 @@ static int default_active_workers(void) {
   return n > 1024 ? 4096 : (int)(4 * n);
 }
 
+/* The port a daemon's listening socket is bound to, or `fallback`. */
+static int bound_port(struct MHD_Daemon *d, int fallback) {
+  const union MHD_DaemonInfo *info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_LISTEN_FD);
+  struct sockaddr_storage bound;
+  socklen_t blen = sizeof bound;
+
+  if (info == NULL || getsockname(info->listen_fd, (struct sockaddr *)&bound, &blen) != 0)
+    return fallback;
+  return ntohs(bound.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                                           : ((struct sockaddr_in *)&bound)->sin_port);
+}
+
+/* The listener of --metrics-listen: GET /metrics, /healthz and /readyz
+ * (served_here()) on a daemon of one event thread, with the same request
+ * callbacks as the public listener, so a scrape is counted and logged as
+ * one there is, and takes no lock the public one does not; it is meant for
+ * a private address, in plain HTTP. Not under the guard: its connections
+ * count neither against --max-connections nor toward the public
+ * listener's deadline; libmicrohttpd's own limit and inactivity timeout
+ * bound them. The socket is made here so that a bind failure says why.
+ * Returns 0, or -1 with a message on stderr. */
+static int start_metrics(idemd_server_t *srv) {
+  const idemd_addr_t *a = &srv->cfg.metrics_listen;
+  struct addrinfo hints = {0}, *ai = NULL;
+  char port[8];
+  int fd, one = 1, rc;
+
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
+  snprintf(port, sizeof port, "%d", a->port);
+  if ((rc = getaddrinfo(a->host, port, &hints, &ai)) != 0 || ai == NULL) {
+    fprintf(stderr, "idemd: cannot resolve --metrics-listen address '%s': %s\n", a->host,
+            rc != 0 ? gai_strerror(rc) : "no address");
+    if (ai)
+      freeaddrinfo(ai);
+    return -1;
+  }
+  fd = socket(ai->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) != 0 ||
+      bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 64) != 0) {
+    fprintf(stderr, "idemd: --metrics-listen: cannot listen on %s:%d: %s\n", a->host,
+            a->port, strerror(errno));
+    if (fd >= 0)
+      close(fd);
+    freeaddrinfo(ai);
+    return -1;
+  }
+  freeaddrinfo(ai);
+  srv->metrics_daemon = MHD_start_daemon(
+      MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_USE_ITC |
+          MHD_ALLOW_SUSPEND_RESUME,
+      0, NULL, NULL, on_metrics_request, srv,
+      MHD_OPTION_LISTEN_SOCKET, fd,
+      MHD_OPTION_THREAD_STACK_SIZE, (size_t)(1024 * 1024),
+      MHD_OPTION_NOTIFY_COMPLETED, on_completed, srv,
+      MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)10,
+      MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64,
+      MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)srv->cfg.max_header_bytes + ANSWER_ROOM,
+      MHD_OPTION_END);
+  if (srv->metrics_daemon == NULL) {
+    /* The socket is not closed here: libmicrohttpd closes it on some of
+     * its failure paths and not on others, and closing a descriptor twice
+     * could close another thread's. idemd exits at once. */
+    fprintf(stderr, "idemd: cannot serve --metrics-listen %s:%d\n", a->host, a->port);
+    return -1;
+  }
+  srv->metrics_port = bound_port(srv->metrics_daemon, a->port);
+  return 0;
+}
+
+/* TLS 1.2 and 1.3 only (RFC 8996 deprecates the older versions), from
+ * GnuTLS's NORMAL set of ciphers. */
+#define TLS_PRIORITIES "NORMAL:-VERS-ALL:+VERS-TLS1.3:+VERS-TLS1.2"
+
 int idemd_http_start(idemd_server_t *srv) {
   struct addrinfo hints = {0}, *ai = NULL;
+  idemd_tls_t tls = {0};
   char port[8];
   int rc;
 
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICSERV | AI_PASSIVE;
-  snprintf(port, sizeof port, "%d", srv->cfg.listen_port);
+  snprintf(port, sizeof port, "%d", srv->cfg.listen.port);
+  if (srv->cfg.tls_cert[0] && idemd_tls_load(srv->cfg.tls_cert, srv->cfg.tls_key, &tls) != 0)
+    return -1;
+  /* The credentials, when there are any, are handed to libmicrohttpd in
+   * MHD_OPTION_ARRAY (an empty array when not: it refuses HTTPS options
+   * on a daemon without MHD_USE_TLS). */
+  struct MHD_OptionItem tls_opts[] = {
+      {tls.cert ? MHD_OPTION_HTTPS_MEM_CERT : MHD_OPTION_END, 0, tls.cert},
+      {MHD_OPTION_HTTPS_MEM_KEY, 0, tls.key},
+      {MHD_OPTION_HTTPS_PRIORITIES, 0, (void *)TLS_PRIORITIES},
+      {MHD_OPTION_END, 0, NULL},
+  };
   if ((srv->guard = idemd_guard_new(srv->cfg.request_timeout_ms,
                                     srv->cfg.max_connections)) == NULL) {
     fprintf(stderr, "idemd: cannot start the connection watchdog\n");
+    idemd_tls_free(&tls);
     return -1;
   }
-  rc = getaddrinfo(srv->cfg.listen_host, port, &hints, &ai);
+  rc = getaddrinfo(srv->cfg.listen.host, port, &hints, &ai);
   if (rc != 0 || ai == NULL) {
-    fprintf(stderr, "idemd: cannot resolve listen address '%s'\n", srv->cfg.listen_host);
+    fprintf(stderr, "idemd: cannot resolve listen address '%s'\n", srv->cfg.listen.host);
     idemd_guard_free(srv->guard);
     srv->guard = NULL;
+    idemd_tls_free(&tls);
     return -1;
   }
   /* A few event threads (one fewer than the cores by default) do all the
@@ -470,7 +590,8 @@ int idemd_http_start(idemd_server_t *srv) {
    * and handed to the workers, so no connection holds up another. */
   unsigned int flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL |
                        MHD_USE_ITC | MHD_ALLOW_SUSPEND_RESUME |
-                       (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0);
+                       (ai->ai_family == AF_INET6 ? MHD_USE_IPv6 : 0) |
+                       (tls.cert ? MHD_USE_TLS : 0);
   unsigned int pool =
       srv->cfg.threads > 0 ? (unsigned int)srv->cfg.threads : default_event_threads();
   int active = srv->cfg.active_workers > 0 ? srv->cfg.active_workers
@@ -479,6 +600,7 @@ int idemd_http_start(idemd_server_t *srv) {
       (srv->wait_timer = idem__ticker_start(IDEMD_PARK_TICK_MS, idemd_expire_parked, srv)) == NULL) {
     fprintf(stderr, "idemd: cannot start worker threads\n");
     freeaddrinfo(ai);
+    idemd_tls_free(&tls);
     if (srv->workers) {
       idemd_workers_stop(srv->workers);
       idemd_workers_free(srv->workers);
@@ -500,11 +622,15 @@ int idemd_http_start(idemd_server_t *srv) {
       /* Room above the cap to tell the extra clients 503. */
       MHD_OPTION_CONNECTION_LIMIT, (unsigned int)(srv->cfg.max_connections + 64),
       MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)srv->cfg.max_header_bytes + ANSWER_ROOM,
+      MHD_OPTION_ARRAY, tls_opts,
       MHD_OPTION_END);
   freeaddrinfo(ai);
+  /* GnuTLS has its own copy of the credentials by now (libmicrohttpd loads
+   * them while it starts). */
+  idemd_tls_free(&tls);
   if (srv->daemon == NULL) {
-    fprintf(stderr, "idemd: cannot listen on %s:%d\n", srv->cfg.listen_host,
-            srv->cfg.listen_port);
+    fprintf(stderr, "idemd: cannot listen on %s:%d\n", srv->cfg.listen.host,
+            srv->cfg.listen.port);
     idem__ticker_stop(srv->wait_timer);
     srv->wait_timer = NULL;
     idemd_workers_stop(srv->workers);
@@ -516,14 +642,12 @@ int idemd_http_start(idemd_server_t *srv) {
   }
   /* The port actually bound (the configured one, or the kernel's pick for
    * port 0). */
-  srv->port = srv->cfg.listen_port;
-  const union MHD_DaemonInfo *info = MHD_get_daemon_info(srv->daemon, MHD_DAEMON_INFO_LISTEN_FD);
-  struct sockaddr_storage bound;
-  socklen_t blen = sizeof bound;
-  if (info && getsockname(info->listen_fd, (struct sockaddr *)&bound, &blen) == 0)
-    srv->port = ntohs(bound.ss_family == AF_INET6
-                          ? ((struct sockaddr_in6 *)&bound)->sin6_port
-                          : ((struct sockaddr_in *)&bound)->sin_port);
+  srv->port = bound_port(srv->daemon, srv->cfg.listen.port);
+  if (srv->cfg.metrics_listen.host[0] && start_metrics(srv) != 0) {
+    idemd_http_drain(srv, 0);
+    idemd_http_stop(srv);
+    return -1;
+  }
   return 0;
 }
 
@@ -574,6 +698,12 @@ void idemd_http_stop(idemd_server_t *srv) {
   while (atomic_load(&srv->async_pending) > 0) {
     struct timespec ts = {0, 1000000L};
     nanosleep(&ts, NULL);
+  }
+  /* No connection of either listener is suspended now: libmicrohttpd
+   * aborts the process when a daemon stops with one. */
+  if (srv->metrics_daemon) {
+    MHD_stop_daemon(srv->metrics_daemon);
+    srv->metrics_daemon = NULL;
   }
   MHD_stop_daemon(srv->daemon);
   srv->daemon = NULL;

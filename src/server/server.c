@@ -116,7 +116,7 @@ static void on_reconcile_pass(void *ctx, int settled, int unresolved) {
 }
 
 int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
-  char listen[128], threads[16], workers[16], active[16];
+  char listen[128], metrics[128], threads[16], workers[16], active[16];
   int rc;
 
   srv->cfg = *cfg;
@@ -175,14 +175,16 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
     idemd_sweeper_stop(srv);
     goto stop_reconciler;
   }
-  snprintf(listen, sizeof listen, "%s:%d", cfg->listen_host, srv->port);
+  snprintf(listen, sizeof listen, "%s:%d", cfg->listen.host, srv->port);
+  snprintf(metrics, sizeof metrics, "%s:%d", cfg->metrics_listen.host, srv->metrics_port);
   snprintf(threads, sizeof threads, "%d", cfg->threads);
   snprintf(workers, sizeof workers, "%d", cfg->workers);
   snprintf(active, sizeof active, "%d", cfg->active_workers);
   idemd_log_event("info", "listening", "listen", listen, "store",
                   idem_store_backend(srv->store), "provider", srv->provider->name,
                   "threads", threads, "workers", workers, "active_workers", active,
-                  NULL);
+                  "tls", cfg->tls_cert[0] ? "on" : "off", "metrics_listen",
+                  cfg->metrics_listen.host[0] ? metrics : NULL, NULL);
   return 0;
 
 stop_reconciler:

@@ -34,6 +34,8 @@ typedef struct idemd_server {
   struct idemd_replay_cache *replays; /* completed records' replays; may be NULL */
   struct MHD_Daemon *daemon;
   int port; /* the port bound */
+  struct MHD_Daemon *metrics_daemon; /* --metrics-listen's; NULL when off */
+  int metrics_port;                  /* the port it bound */
   idemd_guard_t *guard;
   idemd_workers_t *workers; /* run the requests that wait */
   idem_reconciler_t *reconciler;
@@ -130,6 +132,7 @@ typedef struct idemd_request {
   int status;
   int responded;
   int aborted; /* the answer did not reach the client in full */
+  int metrics_listener; /* came in on --metrics-listen */
 } idemd_request_t;
 /* calloc'd for every request: past 1,032 bytes glibc serves it from its
  * slow path instead of the thread's cache (measured, see docs). */
@@ -179,16 +182,20 @@ int idemd_server_drain(idemd_server_t *srv);
  * HTTP workers, reconciler, sweeper, provider, store. */
 void idemd_server_stop(idemd_server_t *srv);
 
-/* Starts serving `srv` (whose store and provider are open). Returns 0, or
- * -1 with a message on stderr. */
+/* Starts serving `srv` (whose store and provider are open): on
+ * cfg.listen, over HTTPS with cfg.tls_cert and cfg.tls_key when set, and
+ * GET /metrics, /healthz and /readyz on cfg.metrics_listen when set
+ * (srv->metrics_port the port bound). Returns 0, or -1 with a message on
+ * stderr and nothing left listening. */
 int idemd_http_start(idemd_server_t *srv);
 
 /* Stops accepting new connections and lets requests in flight be answered,
  * waiting at most `timeout_ms`. Returns how many are still unfinished. */
 int idemd_http_drain(idemd_server_t *srv, int64_t timeout_ms);
 
-/* Stops the workers and closes every connection. It waits for handlers
- * still running, however long they take: drain first. */
+/* Stops the workers and closes every connection, on both listeners. It
+ * waits for handlers still running, however long they take: drain
+ * first. */
 void idemd_http_stop(idemd_server_t *srv);
 
 #endif

@@ -25,7 +25,8 @@ for f in bin/idemd bin/idem bin/idem-psp include/idem/engine.h include/idem/clie
          lib/libidem.a lib/libidem_client.a lib/cmake/idem/idemConfig.cmake \
          lib/cmake/idem/idemConfigVersion.cmake lib/pkgconfig/idem.pc lib/pkgconfig/idem-client.pc \
          share/doc/idem/LICENSE share/doc/idem/licenses/README share/doc/idem/licenses/sqlite.txt \
-         share/doc/idem/licenses/libmicrohttpd.txt share/doc/idem/licenses/LGPL-2.1 \
+         share/doc/idem/licenses/libmicrohttpd.txt share/doc/idem/licenses/gnutls.txt \
+         share/doc/idem/licenses/LGPL-2.1 \
          share/doc/idem/licenses/mhd-epoll-suspend.patch share/doc/idem/licenses/mhd-header-nul.patch \
          share/doc/idem/licenses/mhd-half-close.patch \
          share/doc/idem/copyright share/man/man8/idemd.8.gz share/man/man1/idem.1.gz \

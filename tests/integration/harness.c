@@ -1481,6 +1481,14 @@ void h_assert_healthy(h_server_t *s) {
   h_resp_free(&r);
 }
 
+double h_metric(const char *text, const char *name) {
+  size_t n = strlen(name);
+  for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+    if (strncmp(p, name, n) == 0 && p[n] == ' ')
+      return strtod(p + n + 1, NULL);
+  return -1;
+}
+
 const char *h_id(const h_resp_t *r) {
   const char *id = json_string_value(json_object_get(r->json, "id"));
   if (id == NULL)

@@ -200,6 +200,9 @@ void h_assert_first(const h_resp_t *r, long status);
 void h_assert_replay_of(const h_resp_t *r, const h_resp_t *first);
 /* GET /healthz answers 200 {"status":"ok"}. */
 void h_assert_healthy(h_server_t *s);
+/* The value of the sample `name` (with its labels, as printed) in the
+ * Prometheus text `text`, or -1 when it is not there. */
+double h_metric(const char *text, const char *name);
 /* The "id" string of a JSON answer (fails if absent). Borrowed. */
 const char *h_id(const h_resp_t *r);
 

@@ -272,15 +272,6 @@ static void test_request_id(void **state) {
   json_decref(lines);
 }
 
-/* The value of an unlabelled metric line "name value", or -1 if absent. */
-static double metric(const char *text, const char *name) {
-  size_t n = strlen(name);
-  for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
-    if (strncmp(p, name, n) == 0 && p[n] == ' ')
-      return strtod(p + n + 1, NULL);
-  return -1;
-}
-
 /* ---- counters ---------------------------------------------------------- */
 
 #define PAY_COUNTER(outcome)                                                             \
@@ -303,7 +294,7 @@ static void read_pay_counters(h_server_t *s, double *out) {
   h_resp_t r;
   get_metrics(s, &r);
   for (size_t i = 0; i < NPAY_OUTCOMES; i++) {
-    out[i] = metric(r.body, pay_outcomes[i]);
+    out[i] = h_metric(r.body, pay_outcomes[i]);
     if (out[i] < 0)
       fail_msg("%s is not in /metrics", pay_outcomes[i]);
   }
@@ -384,32 +375,32 @@ static void test_health_and_metrics(void **state) {
   }
   if (missing[0])
     fail_msg("metrics missing from /metrics:%s", missing);
-  assert_true(metric(r.body, "idem_records_pending") == 1);
-  assert_true(metric(r.body, "idem_oldest_pending_seconds") >= 0);
-  assert_true(metric(r.body, "idem_store_errors_total") == 0);
+  assert_true(h_metric(r.body, "idem_records_pending") == 1);
+  assert_true(h_metric(r.body, "idem_oldest_pending_seconds") >= 0);
+  assert_true(h_metric(r.body, "idem_store_errors_total") == 0);
   assert_true(
-      metric(r.body, "idem_request_duration_seconds_count{operation=\"create_payment\"}") ==
+      h_metric(r.body, "idem_request_duration_seconds_count{operation=\"create_payment\"}") ==
       3);
-  assert_true(metric(r.body, "idem_request_duration_seconds_bucket{operation=\"create_"
+  assert_true(h_metric(r.body, "idem_request_duration_seconds_bucket{operation=\"create_"
                              "payment\",le=\"+Inf\"}") == 3);
   /* GET and HEAD above, and the harness's own while idemd started */
-  assert_true(metric(r.body, "idem_request_duration_seconds_count{operation=\"healthz\"}") >=
+  assert_true(h_metric(r.body, "idem_request_duration_seconds_count{operation=\"healthz\"}") >=
               2);
   /* The 404 below is not counted yet. */
-  assert_true(metric(r.body, "idem_requests_total{operation=\"other\",outcome=\"invalid\"}") <
+  assert_true(h_metric(r.body, "idem_requests_total{operation=\"other\",outcome=\"invalid\"}") <
               0);
-  assert_true(metric(r.body, "process_open_fds") > 3);
-  assert_true(metric(r.body, "process_resident_memory_bytes") > 0);
-  assert_true(metric(r.body, "process_cpu_seconds_total") >= 0);
+  assert_true(h_metric(r.body, "process_open_fds") > 3);
+  assert_true(h_metric(r.body, "process_resident_memory_bytes") > 0);
+  assert_true(h_metric(r.body, "process_cpu_seconds_total") >= 0);
   assert_true(
-      metric(r.body,
+      h_metric(r.body,
              "idem_requests_total{operation=\"create_payment\",outcome=\"new\"}") == 1);
   assert_true(
-      metric(r.body,
+      h_metric(r.body,
              "idem_requests_total{operation=\"create_payment\",outcome=\"replay\"}") ==
       1);
   assert_true(
-      metric(r.body,
+      h_metric(r.body,
              "idem_requests_total{operation=\"create_payment\",outcome=\"pending\"}") ==
       1);
   h_resp_free(&r);
@@ -422,13 +413,13 @@ static void test_health_and_metrics(void **state) {
   h_resp_free(&r);
   for (double deadline = h_now() + 5;; nap_ms(10)) {
     get_metrics(s, &r);
-    if (metric(r.body, "idem_requests_total{operation=\"other\",outcome=\"invalid\"}") == 1)
+    if (h_metric(r.body, "idem_requests_total{operation=\"other\",outcome=\"invalid\"}") == 1)
       break;
     if (h_now() > deadline)
       fail_msg("the 404 is not counted as other/invalid");
     h_resp_free(&r);
   }
-  assert_true(metric(r.body, "idem_request_duration_seconds_count{operation=\"other\"}") == 1);
+  assert_true(h_metric(r.body, "idem_request_duration_seconds_count{operation=\"other\"}") == 1);
   h_resp_free(&r);
   h_server_stop(s);
 }
@@ -1223,7 +1214,7 @@ static void test_sweeper_deletes_only_expired(void **state) {
   deadline = h_now() + 5;
   do {
     get_metrics(s, &r);
-    swept = metric(r.body, "idem_records_swept_total");
+    swept = h_metric(r.body, "idem_records_swept_total");
     h_resp_free(&r);
     if (swept >= 5)
       break;

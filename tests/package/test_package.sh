@@ -50,7 +50,7 @@ field() { dpkg-deb -f "$deb" "$1"; }
 [[ $(field Package) == idem && $(field Version) == "$version" && $(field Architecture) == "$arch" ]] ||
   fail "control says $(field Package) $(field Version) $(field Architecture)"
 depends=$(field Depends)
-for dep in adduser procps libc6 libjansson4 libcurl4 libpq5; do
+for dep in adduser procps libc6 libjansson4 libcurl4 libpq5 libgnutls30; do
   [[ ", $depends," == *", $dep"[\ ,]* ]] || fail "Depends lacks $dep: $depends"
 done
 [[ $(cat "$tmp/control/conffiles") == /etc/default/idemd ]] ||
@@ -80,6 +80,7 @@ for f in usr/bin/idemd usr/bin/idem usr/bin/idem-psp \
          usr/share/man/man8/idemd.8.gz usr/share/man/man1/idem.1.gz usr/share/man/man1/idem-psp.1.gz \
          usr/share/doc/idem/LICENSE usr/share/doc/idem/copyright usr/share/doc/idem/licenses/README \
          usr/share/doc/idem/licenses/sqlite.txt usr/share/doc/idem/licenses/libmicrohttpd.txt \
+         usr/share/doc/idem/licenses/gnutls.txt \
          usr/share/doc/idem/licenses/LGPL-2.1 usr/share/doc/idem/licenses/mhd-epoll-suspend.patch \
          usr/share/doc/idem/licenses/mhd-header-nul.patch; do
   [[ -e $root/$f ]] || fail "not in the package: $f"

@@ -11,7 +11,8 @@ static const char *const env_names[] = {
     "IDEMD_PROVIDER_TIMEOUT", "IDEMD_RECONCILE_INTERVAL", "IDEMD_THREADS",
     "IDEMD_INFLIGHT_WAIT", "IDEMD_KEY_TTL", "IDEMD_LEASE", "IDEMD_SANDBOX_DELAY",
     "IDEMD_SANDBOX_DECLINE_AMOUNT", "IDEMD_SANDBOX_UNCERTAIN_AMOUNT",
-    "IDEMD_SANDBOX_UNAVAILABLE_AMOUNT",
+    "IDEMD_SANDBOX_UNAVAILABLE_AMOUNT", "IDEMD_METRICS_LISTEN", "IDEMD_TLS_CERT",
+    "IDEMD_TLS_KEY",
 };
 
 /* Each test starts and ends with no IDEMD_* variable set. */
@@ -114,8 +115,12 @@ static void test_defaults(void **state) {
   (void)state;
 
   idemd_config_defaults(&cfg);
-  assert_string_equal(cfg.listen_host, "127.0.0.1");
-  assert_int_equal(cfg.listen_port, 8080);
+  assert_string_equal(cfg.listen.host, "127.0.0.1");
+  assert_int_equal(cfg.listen.port, 8080);
+  /* Off: /metrics on --listen, plain HTTP. */
+  assert_string_equal(cfg.metrics_listen.host, "");
+  assert_string_equal(cfg.tls_cert, "");
+  assert_string_equal(cfg.tls_key, "");
   assert_string_equal(cfg.db, "./idem.db");
   assert_string_equal(cfg.provider, "sandbox");
   assert_int_equal(cfg.threads, 0); /* one fewer than the cores */
@@ -150,6 +155,9 @@ static void test_environment_then_flags(void **state) {
   setenv("IDEMD_LISTEN", "0.0.0.0:9000", 1);
   setenv("IDEMD_KEY_TTL", "1h", 1);
   setenv("IDEMD_PROVIDER", "http://127.0.0.1:9090", 1);
+  setenv("IDEMD_METRICS_LISTEN", "10.0.0.5:9100", 1);
+  setenv("IDEMD_TLS_CERT", "/etc/idem/cert.pem", 1);
+  setenv("IDEMD_TLS_KEY", "/etc/idem/key.pem", 1);
   assert_int_equal(parse_args(&cfg, argv, &err), 3);
   assert_string_equal(err, "");
   free(err);
@@ -157,11 +165,15 @@ static void test_environment_then_flags(void **state) {
   assert_string_equal(cfg.db, "/flag/idem.db");
   assert_int_equal(cfg.threads, 8);
   /* ...and the environment wins over the defaults. */
-  assert_string_equal(cfg.listen_host, "0.0.0.0");
-  assert_int_equal(cfg.listen_port, 9000);
+  assert_string_equal(cfg.listen.host, "0.0.0.0");
+  assert_int_equal(cfg.listen.port, 9000);
   assert_int_equal(cfg.key_ttl_ms, 3600000);
   assert_string_equal(cfg.provider, "http://127.0.0.1:9090");
   assert_int_equal(cfg.lease_ms, 30000);
+  assert_string_equal(cfg.metrics_listen.host, "10.0.0.5");
+  assert_int_equal(cfg.metrics_listen.port, 9100);
+  assert_string_equal(cfg.tls_cert, "/etc/idem/cert.pem");
+  assert_string_equal(cfg.tls_key, "/etc/idem/key.pem");
 }
 
 static void test_flag_forms(void **state) {
@@ -171,15 +183,16 @@ static void test_flag_forms(void **state) {
       "500ms", "--reconcile-interval=100ms", "--provider=http://127.0.0.1:9090",
       "--sandbox-delay", "15", "--sandbox-decline-amount=666",
       "--sandbox-uncertain-amount", "777", "--sandbox-unavailable-amount=888",
-      "--db=postgresql://u@h/db?sslmode=disable", NULL};
+      "--db=postgresql://u@h/db?sslmode=disable", "--metrics-listen=[::1]:0",
+      "--tls-cert", "c.pem", "--tls-key=k.pem", NULL};
   idemd_config_t cfg;
   char *err;
   (void)state;
 
   assert_int_equal(parse_args(&cfg, argv, &err), (int)ARRAY_LEN(argv) - 1);
   free(err);
-  assert_string_equal(cfg.listen_host, "[::1]");
-  assert_int_equal(cfg.listen_port, 8081);
+  assert_string_equal(cfg.listen.host, "[::1]");
+  assert_int_equal(cfg.listen.port, 8081);
   assert_int_equal(cfg.inflight_wait_ms, 250);
   assert_int_equal(cfg.key_ttl_ms, 600000);
   assert_int_equal(cfg.lease_ms, 45000);
@@ -192,6 +205,10 @@ static void test_flag_forms(void **state) {
   assert_int_equal(cfg.sandbox_uncertain_amount, 777);
   assert_int_equal(cfg.sandbox_unavailable_amount, 888);
   assert_string_equal(cfg.db, "postgresql://u@h/db?sslmode=disable");
+  assert_string_equal(cfg.metrics_listen.host, "[::1]");
+  assert_int_equal(cfg.metrics_listen.port, 0);
+  assert_string_equal(cfg.tls_cert, "c.pem");
+  assert_string_equal(cfg.tls_key, "k.pem");
 }
 
 /* A positional argument ends the flags; the count says where. */
@@ -232,6 +249,16 @@ static const struct bad_case bad_cases[] = {
     {{"--listen", "localhost:"}, "invalid value for --listen"},
     {{"--listen", "localhost:65536"}, "invalid value for --listen"},
     {{"--listen", "localhost:http"}, "invalid value for --listen"},
+    /* The metrics listener's address is read as --listen's. */
+    {{"--metrics-listen", "9100"}, "invalid value for --metrics-listen: '9100'"},
+    {{"--metrics-listen", ":9100"}, "invalid value for --metrics-listen"},
+    {{"--metrics-listen", "localhost:65536"}, "invalid value for --metrics-listen"},
+    {{"--metrics-listen=", NULL}, "invalid value for --metrics-listen"},
+    {{"--metrics-listen", "127.0.0.1:8080"}, "--metrics-listen must differ from --listen"},
+    /* Both TLS files or neither. */
+    {{"--tls-cert", "c.pem"}, "--tls-cert and --tls-key go together: --tls-cert was given alone"},
+    {{"--tls-key", "k.pem"}, "--tls-cert and --tls-key go together: --tls-key was given alone"},
+    {{"--tls-cert=", NULL}, "invalid value for --tls-cert"},
     {{"--inflight-wait", "5x"}, "invalid value for --inflight-wait: '5x'"},
     {{"--inflight-wait", "11m"}, "invalid value for --inflight-wait"},
     {{"--key-ttl", "0"}, "invalid value for --key-ttl"},
@@ -269,6 +296,8 @@ static const struct bad_env_case bad_env_cases[] = {
     {"IDEMD_LISTEN", "nowhere"},
     {"IDEMD_KEY_TTL", "forever"},
     {"IDEMD_DB", ""},
+    {"IDEMD_METRICS_LISTEN", "9100"},
+    {"IDEMD_TLS_KEY", ""},
 };
 
 static void test_bad_environment(void **state) {
