@@ -1,6 +1,7 @@
-/* The payment provider seen from idemd: charge an amount under a provider
- * idempotency key and learn the outcome. The built-in sandbox implements it
- * in process; an HTTP client can implement the same table. */
+/* The payment provider seen from idemd: charge an amount, or refund part
+ * of a charge, under a provider idempotency key, and learn the outcome.
+ * The built-in sandbox implements it in process; an HTTP client can
+ * implement the same table. */
 #ifndef IDEM_PROVIDER_H
 #define IDEM_PROVIDER_H
 
@@ -22,9 +23,18 @@ typedef struct idem_charge {
   const char *currency;
 } idem_charge_t;
 
+/* A refund of (part of) a charge. */
+typedef struct idem_refund_req {
+  const char *provider_key; /* stable for the refund (its id): every retry reuses it */
+  const char *charge_key;   /* the provider key of the charge refunded (the payment's id) */
+  int64_t amount;
+  const char *currency;
+} idem_refund_req_t;
+
+/* What a call gave: for a charge or a refund alike. */
 typedef struct idem_charge_result {
   idem_charge_outcome_t outcome;
-  char reference[IDEM_REF_MAX + 1]; /* the provider's id for the charge */
+  char reference[IDEM_REF_MAX + 1]; /* the provider's id for the charge or refund */
 } idem_charge_result_t;
 
 typedef struct idem_provider idem_provider_t;
@@ -45,6 +55,16 @@ struct idem_provider {
    * could not tell (unreachable, 5xx). Never charges. */
   void (*lookup)(idem_provider_t *, const idem_charge_t *c,
                  idem_charge_result_t *out);
+  /* Refunds r->amount of the charge under r->charge_key once per
+   * r->provider_key, ever; fills `out` as charge() does: SUCCEEDED (the
+   * refund's reference), DECLINED (the provider refused it: no such
+   * charge, or more than is left of it), UNKNOWN or NOT_SENT. */
+  void (*refund)(idem_provider_t *, const idem_refund_req_t *r,
+                 idem_charge_result_t *out);
+  /* Asks what became of the refund under r->provider_key, as lookup()
+   * does for a charge. Never refunds. */
+  void (*refund_lookup)(idem_provider_t *, const idem_refund_req_t *r,
+                        idem_charge_result_t *out);
   void (*close)(idem_provider_t *);
 };
 
@@ -56,13 +76,18 @@ typedef struct idem_sandbox_options {
   int64_t unavailable_amount; /* never reaches the provider */
 } idem_sandbox_options_t;
 
-/* Creates the in-process sandbox: it accepts every charge after
- * `opts->delay_ms` except the amounts `opts` names. Returns NULL when out
- * of memory. Free with provider->close(). */
+/* Creates the in-process sandbox: it accepts every charge and refund after
+ * `opts->delay_ms` except the amounts `opts` names (a refund of such an
+ * amount fares as a charge of it would). It keeps no state, so it cannot
+ * tell a refund of more than is left of a charge: idemd's own check does
+ * (docs/idempotency.md, section 4.3). Returns NULL when out of memory.
+ * Free with provider->close(). */
 idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts);
 
 /* Creates a provider that talks HTTP to `base_url` ("http://host:port"):
- * POST /charges with an Idempotency-Key, GET /charges/{key}. Each call
+ * POST /charges with an Idempotency-Key, GET /charges/{key}, and for
+ * refunds POST /refunds ({"charge": charge_key, "amount": N}) and GET
+ * /refunds/{key}. Each call
  * gives up after `connect_timeout_ms` to connect and `timeout_ms` in all.
  * A call of which no byte went out (a refused or failed connection) is
  * NOT_SENT; a timeout, a 5xx or a lost connection once any of it went out
