@@ -27,7 +27,8 @@ extern "C" {
   X(EJSON, "invalid JSON")                                                 \
   X(ECRYPTO, "cryptographic library failure")                             \
   X(ENOTSUP, "not supported by this store")                                \
-  X(EAGAIN, "not done yet: the engine calls back")
+  X(EAGAIN, "not done yet: the engine calls back")                         \
+  X(EREFUSED, "refused by a rule of the application")
 
 typedef enum idem_err {
 #define IDEM__ERR_ENUM(name, text) IDEM_##name,

@@ -30,7 +30,9 @@ typedef struct idem_tx idem_tx_t;
  * fn(arg, tx) runs on a store thread, inside the transaction, and writes
  * through idem_tx_handle(tx); it returns IDEM_OK, or an error, which rolls
  * the whole write back (the reservation too) and is what the reserve or
- * complete then returns. It may run more than once for one write (SQLite
+ * complete then returns. IDEM_EREFUSED is the code for a rule of the
+ * caller's own that the write would break (a balance, a state checked in
+ * the transaction): nothing is written and the key stays free. It may run more than once for one write (SQLite
  * runs a batch again, write by write, after any write of it failed), and
  * only the run that commits leaves anything: it must write only through
  * the handle, set what it reports afresh each time, and not wait (the

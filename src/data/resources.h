@@ -1,6 +1,7 @@
-/* idemd's own rows beside the idempotency records: payments and orders
- * (the `resources` table) and the payments' outbox, which orders each
- * charge until its outcome is known (docs/idempotency.md, section 4).
+/* idemd's own rows beside the idempotency records: payments, orders and
+ * refunds (the `resources` table) and the outbox, which orders each
+ * charge or refund until its outcome is known (docs/idempotency.md,
+ * section 4).
  * They are written through the engine's effects, in the transaction that
  * reserves or completes a key, and read with idem_store_read(): libidem
  * keeps the records, idemd its own rows, on SQLite and PostgreSQL alike. */
@@ -15,12 +16,14 @@
 /* A payment or an order, as a reservation writes it. Borrowed. */
 typedef struct idemd_resource {
   int64_t tenant_id;
-  const char *kind;         /* "payment", "order" */
-  const char *id;           /* "pay_...", "ord_...": a tenant's, unique across kinds */
+  const char *kind;         /* "payment", "order", "refund" */
+  const char *id;           /* "pay_...", "ord_...", "re_...": a tenant's, unique
+                               across kinds */
   const char *status;       /* "pending", "created", ... */
   const char *body;         /* the resource as a JSON object */
   const char *provider_ref; /* may be NULL */
-  /* A payment's outbox row, when `operation` is set: the record's scope
+  int64_t refundable;       /* a payment's: its amount (data/refunds.h); 0 otherwise */
+  /* A payment's or refund's outbox row, when `operation` is set: the record's scope
    * (operation, key) whose charge it orders, first due `due_after_ms`
    * after the write (the record's lease: before that its owner is at
    * work on it). */
@@ -86,7 +89,7 @@ int idemd_outbox_claim(idem_store_t *store, int64_t lease_ms, int max, idem_reco
                        int *n);
 
 /* Counts, for tests and tools, a tenant's (0: all tenants') "payments",
- * "orders" or "outbox" rows. IDEM_EINVAL for anything else. */
+ * "orders", "refunds" or "outbox" rows. IDEM_EINVAL for anything else. */
 int idemd_resource_count(idem_store_t *store, const char *what, int64_t tenant_id,
                          int64_t *n);
 

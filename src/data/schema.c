@@ -132,6 +132,24 @@ static const char *const sqlite_versions[] = {
     " json_extract(body, '$.total') AS total,"
     " json_extract(body, '$.currency') AS currency,"
     " created_at, updated_at FROM resources WHERE kind = 'order';",
+    /* 4: refunds (docs/idempotency.md, section 4.5). A refund is a
+     * resource of kind "refund" with an outbox row, as a payment is. A
+     * payment keeps what is left to refund (its amount less its succeeded
+     * and pending refunds: the balance the refunds' reservations check and
+     * take from) and what its succeeded refunds add up to; its body gains
+     * "amount_refunded" after "amount". `,"currency":` occurs once in a
+     * payment's text, outside its strings (their quotes are escaped). */
+    "ALTER TABLE resources ADD COLUMN refundable INTEGER NOT NULL DEFAULT 0;"
+    "ALTER TABLE resources ADD COLUMN refunded INTEGER NOT NULL DEFAULT 0;"
+    "UPDATE resources SET refundable = json_extract(body, '$.amount'),"
+    " body = replace(body, ',\"currency\":', ',\"amount_refunded\":0,\"currency\":')"
+    " WHERE kind = 'payment';"
+    "CREATE VIEW IF NOT EXISTS refunds AS SELECT id, tenant_id, status,"
+    " json_extract(body, '$.payment_id') AS payment_id,"
+    " json_extract(body, '$.amount') AS amount,"
+    " json_extract(body, '$.currency') AS currency,"
+    " json_extract(body, '$.reason') AS reason,"
+    " provider_ref, created_at, updated_at FROM resources WHERE kind = 'refund';",
 };
 
 static const char *const pg_versions[] = {
@@ -205,6 +223,22 @@ static const char *const pg_versions[] = {
     "ALTER TABLE outbox ADD CONSTRAINT outbox_pkey PRIMARY KEY (tenant_id, resource_id);"
     "ALTER TABLE outbox ADD CONSTRAINT outbox_resource_id_fkey FOREIGN KEY"
     " (tenant_id, resource_id) REFERENCES resources (tenant_id, id);",
+    /* 4: as SQLite's 4. */
+    "ALTER TABLE resources ADD COLUMN refundable BIGINT NOT NULL DEFAULT 0,"
+    " ADD COLUMN refunded BIGINT NOT NULL DEFAULT 0;"
+    "UPDATE resources SET refundable = (body::jsonb ->> 'amount')::bigint,"
+    " body = replace(body, ',\"currency\":', ',\"amount_refunded\":0,\"currency\":')"
+    " WHERE kind = 'payment';"
+    "DO $$ BEGIN"
+    " IF to_regclass('refunds') IS NULL THEN"
+    "  CREATE VIEW refunds AS SELECT id, tenant_id, status,"
+    "  body::jsonb ->> 'payment_id' AS payment_id,"
+    "  (body::jsonb ->> 'amount')::bigint AS amount,"
+    "  body::jsonb ->> 'currency' AS currency,"
+    "  body::jsonb ->> 'reason' AS reason,"
+    "  provider_ref, created_at, updated_at FROM resources WHERE kind = 'refund';"
+    " END IF;"
+    " END $$;",
 };
 
 _Static_assert(sizeof sqlite_versions / sizeof *sqlite_versions == IDEMD_SCHEMA_VERSION,

@@ -1,6 +1,6 @@
 /* idemd's own tables beside libidem's records: tenants and their API keys,
- * resources (payments and orders), the outbox, and the operators' views over them (payments,
- * orders). Their versions are counted in idemd's table `idemd_schema`,
+ * resources (payments, orders and refunds), the outbox, and the
+ * operators' views over them (payments, orders, refunds). Their versions are counted in idemd's table `idemd_schema`,
  * apart from libidem's, on SQLite and PostgreSQL alike. */
 #ifndef IDEMD_SCHEMA_H
 #define IDEMD_SCHEMA_H
@@ -10,7 +10,7 @@
 #include "idem/store.h"
 
 /* The version idemd_schema_migrate() brings a database to. */
-#define IDEMD_SCHEMA_VERSION 3
+#define IDEMD_SCHEMA_VERSION 4
 
 /* Creates or upgrades idemd's tables to IDEMD_SCHEMA_VERSION, in one write
  * (several idemd starting at once on PostgreSQL take turns). Idempotent.

@@ -11,6 +11,7 @@
 int idem_payment_parse(const char *body, idem_payment_t *p) {
   json_t *v = json_loads(body ? body : "", 0, NULL);
   json_t *amount = json_object_get(v, "amount");
+  json_t *refunded = json_object_get(v, "amount_refunded");
   const char *id = json_string_value(json_object_get(v, "id"));
   const char *currency = json_string_value(json_object_get(v, "currency"));
   const char *order_id = json_string_value(json_object_get(v, "order_id"));
@@ -24,6 +25,7 @@ int idem_payment_parse(const char *body, idem_payment_t *p) {
       idem_copy(p->order_id, sizeof p->order_id, order_id) == 0 &&
       idem_copy(p->created_at, sizeof p->created_at, created) == 0) {
     p->amount = json_integer_value(amount);
+    p->amount_refunded = json_is_integer(refunded) ? json_integer_value(refunded) : 0;
     rc = IDEM_OK;
   }
   json_decref(v);
@@ -39,7 +41,7 @@ int idem_payment_parse(const char *body, idem_payment_t *p) {
 char *idem_payment_json(const idem_payment_t *p, const char *status,
                         const char *error) {
   /* Every string at most 6 bytes per input byte once escaped. */
-  size_t cap = 128 + 6 * (strlen(p->id) + strlen(p->currency) +
+  size_t cap = 160 + 6 * (strlen(p->id) + strlen(p->currency) +
                           strlen(p->order_id) + strlen(status) +
                           strlen(p->created_at) + (error ? strlen(error) : 0));
   char *out = malloc(cap);
@@ -51,6 +53,8 @@ char *idem_payment_json(const idem_payment_t *p, const char *status,
   n += idem__json_string(out + n, p->id);
   n += IDEM_JSON_LIT(out + n, ",\"amount\":");
   n += idem__json_int(out + n, (long long)p->amount);
+  n += IDEM_JSON_LIT(out + n, ",\"amount_refunded\":");
+  n += idem__json_int(out + n, (long long)p->amount_refunded);
   n += IDEM_JSON_LIT(out + n, ",\"currency\":");
   n += idem__json_string(out + n, p->currency);
   n += IDEM_JSON_LIT(out + n, ",\"order_id\":");
@@ -71,63 +75,73 @@ char *idem_payment_json(const idem_payment_t *p, const char *status,
   return out;
 }
 
-int idem_payment_settle(const idem_payment_t *p, const idem_charge_result_t *r,
-                        int may_fail, idem_settlement_t *s) {
-  idem_outcome_t *o = &s->outcome;
-  const char *status;
-  const char *error = NULL;
-
-  memset(s, 0, sizeof *s);
-  _Static_assert(sizeof s->location >= 10 + sizeof p->id,
-                 "a location holds /payments/ and an id");
-  memcpy(s->location, "/payments/", 10);
-  idem_copy(s->location + 10, sizeof s->location - 10, p->id);
+const char *idem_settle_outcome(const idem_charge_result_t *r, int may_fail,
+                                idem_outcome_t *o) {
   switch (r->outcome) {
   case IDEM_CHARGE_SUCCEEDED:
-    status = "succeeded";
     o->state = IDEM_STATE_COMPLETED;
     o->status = 201;
-    break;
+    return "succeeded";
   case IDEM_CHARGE_DECLINED:
-    status = "declined";
     o->state = IDEM_STATE_COMPLETED;
     o->status = 402;
-    error = "the payment was declined";
-    break;
+    return "declined";
   case IDEM_CHARGE_NOT_SENT:
     if (may_fail) {
-      status = "failed";
       o->state = IDEM_STATE_FAILED;
       o->status = 503;
-      break;
+      return "failed";
     }
-    /* The reconciler never fails a payment: it stays pending. */
+    /* The reconciler never fails a call: it stays pending. */
     __attribute__((fallthrough));
   default:
-    status = "pending";
     o->state = IDEM_STATE_PENDING;
     o->status = 202;
-    break;
+    return "pending";
   }
-  s->resource_body = idem_payment_json(p, status, NULL);
-  if (o->state == IDEM_STATE_FAILED)
-    s->response_body = strdup("{\"error\":\"the payment provider could not be "
-                              "reached; retry with the same Idempotency-Key\"}");
-  else if (error)
-    s->response_body = idem_payment_json(p, status, error);
-  else if (s->resource_body)
-    s->response_body = strdup(s->resource_body);
-  if (s->resource_body == NULL || s->response_body == NULL) {
+}
+
+int idem_settlement_fill(idem_settlement_t *s, const idem_charge_result_t *r,
+                         const char *status, const char *path, const char *id,
+                         char *resource_body, char *declined_body) {
+  idem_outcome_t *o = &s->outcome;
+  size_t n = strlen(path);
+
+  s->resource_body = resource_body;
+  if (o->state == IDEM_STATE_FAILED) {
+    free(declined_body);
+    s->response_body = strdup(IDEM_PROVIDER_UNREACHABLE);
+  } else if (declined_body) {
+    s->response_body = declined_body;
+  } else if (resource_body) {
+    s->response_body = strdup(resource_body);
+  }
+  if (s->resource_body == NULL || s->response_body == NULL ||
+      n + strlen(id) >= sizeof s->location) {
     idem_settlement_free(s);
     return IDEM_ENOMEM;
   }
+  memcpy(s->location, path, n);
+  idem_copy(s->location + n, sizeof s->location - n, id);
   idem_copy(s->provider_ref, sizeof s->provider_ref, r->reference);
   o->body = s->response_body;
   o->location = o->state == IDEM_STATE_FAILED ? NULL : s->location;
-  o->resource_id = p->id;
+  o->resource_id = id;
   s->status = status;
   o->provider_ref = s->provider_ref[0] ? s->provider_ref : NULL;
   return IDEM_OK;
+}
+
+int idem_payment_settle(const idem_payment_t *p, const idem_charge_result_t *r,
+                        int may_fail, idem_settlement_t *s) {
+  const char *status;
+
+  memset(s, 0, sizeof *s);
+  status = idem_settle_outcome(r, may_fail, &s->outcome);
+  return idem_settlement_fill(
+      s, r, status, "/payments/", p->id, idem_payment_json(p, status, NULL),
+      s->outcome.status == 402 ? idem_payment_json(p, status, "the payment was declined")
+                               : NULL);
 }
 
 void idem_settlement_free(idem_settlement_t *s) {

@@ -13,6 +13,7 @@
 typedef struct idem_payment {
   char id[32];
   int64_t amount;
+  int64_t amount_refunded; /* what its succeeded refunds add up to */
   char currency[4];
   char order_id[256]; /* empty when not given */
   char created_at[32];
@@ -34,9 +35,24 @@ typedef struct idem_settlement {
 int idem_payment_parse(const char *body, idem_payment_t *p);
 
 /* The payment as a JSON object text in `status` (malloc'd; NULL when out
- * of memory). `error`, when not NULL, adds that field (402 answers). */
+ * of memory). `error`, when not NULL, adds that field (402 answers).
+ * "amount_refunded" follows "amount" and is followed by "currency": the
+ * store rewrites it in place as refunds succeed (data/refunds.c). */
 char *idem_payment_json(const idem_payment_t *p, const char *status,
                         const char *error);
+
+/* The body of a 503 for a call of which nothing reached the provider. */
+#define IDEM_PROVIDER_UNREACHABLE                                                        \
+  "{\"error\":\"the payment provider could not be reached; retry with the same "          \
+  "Idempotency-Key\"}"
+
+/* The record's state and HTTP status a provider answer `r` makes (in
+ * `o`; nothing else of it is set), and the resource's new status, for a
+ * charge or a refund alike: SUCCEEDED -> completed 201 "succeeded";
+ * DECLINED -> completed 402 "declined"; NOT_SENT -> failed 503 "failed"
+ * with `may_fail`, else as UNKNOWN and NOT_FOUND: pending 202 "pending". */
+const char *idem_settle_outcome(const idem_charge_result_t *r, int may_fail,
+                                idem_outcome_t *o);
 
 /* Turns a provider answer for `p` into a settlement: SUCCEEDED -> completed
  * 201 "succeeded"; DECLINED -> completed 402 "declined"; UNKNOWN and
@@ -45,6 +61,17 @@ char *idem_payment_json(const idem_payment_t *p, const char *status,
  * Returns IDEM_OK, or IDEM_ENOMEM (then `s` holds nothing to free). */
 int idem_payment_settle(const idem_payment_t *p, const idem_charge_result_t *r,
                         int may_fail, idem_settlement_t *s);
+
+/* The rest of a settlement whose s->outcome idem_settle_outcome() set:
+ * takes `resource_body` (the resource in `status`) and `declined_body`
+ * (a 402's answer; NULL otherwise), both malloc'd and owned by `s` from
+ * here even on failure; the answer is the resource, that 402 body, or a
+ * failed call's 503; its Location is `path` and `id` (borrowed: it must
+ * outlive `s`). Returns IDEM_OK, or IDEM_ENOMEM (a body was NULL; then
+ * `s` holds nothing to free). */
+int idem_settlement_fill(idem_settlement_t *s, const idem_charge_result_t *r,
+                         const char *status, const char *path, const char *id,
+                         char *resource_body, char *declined_body);
 
 /* Frees what a settlement owns. */
 void idem_settlement_free(idem_settlement_t *s);

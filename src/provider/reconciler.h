@@ -1,8 +1,8 @@
-/* The reconciler: a background thread that settles payments whose outcome
- * is unknown (pending) and takes over payments whose worker died (a
- * processing record with an expired lease). It looks each up at the
- * provider by its provider key, sends it again under that same key when the
- * provider never saw it, and completes the record so that replays answer
+/* The reconciler: a background thread that settles payments and refunds
+ * whose outcome is unknown (pending) and takes over those whose worker
+ * died (a processing record with an expired lease). It looks each up at
+ * the provider by its provider key, sends it again under that same key
+ * when the provider never saw it, and completes the record so that replays answer
  * 201 or 402. It acts on a record only through the owner token its claim
  * gave it, so a slow original worker and the reconciler never both write. */
 #ifndef IDEM_RECONCILER_H

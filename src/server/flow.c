@@ -319,7 +319,9 @@ static enum MHD_Result decide(struct idemd_async_flow *af) {
     async_end(af);
     return idemd_defer(r, go_on);
   }
-  if (rc != IDEM_OK) {
+  if (rc == IDEM_EREFUSED && e->refused) {
+    ret = e->refused(r, e->ctx);
+  } else if (rc != IDEM_OK) {
     ret = af->a.rc != IDEM_OK ? idemd_reply_store_failure(r, rc, af->detail)
                               : idemd_reply_store_error(r, rc);
   } else if (af->a.decision == IDEM_DECIDE_EXECUTE && e->execute) {
@@ -498,7 +500,8 @@ static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e
     r->inflight_deadline = b.wait_until_ms;
     if (rc != IDEM_OK) {
       idem_record_reset(&rec);
-      return idemd_reply_store_error(r, rc);
+      return rc == IDEM_EREFUSED && e->refused ? e->refused(r, e->ctx)
+                                               : idemd_reply_store_error(r, rc);
     }
     b.prepare = NULL; /* prepared once, whatever follows */
     if (d != IDEM_DECIDE_EXECUTE || !e->execute) {

@@ -34,6 +34,10 @@ typedef struct idemd_effect {
   /* 1 when execute() is cheap, never waits and never calls the store:
    * it is then called on the store's writer thread (flow.c). */
   int execute_never_waits;
+  /* Optional: the answer of a request whose `written` effect refused it
+   * (IDEM_EREFUSED: a rule of the route's own, checked in the transaction
+   * that would have won the key). Nothing was written; the key is free. */
+  enum MHD_Result (*refused)(idemd_request_t *r, void *ctx);
   void *ctx;
 } idemd_effect_t;
 

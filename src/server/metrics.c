@@ -15,7 +15,8 @@
 /* Requests that match no route count as "other". */
 static const char *const op_names[OP_COUNT_] = {
     "other", "create_payment", "create_order", "get_payment",
-    "get_order", "healthz", "metrics", "readyz", "cancel_order", "put_order"};
+    "get_order", "healthz", "metrics", "readyz", "cancel_order", "put_order",
+    "create_refund", "get_refund"};
 
 static const char *const outcome_names[OUTCOME_COUNT_] = {
     "none", "new", "replay", "mismatch", "in_flight",

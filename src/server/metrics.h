@@ -17,6 +17,8 @@ typedef enum idemd_op {
   OP_READYZ,
   OP_CANCEL_ORDER, /* POST /orders/{id}/cancel */
   OP_PUT_ORDER,    /* PUT /orders/{id} */
+  OP_CREATE_REFUND, /* POST /payments/{id}/refunds */
+  OP_GET_REFUND,    /* GET /refunds/{id} */
   OP_COUNT_
 } idemd_op_t;
 

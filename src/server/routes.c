@@ -24,6 +24,9 @@
 static const idemd_route_def_t routes[] = {
     {"/payments", "", IDEMD_ID_NONE, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT, 1},
     {"/payments/", "", IDEMD_ID_PLAIN, "GET", "GET, HEAD", ROUTE_PAYMENT, OP_GET_PAYMENT, 1},
+    {"/payments/", "/refunds", IDEMD_ID_PLAIN, "POST", "POST", ROUTE_REFUNDS,
+     OP_CREATE_REFUND, 1},
+    {"/refunds/", "", IDEMD_ID_PLAIN, "GET", "GET, HEAD", ROUTE_REFUND, OP_GET_REFUND, 1},
     {"/orders", "", IDEMD_ID_NONE, "POST", "POST", ROUTE_ORDERS, OP_CREATE_ORDER, 1},
     {"/orders/", "", IDEMD_ID_ORDER, "GET", "GET, HEAD, PUT", ROUTE_ORDER, OP_GET_ORDER, 1},
     {"/orders/", "", IDEMD_ID_ORDER, "PUT", "GET, HEAD, PUT", ROUTE_ORDER_PUT, OP_PUT_ORDER,
@@ -170,7 +173,8 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
   return ret;
 }
 
-/* GET /payments/{id}, GET /orders/{id}: the tenant's own resource. */
+/* GET /payments/{id}, /orders/{id}, /refunds/{id}: the tenant's own
+ * resource. */
 static enum MHD_Result serve_resource(idemd_request_t *r, const char *kind,
                                       const char *not_found) {
   char *body = NULL;
@@ -207,7 +211,7 @@ static enum MHD_Result serve_body(idemd_request_t *r) {
   ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE);
   if (!is_json_media_type(ct))
     return idemd_reply_error(r, 415, "Content-Type must be application/json", NULL);
-  if (r->route == ROUTE_PAYMENTS || r->route == ROUTE_ORDERS) {
+  if (r->route == ROUTE_PAYMENTS || r->route == ROUTE_ORDERS || r->route == ROUTE_REFUNDS) {
     raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
     rc = idem_key_parse(raw, raw ? strlen(raw) : 0, r->key, NULL);
     if (rc != IDEM_OK)
@@ -227,6 +231,9 @@ static enum MHD_Result serve_body(idemd_request_t *r) {
     break;
   case ROUTE_ORDERS:
     ret = idemd_orders_create(r, body);
+    break;
+  case ROUTE_REFUNDS:
+    ret = idemd_refunds_create(r, body);
     break;
   case ROUTE_ORDER_PUT:
     ret = idemd_orders_put(r, body);
@@ -277,8 +284,11 @@ enum MHD_Result idemd_dispatch(idemd_request_t *r) {
     return serve_resource(r, "payment", "payment not found");
   case ROUTE_ORDER:
     return serve_resource(r, "order", "order not found");
+  case ROUTE_REFUND:
+    return serve_resource(r, "refund", "refund not found");
   case ROUTE_PAYMENTS:
   case ROUTE_ORDERS:
+  case ROUTE_REFUNDS:
     return serve_body(r);
   case ROUTE_ORDER_PUT:
   case ROUTE_ORDER_CANCEL:

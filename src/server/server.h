@@ -60,6 +60,8 @@ typedef enum idemd_route {
   ROUTE_ORDER,     /* GET /orders/{id} */
   ROUTE_ORDER_PUT, /* PUT /orders/{id} */
   ROUTE_ORDER_CANCEL, /* POST /orders/{id}/cancel */
+  ROUTE_REFUNDS,      /* POST /payments/{id}/refunds */
+  ROUTE_REFUND,       /* GET /refunds/{id} */
   ROUTE_HEALTHZ,
   ROUTE_METRICS,
   ROUTE_READYZ
@@ -145,6 +147,9 @@ _Static_assert(sizeof(idemd_request_t) <= 1032,
  * validated-as-object request body. */
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
+/* POST /payments/{id}/refunds (refunds.c), as idemd_payments_create() with
+ * the payment's id in r->resource_id. */
+enum MHD_Result idemd_refunds_create(idemd_request_t *r, const json_t *body);
 /* PUT /orders/{id} (r->resource_id, already checked by
  * idemd_order_id_valid()): creates the order under the client's id, or
  * answers the one there (200, or 409 when its command differs). Runs

@@ -206,7 +206,7 @@ static void test_validation_leaves_key_free(void **state) {
 /* A new key: reserve, execute, store, answer 201 with the payment and its
  * Location; GET reads the same payment. */
 static void test_new_key_payment(void **state) {
-  static const char *const fields[] = {"id",       "amount", "currency",
+  static const char *const fields[] = {"id",       "amount", "amount_refunded", "currency",
                                        "order_id", "status", "created_at"};
   h_server_t *s = h_server_start(NULL);
   const char *tok = h_tenant(s, "acme");

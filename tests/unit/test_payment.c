@@ -9,8 +9,9 @@
 /* What json_dumps(JSON_COMPACT) gives for the same fields and order. */
 static char *with_jansson(const idem_payment_t *p, const char *status,
                           const char *error) {
-  json_t *v = json_pack("{s:s, s:I, s:s, s:s?, s:s, s:s}", "id", p->id, "amount",
-                        (json_int_t)p->amount, "currency", p->currency,
+  json_t *v = json_pack("{s:s, s:I, s:I, s:s, s:s?, s:s, s:s}", "id", p->id, "amount",
+                        (json_int_t)p->amount, "amount_refunded",
+                        (json_int_t)p->amount_refunded, "currency", p->currency,
                         "order_id", p->order_id[0] ? p->order_id : NULL,
                         "status", status, "created_at", p->created_at);
   char *text;
@@ -43,6 +44,7 @@ static void test_json_matches_jansson(void **state) {
   strcpy(p.order_id, "a\"b\\c/d{}[],:");
   check_same(&p, "succeeded", NULL);
   p.amount = INT64_MAX;
+  p.amount_refunded = 4000;
   check_same(&p, "succeeded", NULL);
   memset(p.order_id, '"', sizeof p.order_id - 1);
   p.order_id[sizeof p.order_id - 1] = '\0';

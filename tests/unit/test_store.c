@@ -684,7 +684,7 @@ static void test_resource_outbox_and_complete(void **state) {
                                            "pay_unknown", &body),
                    IDEM_ENOTFOUND);
   int64_t n = -1;
-  assert_int_equal(idemd_resource_count(fx->store, "refunds", fx->tenant.id, &n), IDEM_EINVAL);
+  assert_int_equal(idemd_resource_count(fx->store, "widgets", fx->tenant.id, &n), IDEM_EINVAL);
 }
 
 /* An asynchronous write's callback: records its result, once. */

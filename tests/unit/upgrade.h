@@ -18,6 +18,7 @@
 #include "idem/crypto.h"
 #include "data/resources.h"
 #include "data/schema.h"
+#include "data/sql.h"
 #include "data/tenants.h"
 #include "idem/store.h"
 
@@ -92,6 +93,33 @@ static int old_tenant_insert(void *arg, idem_tx_t *tx) {
   return ok ? IDEM_OK : IDEM_ESTORE;
 }
 
+/* Inserts a resource and its outbox row as the released idemd did, into
+ * the released schema's tables (without the columns later versions
+ * add). */
+static int old_resource_insert(void *arg, idem_tx_t *tx) {
+  const idemd_resource_t *res = arg;
+  int64_t now = idem_tx_now_ms(tx);
+  idemd_sql_param_t p[7] = {IDEMD_SQL_TEXT(res->id),   IDEMD_SQL_NUM(res->tenant_id),
+                            IDEMD_SQL_TEXT(res->kind), IDEMD_SQL_TEXT(res->status),
+                            IDEMD_SQL_TEXT(res->body), IDEMD_SQL_TEXT(res->provider_ref),
+                            IDEMD_SQL_NUM(now)};
+  idemd_sql_param_t o[6] = {IDEMD_SQL_TEXT(res->id),        IDEMD_SQL_NUM(res->tenant_id),
+                            IDEMD_SQL_TEXT(res->operation), IDEMD_SQL_TEXT(res->key),
+                            IDEMD_SQL_NUM(now),             IDEMD_SQL_NUM(now + res->due_after_ms)};
+  int rc = idemd_sql_run(tx, IDEMD_SQL_SCHEMA,
+                         "INSERT INTO resources (id, tenant_id, kind, status, body, "
+                         "provider_ref, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, "
+                         "$6, $7, $7)",
+                         p, 7, NULL, NULL, NULL);
+  if (rc != IDEM_OK || res->operation == NULL)
+    return rc;
+  return idemd_sql_run(tx, IDEMD_SQL_SCHEMA_CHECK,
+                       "INSERT INTO outbox (resource_id, tenant_id, operation, key, "
+                       "created_at, attempts, next_attempt_at) VALUES ($1, $2, $3, $4, $5, "
+                       "0, $6)",
+                       o, 6, NULL, NULL, NULL);
+}
+
 /* What old_fill() wrote, as the store read it back before the migration. */
 struct old_data {
   struct old_tenant tenant;
@@ -163,7 +191,7 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
     settle = (idemd_resource_update_t){.tenant_id = d->tenant.id, .id = d->ids[i]};
     if (i != OLD_FAILED) {
       req.resource_id = d->ids[i];
-      req.effect = (idem_effect_t){idemd_resource_insert, &res};
+      req.effect = (idem_effect_t){old_resource_insert, &res};
     }
     switch (i) {
     case OLD_PENDING:
