@@ -1,5 +1,5 @@
-/* Fuzz target for request bodies: idemd_parse_body, both validators, and the
- * canonical form and fingerprint of docs/idempotency.md, section 2.3.
+/* Fuzz target for request bodies: idemd_parse_body, the three validators
+ * (payment, order, refund), and the canonical form and fingerprint of docs/idempotency.md, section 2.3.
  * Properties: the parser and validators keep their contracts (exactly one of
  * result or error, errors shaped {field, message, code}); the canonical form
  * does not change when the object is rebuilt with its keys inserted in reverse
@@ -25,6 +25,12 @@ static int validate_payment(const json_t *body, json_t **cmd, json_t **errors,
                             int64_t *total) {
   *total = 0;
   return idemd_validate_payment(body, cmd, errors);
+}
+
+static int validate_refund(const json_t *body, json_t **cmd, json_t **errors,
+                           int64_t *total) {
+  *total = 0;
+  return idemd_validate_refund(body, cmd, errors);
 }
 
 /* A deep copy of `v` whose objects get their keys inserted in reverse order
@@ -195,7 +201,7 @@ static void check_command(const char *op, validator_fn fn, const json_t *body) {
   json_decref(cmd2);
   if (fn == validate_payment)
     check_payment_cmd(body, cmd);
-  else
+  else if (fn == idemd_validate_order)
     check_order_cmd(cmd, total);
 
   /* The canonical text, parsed again, has the same fingerprint... */
@@ -267,6 +273,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
 
   check_command("create_payment", validate_payment, body);
   check_command("create_order", idemd_validate_order, body);
+  check_command("create_refund", validate_refund, body);
   json_decref(body);
   return 0;
 }

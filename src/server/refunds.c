@@ -17,7 +17,7 @@
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "provider/refund.h"
-#include "server/fields.h"
+#include "server/refund_cmd.h"
 #include "server/flow.h"
 #include "server/reply.h"
 
@@ -44,60 +44,14 @@ static void refund_call_free(void *call) {
   free(rc);
 }
 
-/* The number of UTF-8 characters of `s` (jansson gives valid UTF-8). */
-static size_t characters(const char *s) {
-  size_t n = 0;
-  for (; *s; s++)
-    n += ((unsigned char)*s & 0xc0) != 0x80;
-  return n;
-}
-
-/* {"amount": positive integer (default: all that is left), "reason":
- * string of at most 200 characters}, both optional; the errors of
- * fields.h otherwise. */
-static int validate(const json_t *body, refund_call_t *rc, json_t **errors_out) {
-  static const char *const allowed[] = {"amount", "reason", NULL};
-  json_t *errors = json_array();
-  const json_t *amount = json_object_get(body, "amount");
-  const json_t *reason = json_object_get(body, "reason");
-
-  if (amount && !json_is_null(amount))
-    (void)idemd__positive_int(amount, "amount", errors, &rc->want);
-  if (reason && !json_is_null(reason)) {
-    if (!json_is_string(reason)) {
-      idemd__add_error(errors, "reason", "invalid_type", "must be a string");
-    } else if (characters(json_string_value(reason)) > IDEM_REFUND_REASON_MAX ||
-               json_string_length(reason) > IDEM_REFUND_REASON_BYTES) {
-      idemd__add_error(errors, "reason", "too_long", "must be at most 200 characters");
-    } else {
-      rc->refund.has_reason = 1;
-      memcpy(rc->refund.reason, json_string_value(reason), json_string_length(reason));
-    }
-  }
-  idemd__unknown_fields(body, allowed, "", errors);
-  if (errors == NULL || json_array_size(errors) > 0) {
-    *errors_out = errors;
-    return -1;
-  }
-  json_decref(errors);
-  return 0;
-}
-
 /* The fingerprint names the payment as well as the command: one key sent
  * for a refund of another payment is a mismatch. */
-static int fingerprint(refund_call_t *rc) {
-  const idem_refund_t *f = &rc->refund;
-  json_t *cmd = json_pack("{s:s}", "payment_id", f->payment_id);
+static int fingerprint(refund_call_t *rc, json_t *cmd) {
   char *canon;
   int err;
 
-  if (cmd && rc->want > 0)
-    json_object_set_new(cmd, "amount", json_integer(rc->want));
-  if (cmd && f->has_reason)
-    json_object_set_new(cmd, "reason", json_string(f->reason));
-  canon = cmd ? idem_canon_dump(cmd) : NULL;
-  json_decref(cmd);
-  if (canon == NULL)
+  if (json_object_set_new(cmd, "payment_id", json_string(rc->refund.payment_id)) != 0 ||
+      (canon = idem_canon_dump(cmd)) == NULL)
     return IDEM_ENOMEM;
   err = idem_fingerprint_text(OPERATION, canon, strlen(canon), rc->fingerprint);
   free(canon);
@@ -192,15 +146,22 @@ static enum MHD_Result refused(idemd_request_t *r, void *ctx) {
 
 enum MHD_Result idemd_refunds_create(idemd_request_t *r, const json_t *body) {
   refund_call_t *rc;
-  json_t *errors = NULL;
+  json_t *cmd = NULL, *errors = NULL;
+  const char *reason;
   int err;
 
-  if ((rc = calloc(1, sizeof *rc)) == NULL)
-    return idemd_reply_store_error(r, IDEM_ENOMEM);
-  if (validate(body, rc, &errors) != 0) {
-    free(rc);
+  if (idemd_validate_refund(body, &cmd, &errors) != 0) {
     r->outcome = OUTCOME_INVALID;
     return idemd_reply_errors(r, errors);
+  }
+  if (strlen(r->resource_id) >= sizeof rc->refund.payment_id) {
+    json_decref(cmd);
+    r->outcome = OUTCOME_INVALID; /* longer than any payment id */
+    return idemd_reply_error(r, 404, "payment not found", NULL);
+  }
+  if ((rc = calloc(1, sizeof *rc)) == NULL) {
+    json_decref(cmd);
+    return idemd_reply_store_error(r, IDEM_ENOMEM);
   }
   /* Owned by the request from here (a worker's second run replaces the
    * event thread's first): the flow may go on after this call returns. */
@@ -211,12 +172,15 @@ enum MHD_Result idemd_refunds_create(idemd_request_t *r, const json_t *body) {
   rc->srv = r->srv;
   rc->key = r->key;
   rc->row.tenant_id = r->tenant.id;
-  idem_copy(rc->refund.payment_id, sizeof rc->refund.payment_id, r->resource_id);
-  if (strlen(r->resource_id) >= sizeof rc->refund.payment_id) {
-    r->outcome = OUTCOME_INVALID; /* longer than any payment id */
-    return idemd_reply_error(r, 404, "payment not found", NULL);
+  rc->want = json_integer_value(json_object_get(cmd, "amount")); /* 0 when absent */
+  if ((reason = json_string_value(json_object_get(cmd, "reason"))) != NULL) {
+    rc->refund.has_reason = 1;
+    idem_copy(rc->refund.reason, sizeof rc->refund.reason, reason);
   }
-  if ((err = fingerprint(rc)) != IDEM_OK)
+  idem_copy(rc->refund.payment_id, sizeof rc->refund.payment_id, r->resource_id);
+  err = fingerprint(rc, cmd);
+  json_decref(cmd);
+  if (err != IDEM_OK)
     return idemd_reply_store_error(r, err);
   rc->effect = (idemd_effect_t){.operation = OPERATION, .fingerprint = rc->fingerprint,
                                 .resource_id = rc->refund.id,
