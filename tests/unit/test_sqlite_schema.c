@@ -338,6 +338,9 @@ static void test_from_released_version(void **state) {
                               "integrity_check <> 'ok'"),
                    0);
   assert_int_equal(number(db, "SELECT amount FROM payments WHERE id = 'pay_3'"), 1003);
+  /* idemd's version 4: what is left to refund of a payment is its amount. */
+  assert_int_equal(number(db, "SELECT refundable FROM resources WHERE id = 'pay_3'"), 1003);
+  assert_int_equal(number(db, "SELECT refundable FROM resources WHERE id = 'ord_4'"), 0);
   assert_int_equal(number(db, "SELECT total FROM orders WHERE id = 'ord_4'"), 1004);
   for (size_t i = 0; i < ARRAY_LEN(unsettled_queries); i++) {
     char plan[512];
@@ -563,6 +566,10 @@ static void test_idemd_v3_refuses_foreign_objects(void **state) {
           "VALUES (1, 'acme', 'lookup', x'00', 1);"
           "INSERT INTO resources (id, tenant_id, kind, status, body, provider_ref, "
           "created_at, updated_at) VALUES ('ord_1', 1, 'order', 'created', '{}', NULL, 1, 1);"
+          "INSERT INTO resources (id, tenant_id, kind, status, body, provider_ref, "
+          "created_at, updated_at) VALUES ('pay_1', 1, 'payment', 'succeeded', "
+          "'{\"id\":\"pay_1\",\"amount\":500,\"currency\":\"BRL\",\"order_id\":\"a,\\\"currency\\\":\","
+          "\"status\":\"succeeded\",\"created_at\":\"t\"}', 'ch_1', 1, 1);"
           "CREATE VIEW my_orders AS SELECT id FROM resources;"
           "CREATE INDEX my_by_kind ON resources (kind);"
           "CREATE TRIGGER my_stamp AFTER INSERT ON outbox BEGIN SELECT 1; END;"
@@ -586,6 +593,16 @@ static void test_idemd_v3_refuses_foreign_objects(void **state) {
   assert_int_equal(number(db, "SELECT count(*) FROM orders WHERE id = 'ord_1' AND "
                               "tenant_id = 1"),
                    1);
+  /* Version 4: the payment's balance is its amount, and its body gains
+   * amount_refunded before the field "currency" only. */
+  assert_int_equal(number(db, "SELECT refundable FROM resources WHERE id = 'pay_1'"), 500);
+  {
+    char *body = text(db, "SELECT body FROM resources WHERE id = 'pay_1'");
+    assert_string_equal(body, "{\"id\":\"pay_1\",\"amount\":500,\"amount_refunded\":0,"
+                              "\"currency\":\"BRL\",\"order_id\":\"a,\\\"currency\\\":\","
+                              "\"status\":\"succeeded\",\"created_at\":\"t\"}");
+    free(body);
+  }
   assert_int_equal(number(db, "SELECT count(*) FROM sqlite_schema WHERE name = "
                               "'my_record_times'"),
                    1);
