@@ -1,6 +1,8 @@
 -- wrk script for idem's benchmark. Environment:
 --   IDEM_TOKEN   API key (Authorization: Bearer)
 --   IDEM_PATH    /payments or /orders
+--   IDEM_PATHS   optional: paths separated by spaces, taken in turn (the
+--                refunds of many payments), instead of IDEM_PATH
 --   IDEM_BODY    request body
 --   IDEM_MODE    new      a new Idempotency-Key on every request
 --                replay   IDEM_KEY on every request (created beforehand
@@ -33,6 +35,11 @@ wrk.body = body
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer " .. (os.getenv("IDEM_TOKEN") or "")
 
+local paths = {}
+for p in string.gmatch(os.getenv("IDEM_PATHS") or "", "%S+") do
+  table.insert(paths, p)
+end
+
 local fixed = os.getenv("IDEM_KEY") or "bench-key"
 if os.getenv("IDEM_CLOSE") == "1" then
   wrk.headers["Connection"] = "close"
@@ -49,6 +56,9 @@ request = function()
     key = prefix .. (counter - counter % 2)
   end
   wrk.headers["Idempotency-Key"] = key
+  if #paths > 0 then
+    return wrk.format(nil, paths[counter % #paths + 1], nil, b)
+  end
   return wrk.format(nil, nil, nil, b)
 end
 

@@ -10,7 +10,8 @@
 #      (a file written and fdatasynced per batch) with none of idemd's own
 #      work: what idemd's design leaves of the ceiling on this machine;
 #   2. idemd on a fresh SQLite database, default (durable) settings:
-#      new-key payments, new-key orders, replays, key reuse with another
+#      new-key payments, new-key refunds (of 1, taken in turn from 256
+#      payments), new-key orders, replays, key reuse with another
 #      body; req/s, p50, p99, the slowest answer and the ratio to nginx;
 #   3. the same on PostgreSQL (a throwaway cluster), with pgbench running
 #      the same statements as its baseline;
@@ -97,7 +98,8 @@ cpu_pid="" # the idemd whose threads' CPU wrk_run reports, if any
 wrk_run() {
   local label=$1 port=$2 mode=$3 path=$4 body=$5 expect=$6 key=${7:-bench-key}
   local env=(IDEM_TOKEN="${token:-}" IDEM_MODE="$mode" IDEM_PATH="$path" IDEM_BODY="$body"
-             IDEM_EXPECT="$expect" IDEM_KEY="$key" IDEM_CLOSE="$close")
+             IDEM_EXPECT="$expect" IDEM_KEY="$key" IDEM_CLOSE="$close"
+             IDEM_PATHS="${IDEM_PATHS:-}")
   # A request unanswered after 10 s counts as lost (wrk's default is 2 s:
   # a slower answer still came, and shows in the max column instead).
   env "${env[@]}" wrk -t1 -c64 -d2s --timeout 10s -s "$repo/bench/load.lua" \
@@ -141,6 +143,7 @@ wrk_run() {
 }
 
 pay='{"amount": 15990, "currency": "BRL"}'
+refund='{"amount": 1}'
 order='{"customer_id": "c1", "items": [{"sku": "A1", "quantity": 2, "unit_price": 1000}], "currency": "BRL"}'
 
 # The kernel's automatic scheduling groups (one per session): with them
@@ -232,10 +235,26 @@ start_idemd() { # NAME DB [FLAGS...] -> a fresh idemd on DB, with the key
   curl -sk -o /dev/null -X POST "$scheme://127.0.0.1:$port/payments" -H "Authorization: Bearer $token" \
     -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-key' -d "$pay"
 }
-bench_idemd() { # NAME DB -> runs the four cases against a fresh idemd
+# refund_payments -> sets refund_paths: the refunds routes of 256 payments
+# of the largest amount, made on $idemd_port, which a refund of 1 each
+# never empties.
+refund_payments() {
+  local id
+  refund_paths=""
+  for i in $(seq 1 256); do
+    id=$(curl -s -X POST "$scheme://127.0.0.1:$idemd_port/payments" -H "Authorization: Bearer $token" \
+      -H 'Content-Type: application/json' -H "Idempotency-Key: bench-refunded-$i" \
+      -d '{"amount": 9007199254740991}' | sed -E 's/.*"id":"([^"]+)".*/\1/')
+    refund_paths="$refund_paths /payments/$id/refunds"
+  done
+}
+bench_idemd() { # NAME DB -> runs the five cases against a fresh idemd
   local name=$1
   start_idemd "$@"
   wrk_run "idemd $name: new-key POST /payments" "$idemd_port" new /payments "$pay" 201
+  refund_payments
+  IDEM_PATHS="$refund_paths" wrk_run "idemd $name: new-key refunds of payments" \
+    "$idemd_port" new /payments "$refund" 201
   wrk_run "idemd $name: new-key POST /orders" "$idemd_port" new /orders "$order" 201
   wrk_run "idemd $name: replays of one key" "$idemd_port" replay /payments "$pay" 201 bench-key
   wrk_run "idemd $name: key reused with another body" "$idemd_port" mismatch /payments "$pay" 422 bench-key
