@@ -80,7 +80,7 @@ typedef struct idem_sandbox_options {
  * `opts->delay_ms` except the amounts `opts` names (a refund of such an
  * amount fares as a charge of it would). It keeps no state, so it cannot
  * tell a refund of more than is left of a charge: idemd's own check does
- * (docs/idempotency.md, section 4.3). Returns NULL when out of memory.
+ * (docs/idempotency.md, section 4.5). Returns NULL when out of memory.
  * Free with provider->close(). */
 idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts);
 
