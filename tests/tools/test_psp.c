@@ -667,6 +667,8 @@ static void test_usage(void **state) {
   assert_non_null(strstr(out, "usage: idem-psp"));
   assert_non_null(strstr(out, "--decline-amount"));
   assert_non_null(strstr(out, "IDEM_PSP_LISTEN"));
+  assert_non_null(strstr(out, "POST /refunds"));
+  assert_non_null(strstr(out, "GET /refunds/{key}"));
   free(out);
 
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -714,6 +716,11 @@ static void test_routes(void **state) {
   assert_error(&r, 405);
   resp_free(&r);
 
+  get(p, "/refunds", &r);
+  assert_error(&r, 405);
+  assert_string_equal(r.allow, "POST");
+  resp_free(&r);
+
   http(p, &head, &r);
   assert_status(&r, 200);
   assert_int_equal(r.len, 0);
@@ -726,6 +733,14 @@ static void test_routes(void **state) {
   assert_int_equal(json_integer_value(json_object_get(r.json, "requests")), 0);
   assert_true(json_is_object(json_object_get(r.json, "keys")));
   assert_int_equal(json_object_size(json_object_get(r.json, "keys")), 0);
+  for (size_t i = 0; i < 3; i++) {
+    static const char *const zero[] = {"refunds", "refund_declines", "refund_requests"};
+    json_t *v = json_object_get(r.json, zero[i]);
+    assert_true(json_is_integer(v));
+    assert_int_equal(json_integer_value(v), 0);
+  }
+  assert_true(json_is_object(json_object_get(r.json, "refund_keys")));
+  assert_int_equal(json_object_size(json_object_get(r.json, "refund_keys")), 0);
   resp_free(&r);
 }
 
