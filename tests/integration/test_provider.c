@@ -663,16 +663,29 @@ static void *dying_main(void *arg) {
   return NULL;
 }
 
+/* Starts a dying provider on a free loopback port: its URL in `url`.
+ * CLOEXEC: idemd, started after it, must not hold it open. */
+static void dying_start(struct dying_psp *d, char *url, size_t urllen) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t alen = sizeof a;
+
+  *d = (struct dying_psp){.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  assert_true(d->lfd >= 0);
+  assert_int_equal(bind(d->lfd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(d->lfd, 8), 0);
+  assert_int_equal(getsockname(d->lfd, (struct sockaddr *)&a, &alen), 0);
+  d->port = ntohs(a.sin_port);
+  snprintf(url, urllen, "http://127.0.0.1:%d", d->port);
+  assert_int_equal(pthread_create(&d->thread, NULL, dying_main, d), 0);
+}
+
 /* The provider charged the second payment and died before answering. The
  * request had gone out, so its outcome is unknown: 202, the payment and
  * record pending for the reconciler, never failed (a failed payment is
  * retried under a new payment id, which the provider would charge again). */
 static void test_crash_after_charge_on_kept_alive_connection(void **state) {
-  /* Static: its thread may outlive a failed assertion here. CLOEXEC:
-   * idemd, started after it, must not hold it open. */
+  /* Static: its thread may outlive a failed assertion here. */
   static struct dying_psp d;
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t alen = sizeof a;
   char url[64];
   const char *flags[] = {"--provider", url, "--workers", "1", "--reconcile-interval", "1h",
                          NULL};
@@ -682,14 +695,7 @@ static void test_crash_after_charge_on_kept_alive_connection(void **state) {
   char *id;
   (void)state;
 
-  d = (struct dying_psp){.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
-  assert_true(d.lfd >= 0);
-  assert_int_equal(bind(d.lfd, (struct sockaddr *)&a, sizeof a), 0);
-  assert_int_equal(listen(d.lfd, 8), 0);
-  assert_int_equal(getsockname(d.lfd, (struct sockaddr *)&a, &alen), 0);
-  d.port = ntohs(a.sin_port);
-  snprintf(url, sizeof url, "http://127.0.0.1:%d", d.port);
-  assert_int_equal(pthread_create(&d.thread, NULL, dying_main, &d), 0);
+  dying_start(&d, url, sizeof url);
 
   s = h_server_start(flags);
   tok = h_tenant(s, "acme");
@@ -887,6 +893,17 @@ static void test_http_refund_faults(void **state) {
   static const char *const fail_after[] = {"--fail-after", NULL};
   static const char *const drop_after[] = {"--drop-after", NULL};
   static const char *const delay[] = {"--delay-after-charge", "3s", NULL};
+  static const struct {
+    const char *const *flags;
+    const char *key;
+    int64_t timeout_ms;
+    idem_charge_outcome_t looked_up;
+  } phases[] = {
+      {fail_before, "re_fb", 5000, IDEM_CHARGE_NOT_FOUND},
+      {fail_after, "re_fa", 5000, IDEM_CHARGE_SUCCEEDED},
+      {drop_after, "re_da", 5000, IDEM_CHARGE_SUCCEEDED},
+      {delay, "re_late", 500, IDEM_CHARGE_SUCCEEDED},
+  };
   p_psp_t *p = p_start(NULL);
   idem_provider_t *pr = http_provider(p->url, 5000);
   idem_refund_req_t r = {.charge_key = "pay_f", .amount = 10, .currency = "BRL"};
@@ -908,48 +925,23 @@ static void test_http_refund_faults(void **state) {
                  NULL);
   pr->close(pr);
 
-  /* fail-before: a 500, so UNKNOWN to us; the provider made nothing. */
-  p_restart(p, fail_before);
-  pr = http_provider(p->url, 5000);
-  r.provider_key = "re_fb";
-  pr->refund(pr, &r, &res);
-  assert_outcome("refund, fail-before", &res, IDEM_CHARGE_UNKNOWN, NULL);
-  pr->refund_lookup(pr, &r, &res);
-  assert_outcome("refund_lookup after fail-before", &res, IDEM_CHARGE_NOT_FOUND, NULL);
-  pr->close(pr);
-  p_stop(p);
-
-  /* fail-after, drop-after: refunded, the answer lost. */
-  p_restart(p, fail_after);
-  pr = http_provider(p->url, 5000);
-  r.provider_key = "re_fa";
-  pr->refund(pr, &r, &res);
-  assert_outcome("refund, fail-after", &res, IDEM_CHARGE_UNKNOWN, NULL);
-  pr->refund_lookup(pr, &r, &res);
-  assert_outcome("refund_lookup after fail-after", &res, IDEM_CHARGE_SUCCEEDED, "re_");
-  pr->close(pr);
-  p_stop(p);
-
-  p_restart(p, drop_after);
-  pr = http_provider(p->url, 5000);
-  r.provider_key = "re_da";
-  pr->refund(pr, &r, &res);
-  assert_outcome("refund, drop-after", &res, IDEM_CHARGE_UNKNOWN, NULL);
-  pr->refund_lookup(pr, &r, &res);
-  assert_outcome("refund_lookup after drop-after", &res, IDEM_CHARGE_SUCCEEDED, "re_");
-  pr->close(pr);
-  p_stop(p);
-
-  /* The provider answers after our deadline: UNKNOWN; it had refunded. */
-  p_restart(p, delay);
-  pr = http_provider(p->url, 500);
-  r.provider_key = "re_late";
-  pr->refund(pr, &r, &res);
-  assert_outcome("refund past the deadline", &res, IDEM_CHARGE_UNKNOWN, NULL);
-  pr->refund_lookup(pr, &r, &res);
-  assert_outcome("refund_lookup after the deadline", &res, IDEM_CHARGE_SUCCEEDED, "re_");
-  pr->close(pr);
-  p_stop(p);
+  /* A 500 before (nothing made), a 500 after, a dropped connection, an
+   * answer after our deadline: UNKNOWN to us, and the lookup tells. */
+  for (size_t i = 0; i < sizeof phases / sizeof *phases; i++) {
+    char what[64];
+    p_restart(p, phases[i].flags);
+    pr = http_provider(p->url, phases[i].timeout_ms);
+    r.provider_key = phases[i].key;
+    snprintf(what, sizeof what, "refund %s", phases[i].key);
+    pr->refund(pr, &r, &res);
+    assert_outcome(what, &res, IDEM_CHARGE_UNKNOWN, NULL);
+    snprintf(what, sizeof what, "refund_lookup %s", phases[i].key);
+    pr->refund_lookup(pr, &r, &res);
+    assert_outcome(what, &res, phases[i].looked_up,
+                   phases[i].looked_up == IDEM_CHARGE_SUCCEEDED ? "re_" : NULL);
+    pr->close(pr);
+    p_stop(p);
+  }
 
   /* Sent again under their keys, they are the refunds made: one each. */
   p_restart(p, NULL);
@@ -982,8 +974,6 @@ static void test_http_refund_faults(void **state) {
  * charge (test_crash_after_charge_on_kept_alive_connection). */
 static void test_http_refund_crash_on_kept_alive_connection(void **state) {
   static struct dying_psp d; /* static: its thread may outlive a failure */
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t alen = sizeof a;
   idem_refund_req_t r = {.provider_key = "re_kept", .charge_key = "pay_kept",
                          .amount = 10, .currency = "BRL"};
   idem_charge_result_t res;
@@ -991,14 +981,7 @@ static void test_http_refund_crash_on_kept_alive_connection(void **state) {
   char url[64];
   (void)state;
 
-  d = (struct dying_psp){.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
-  assert_true(d.lfd >= 0);
-  assert_int_equal(bind(d.lfd, (struct sockaddr *)&a, sizeof a), 0);
-  assert_int_equal(listen(d.lfd, 8), 0);
-  assert_int_equal(getsockname(d.lfd, (struct sockaddr *)&a, &alen), 0);
-  d.port = ntohs(a.sin_port);
-  snprintf(url, sizeof url, "http://127.0.0.1:%d", d.port);
-  assert_int_equal(pthread_create(&d.thread, NULL, dying_main, &d), 0);
+  dying_start(&d, url, sizeof url);
 
   pr = http_provider(url, 5000);
   charge_for_refunds(pr, "pay_kept", 100);

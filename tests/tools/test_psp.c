@@ -487,23 +487,31 @@ static const char *str_field(const resp_t *r, const char *name) {
   return v;
 }
 
-/* A charge body: every field, with these values. */
-static void assert_charge(const resp_t *r, long status, const char *key, long long amount,
-                          const char *currency, const char *charge_status) {
+/* A charge body (or, with `charge`, a refund's): every field, with these
+ * values. */
+static void assert_made(const resp_t *r, long status, const char *key, const char *charge,
+                        long long amount, const char *currency, const char *made_status) {
   const char *id, *created;
   assert_status(r, status);
-  assert_int_equal(json_object_size(r->json), 6);
+  assert_int_equal(json_object_size(r->json), charge ? 7 : 6);
   id = str_field(r, "id");
-  assert_true(strncmp(id, "ch_", 3) == 0 && strlen(id) > 10);
+  assert_true(strncmp(id, charge ? "re_" : "ch_", 3) == 0 && strlen(id) > 10);
   assert_string_equal(str_field(r, "key"), key);
+  if (charge)
+    assert_string_equal(str_field(r, "charge"), charge);
   assert_true(json_is_integer(json_object_get(r->json, "amount")));
   assert_int_equal(json_integer_value(json_object_get(r->json, "amount")), amount);
   assert_string_equal(str_field(r, "currency"), currency);
-  assert_string_equal(str_field(r, "status"), charge_status);
+  assert_string_equal(str_field(r, "status"), made_status);
   created = str_field(r, "created_at");
   /* RFC 3339 UTC: 2026-11-30T08:13:19Z */
   assert_int_equal(strlen(created), 20);
   assert_true(created[4] == '-' && created[10] == 'T' && created[19] == 'Z');
+}
+
+static void assert_charge(const resp_t *r, long status, const char *key, long long amount,
+                          const char *currency, const char *charge_status) {
+  assert_made(r, status, key, NULL, amount, currency, charge_status);
 }
 
 /* Transport failure: the connection closed (or timed out) with no answer. */
@@ -930,23 +938,32 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
+/* Sends the requests of w[0..n) (their .p and .q set) from n threads
+ * released together, and waits for every answer. */
+static void run_together(struct worker *w, int n) {
+  pthread_t t[TOGETHER];
+  pthread_barrier_t barrier;
+
+  assert_true(n <= TOGETHER);
+  pthread_barrier_init(&barrier, NULL, (unsigned)n);
+  for (int i = 0; i < n; i++) {
+    w[i].barrier = &barrier;
+    assert_int_equal(pthread_create(&t[i], NULL, worker_main, &w[i]), 0);
+  }
+  for (int i = 0; i < n; i++)
+    pthread_join(t[i], NULL);
+  pthread_barrier_destroy(&barrier);
+}
+
 static void test_one_charge_per_key(void **state) {
   psp_t *p = psp_start(NULL);
   struct worker w[TOGETHER];
-  pthread_t t[TOGETHER];
-  pthread_barrier_t barrier;
   int fresh = 0;
   (void)state;
 
-  pthread_barrier_init(&barrier, NULL, TOGETHER);
-  for (int i = 0; i < TOGETHER; i++) {
-    w[i] = (struct worker){
-        .p = p, .barrier = &barrier, .q = {.key = "k-race", .body = "{\"amount\": 777}"}};
-    assert_int_equal(pthread_create(&t[i], NULL, worker_main, &w[i]), 0);
-  }
   for (int i = 0; i < TOGETHER; i++)
-    pthread_join(t[i], NULL);
-  pthread_barrier_destroy(&barrier);
+    w[i] = (struct worker){.p = p, .q = {.key = "k-race", .body = "{\"amount\": 777}"}};
+  run_together(w, TOGETHER);
 
   for (int i = 0; i < TOGETHER; i++) {
     assert_charge(&w[i].r, 201, "k-race", 777, "BRL", "succeeded");
@@ -1018,21 +1035,37 @@ static void test_fail_before(void **state) {
   assert_int_equal(stat_of(p, NULL, "charges"), 1);
 }
 
-/* After a fault that made the charge but gave no good answer, the charge is
- * visible by key and a retry replays it. */
-static void assert_charged_once(const psp_t *p, const char *key, long long amount) {
+/* After a fault that made the charge (or, with `charge`, the refund of
+ * that charge) but gave no good answer, it is visible by key and a retry
+ * replays it. */
+static void assert_made_once(const psp_t *p, const char *key, const char *charge,
+                             long long amount) {
+  char path[600], body[400], *id;
+  req_t q = {.path = charge ? "/refunds" : "/charges", .key = key, .body = body};
   resp_t r;
-  char *id = charge_id(p, key);
-  char body[64];
 
-  snprintf(body, sizeof body, "{\"amount\": %lld}", amount);
-  post(p, key, NULL, body, &r);
-  assert_charge(&r, 201, key, amount, "BRL", "succeeded");
+  snprintf(path, sizeof path, "%s/%s", q.path, key);
+  get(p, path, &r);
+  assert_made(&r, 200, key, charge, amount, "BRL", "succeeded");
+  id = strdup(str_field(&r, "id"));
+  resp_free(&r);
+  if (charge)
+    snprintf(body, sizeof body, "{\"charge\": \"%s\", \"amount\": %lld}", charge, amount);
+  else
+    snprintf(body, sizeof body, "{\"amount\": %lld}", amount);
+  http(p, &q, &r);
+  assert_made(&r, 201, key, charge, amount, "BRL", "succeeded");
   assert_true(r.replayed);
   assert_string_equal(str_field(&r, "id"), id);
   resp_free(&r);
-  assert_int_equal(stat_of(p, key, "charges"), 1);
+  assert_int_equal(stat_in(p, charge ? "refund_keys" : "keys", key,
+                           charge ? "refunds" : "charges"),
+                   1);
   free(id);
+}
+
+static void assert_charged_once(const psp_t *p, const char *key, long long amount) {
+  assert_made_once(p, key, NULL, amount);
 }
 
 static void test_fail_after(void **state) {
@@ -1569,24 +1602,10 @@ static void get_refund(const psp_t *p, const char *key, resp_t *out) {
   get(p, path, out);
 }
 
-/* A refund body: every field, with these values. */
 static void assert_refund(const resp_t *r, long status, const char *key, const char *charge,
                           long long amount, const char *currency,
                           const char *refund_status) {
-  const char *id, *created;
-  assert_status(r, status);
-  assert_int_equal(json_object_size(r->json), 7);
-  id = str_field(r, "id");
-  assert_true(strncmp(id, "re_", 3) == 0 && strlen(id) > 10);
-  assert_string_equal(str_field(r, "key"), key);
-  assert_string_equal(str_field(r, "charge"), charge);
-  assert_true(json_is_integer(json_object_get(r->json, "amount")));
-  assert_int_equal(json_integer_value(json_object_get(r->json, "amount")), amount);
-  assert_string_equal(str_field(r, "currency"), currency);
-  assert_string_equal(str_field(r, "status"), refund_status);
-  created = str_field(r, "created_at");
-  assert_int_equal(strlen(created), 20);
-  assert_true(created[4] == '-' && created[10] == 'T' && created[19] == 'Z');
+  assert_made(r, status, key, charge, amount, currency, refund_status);
 }
 
 /* Makes a charge of `amount` under `key` (201), for refunds to refund. */
@@ -1768,24 +1787,16 @@ static void test_refund_validation(void **state) {
 static void test_one_refund_per_key(void **state) {
   psp_t *p = psp_start(NULL);
   struct worker w[TOGETHER];
-  pthread_t t[TOGETHER];
-  pthread_barrier_t barrier;
   int fresh = 0;
   (void)state;
 
   make_charge(p, "c-race", 1000, NULL);
-  pthread_barrier_init(&barrier, NULL, TOGETHER);
-  for (int i = 0; i < TOGETHER; i++) {
+  for (int i = 0; i < TOGETHER; i++)
     w[i] = (struct worker){.p = p,
-                           .barrier = &barrier,
                            .q = {.path = "/refunds",
                                  .key = "r-race",
                                  .body = "{\"charge\": \"c-race\", \"amount\": 700}"}};
-    assert_int_equal(pthread_create(&t[i], NULL, worker_main, &w[i]), 0);
-  }
-  for (int i = 0; i < TOGETHER; i++)
-    pthread_join(t[i], NULL);
-  pthread_barrier_destroy(&barrier);
+  run_together(w, TOGETHER);
 
   for (int i = 0; i < TOGETHER; i++) {
     assert_refund(&w[i].r, 201, "r-race", "c-race", 700, "BRL", "succeeded");
@@ -1806,27 +1817,20 @@ static void test_one_refund_per_key(void **state) {
 static void test_refunds_never_exceed_the_charge(void **state) {
   psp_t *p = psp_start(NULL);
   struct worker w[TOGETHER];
-  pthread_t t[TOGETHER];
-  pthread_barrier_t barrier;
   char keys[TOGETHER][16], body[64];
   int succeeded = 0, declined = 0;
   resp_t r;
   (void)state;
 
   make_charge(p, "c-split", 10000, NULL);
-  pthread_barrier_init(&barrier, NULL, TOGETHER);
   for (int i = 0; i < TOGETHER; i++) {
     snprintf(keys[i], sizeof keys[i], "r-split-%02d", i);
     w[i] = (struct worker){.p = p,
-                           .barrier = &barrier,
                            .q = {.path = "/refunds",
                                  .key = keys[i],
                                  .body = "{\"charge\": \"c-split\", \"amount\": 1000}"}};
-    assert_int_equal(pthread_create(&t[i], NULL, worker_main, &w[i]), 0);
   }
-  for (int i = 0; i < TOGETHER; i++)
-    pthread_join(t[i], NULL);
-  pthread_barrier_destroy(&barrier);
+  run_together(w, TOGETHER);
 
   for (int i = 0; i < TOGETHER; i++) {
     const char *status = w[i].r.status == 201 ? "succeeded" : "declined";
@@ -1915,26 +1919,6 @@ static void test_refund_declines(void **state) {
   resp_free(&first);
 }
 
-/* After a fault that made the refund but gave no good answer, the refund
- * is visible by key and a retry replays it. */
-static void assert_refunded_once(const psp_t *p, const char *key, const char *charge,
-                                 long long amount) {
-  char body[128], *id;
-  resp_t r;
-
-  get_refund(p, key, &r);
-  assert_refund(&r, 200, key, charge, amount, "BRL", "succeeded");
-  id = strdup(str_field(&r, "id"));
-  resp_free(&r);
-  post_refund(p, key, "none", refund_body(body, sizeof body, charge, amount), &r);
-  assert_refund(&r, 201, key, charge, amount, "BRL", "succeeded");
-  assert_true(r.replayed);
-  assert_string_equal(str_field(&r, "id"), id);
-  resp_free(&r);
-  assert_int_equal(refund_stat(p, key, "refunds"), 1);
-  free(id);
-}
-
 /* Each fault of POST /charges on POST /refunds: the same effect, the same
  * log line. */
 static void test_refund_faults(void **state) {
@@ -1970,11 +1954,11 @@ static void test_refund_faults(void **state) {
   post_refund(p, "r-fa", "fail-after", refund_body(body, sizeof body, "c-f", 2), &r);
   assert_error(&r, 500);
   resp_free(&r);
-  assert_refunded_once(p, "r-fa", "c-f", 2);
+  assert_made_once(p, "r-fa", "c-f", 2);
   post_refund(p, "r-da", "drop-after", refund_body(body, sizeof body, "c-f", 3), &r);
   assert_no_answer(&r);
   resp_free(&r);
-  assert_refunded_once(p, "r-da", "c-f", 3);
+  assert_made_once(p, "r-da", "c-f", 3);
 
   /* delay-after-charge: refunded before the caller's deadline passed. */
   http(p, &late, &r);
@@ -1996,8 +1980,8 @@ static void test_refund_faults(void **state) {
   assert_int_equal(WEXITSTATUS(status), 3);
   lines = log_lines(p);
   psp_restart(p, NULL);
-  assert_refunded_once(p, "r-ca", "c-f", 5);
-  assert_refunded_once(p, "r-dac", "c-f", 4);
+  assert_made_once(p, "r-ca", "c-f", 5);
+  assert_made_once(p, "r-dac", "c-f", 4);
   assert_int_equal(refund_stat(p, NULL, "refunds"), 5);
   assert_int_equal(refund_stat(p, "r-ca", "requests"), 2);
 
