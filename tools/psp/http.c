@@ -255,10 +255,11 @@ static int is_currency(const char *s) {
   return s && strlen(s) == 3 && strspn(s, "ABCDEFGHIJKLMNOPQRSTUVWXYZ") == 3;
 }
 
-/* {"amount": positive integer, "currency": "XYZ" (default "BRL")}, and for
- * a refund "charge": the key of the charge refunded (its currency is then
- * the default); other fields are ignored. Fills want->amount,
- * want->currency ("" for a refund without one) and want->charge. */
+/* {"amount": positive integer, "currency": "XYZ" (default "BRL")}; a
+ * refund's also has "charge", the key of the charge refunded, and its
+ * currency defaults to that charge's. Other fields are ignored. Fills
+ * want->amount, want->currency ("" for a refund without one) and
+ * want->charge. */
 static int body_or_reply(struct request *r, psp_charge_t *want) {
   int refund = r->route->kind == PSP_KIND_REFUND;
   json_t *body = NULL, *amount, *currency, *charge;
