@@ -1,9 +1,11 @@
-/* The HTTP provider client on libcurl: POST /charges under the provider
- * idempotency key, GET /charges/{key} for the reconciler. The mapping from
- * transport events to outcomes is the point of this file: only a failure
- * that certainly happened before the request left us is NOT_SENT; anything
- * after that (timeout, 5xx, a dropped connection) is UNKNOWN, because the
- * provider may have charged. */
+/* The HTTP provider client on libcurl: POST /charges and POST /refunds
+ * under the provider idempotency key, GET /charges/{key} and GET
+ * /refunds/{key} for the reconciler, charges and refunds through the same
+ * two calls. The mapping from transport events to outcomes is the point of
+ * this file: only a failure that certainly happened before the request
+ * left us is NOT_SENT; anything after that (timeout, 5xx, a dropped
+ * connection) is UNKNOWN, because the provider may have charged (or
+ * refunded). */
 #include "provider/provider.h"
 
 #include <curl/curl.h>
@@ -58,8 +60,8 @@ static CURL *handle(http_provider_t *p) {
   return c;
 }
 
-/* Reads {"id","status"} of a charge: SUCCEEDED or DECLINED with the id as
- * reference; UNKNOWN when the body is not what a charge looks like. */
+/* Reads {"id","status"} of a charge or refund: SUCCEEDED or DECLINED with
+ * the id as reference; UNKNOWN when the body is not what one looks like. */
 static void read_charge(const struct answer *a, idem_charge_result_t *out) {
   json_t *v = json_loadb(a->buf, a->len, 0, NULL);
   const char *status = json_string_value(json_object_get(v, "status"));
@@ -88,26 +90,27 @@ static int nothing_sent(CURL *c) {
   return curl_easy_getinfo(c, CURLINFO_REQUEST_SIZE, &sent) == CURLE_OK && sent == 0;
 }
 
-static void http_charge(idem_provider_t *base, const idem_charge_t *ch,
-                        idem_charge_result_t *out) {
-  http_provider_t *p = (http_provider_t *)base;
+/* POSTs `body` (JSON) to base_url + `path` under Idempotency-Key `key`
+ * and fills `out`: 200, 201 or 402 with a charge's (or refund's) body is
+ * its outcome (402 is DECLINED whatever the body), any other answer is
+ * UNKNOWN, and a failed transfer is NOT_SENT only when nothing_sent(). */
+static void post_keyed(http_provider_t *p, const char *path, const char *key,
+                       const char *body, idem_charge_result_t *out) {
   struct answer *a = calloc(1, sizeof *a);
   struct curl_slist *hdrs = NULL;
-  char url[512], key_header[300], body[128];
+  char url[512], key_header[300];
   CURL *c = handle(p);
   CURLcode rc;
   long code = 0;
 
   out->outcome = IDEM_CHARGE_NOT_SENT;
   out->reference[0] = '\0';
-  if (c == NULL || a == NULL) {
+  if (c == NULL || a == NULL || body == NULL) {
     free(a);
     return;
   }
-  snprintf(url, sizeof url, "%s/charges", p->base_url);
-  snprintf(key_header, sizeof key_header, "Idempotency-Key: %s", ch->provider_key);
-  snprintf(body, sizeof body, "{\"amount\":%lld,\"currency\":\"%s\"}",
-           (long long)ch->amount, ch->currency);
+  snprintf(url, sizeof url, "%s%s", p->base_url, path);
+  snprintf(key_header, sizeof key_header, "Idempotency-Key: %s", key);
   hdrs = curl_slist_append(hdrs, "Content-Type: application/json");
   hdrs = curl_slist_append(hdrs, key_header);
   hdrs = curl_slist_append(hdrs, "Expect:");
@@ -134,9 +137,11 @@ static void http_charge(idem_provider_t *base, const idem_charge_t *ch,
   free(a);
 }
 
-static void http_lookup(idem_provider_t *base, const idem_charge_t *ch,
-                        idem_charge_result_t *out) {
-  http_provider_t *p = (http_provider_t *)base;
+/* GETs base_url + `prefix` + the escaped `key` and fills `out`: 200 with a
+ * charge's (or refund's) body is its outcome, 404 NOT_FOUND, anything else
+ * UNKNOWN. */
+static void get_keyed(http_provider_t *p, const char *prefix, const char *key,
+                      idem_charge_result_t *out) {
   struct answer *a = calloc(1, sizeof *a);
   char url[1024];
   CURL *c = handle(p);
@@ -149,8 +154,8 @@ static void http_lookup(idem_provider_t *base, const idem_charge_t *ch,
     free(a);
     return;
   }
-  escaped = curl_easy_escape(c, ch->provider_key, 0);
-  snprintf(url, sizeof url, "%s/charges/%s", p->base_url, escaped ? escaped : "");
+  escaped = curl_easy_escape(c, key, 0);
+  snprintf(url, sizeof url, "%s%s%s", p->base_url, prefix, escaped ? escaped : "");
   curl_free(escaped);
   curl_easy_setopt(c, CURLOPT_URL, url);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
@@ -163,6 +168,39 @@ static void http_lookup(idem_provider_t *base, const idem_charge_t *ch,
       out->outcome = IDEM_CHARGE_NOT_FOUND;
   }
   free(a);
+}
+
+static void http_charge(idem_provider_t *base, const idem_charge_t *ch,
+                        idem_charge_result_t *out) {
+  char body[128];
+
+  snprintf(body, sizeof body, "{\"amount\":%lld,\"currency\":\"%s\"}",
+           (long long)ch->amount, ch->currency);
+  post_keyed((http_provider_t *)base, "/charges", ch->provider_key, body, out);
+}
+
+static void http_lookup(idem_provider_t *base, const idem_charge_t *ch,
+                        idem_charge_result_t *out) {
+  get_keyed((http_provider_t *)base, "/charges/", ch->provider_key, out);
+}
+
+/* The refund's currency is not sent: a provider refunds in the charge's
+ * currency (tools/psp/README.md, POST /refunds). */
+static void http_refund(idem_provider_t *base, const idem_refund_req_t *r,
+                        idem_charge_result_t *out) {
+  json_t *v = json_pack("{s:s, s:I}", "charge", r->charge_key, "amount",
+                        (json_int_t)r->amount);
+  char *body = v ? json_dumps(v, JSON_COMPACT) : NULL;
+
+  json_decref(v);
+  /* Out of memory before anything was sent: NOT_SENT. */
+  post_keyed((http_provider_t *)base, "/refunds", r->provider_key, body, out);
+  free(body);
+}
+
+static void http_refund_lookup(idem_provider_t *base, const idem_refund_req_t *r,
+                               idem_charge_result_t *out) {
+  get_keyed((http_provider_t *)base, "/refunds/", r->provider_key, out);
 }
 
 static void http_close(idem_provider_t *base) {
@@ -200,6 +238,8 @@ idem_provider_t *idem_http_provider_new(const char *base_url,
   p->base.name = "http";
   p->base.charge = http_charge;
   p->base.lookup = http_lookup;
+  p->base.refund = http_refund;
+  p->base.refund_lookup = http_refund_lookup;
   p->base.close = http_close;
   p->connect_timeout_ms = (long)connect_timeout_ms;
   p->timeout_ms = (long)timeout_ms;

@@ -2,7 +2,8 @@
  * docs/payments.md): idemd with --provider pointing at idem-psp, the simulator,
  * whose faults stand for what goes wrong between us and a payment provider.
  * Each test ends by asking the provider how many charges it made (GET /stats):
- * one per payment, whatever happened in between. */
+ * one per payment, whatever happened in between. Section 7 calls the HTTP
+ * provider itself for refunds, and counts the refunds the same way. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -15,6 +16,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "provider/provider.h"
 #include "psp_harness.h"
 
 #define PAYMENT "{\"amount\": 15990, \"currency\": \"BRL\", \"order_id\": \"ord_42\"}"
@@ -661,16 +663,29 @@ static void *dying_main(void *arg) {
   return NULL;
 }
 
+/* Starts a dying provider on a free loopback port: its URL in `url`.
+ * CLOEXEC: idemd, started after it, must not hold it open. */
+static void dying_start(struct dying_psp *d, char *url, size_t urllen) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t alen = sizeof a;
+
+  *d = (struct dying_psp){.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  assert_true(d->lfd >= 0);
+  assert_int_equal(bind(d->lfd, (struct sockaddr *)&a, sizeof a), 0);
+  assert_int_equal(listen(d->lfd, 8), 0);
+  assert_int_equal(getsockname(d->lfd, (struct sockaddr *)&a, &alen), 0);
+  d->port = ntohs(a.sin_port);
+  snprintf(url, urllen, "http://127.0.0.1:%d", d->port);
+  assert_int_equal(pthread_create(&d->thread, NULL, dying_main, d), 0);
+}
+
 /* The provider charged the second payment and died before answering. The
  * request had gone out, so its outcome is unknown: 202, the payment and
  * record pending for the reconciler, never failed (a failed payment is
  * retried under a new payment id, which the provider would charge again). */
 static void test_crash_after_charge_on_kept_alive_connection(void **state) {
-  /* Static: its thread may outlive a failed assertion here. CLOEXEC:
-   * idemd, started after it, must not hold it open. */
+  /* Static: its thread may outlive a failed assertion here. */
   static struct dying_psp d;
-  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  socklen_t alen = sizeof a;
   char url[64];
   const char *flags[] = {"--provider", url, "--workers", "1", "--reconcile-interval", "1h",
                          NULL};
@@ -680,14 +695,7 @@ static void test_crash_after_charge_on_kept_alive_connection(void **state) {
   char *id;
   (void)state;
 
-  d = (struct dying_psp){.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)};
-  assert_true(d.lfd >= 0);
-  assert_int_equal(bind(d.lfd, (struct sockaddr *)&a, sizeof a), 0);
-  assert_int_equal(listen(d.lfd, 8), 0);
-  assert_int_equal(getsockname(d.lfd, (struct sockaddr *)&a, &alen), 0);
-  d.port = ntohs(a.sin_port);
-  snprintf(url, sizeof url, "http://127.0.0.1:%d", d.port);
-  assert_int_equal(pthread_create(&d.thread, NULL, dying_main, &d), 0);
+  dying_start(&d, url, sizeof url);
 
   s = h_server_start(flags);
   tok = h_tenant(s, "acme");
@@ -762,6 +770,229 @@ static void test_decline(void **state) {
   p_stop(p);
 }
 
+/* ---- 7. refunds through the HTTP provider ---------------------------------- */
+
+/* The HTTP provider itself (src/provider/http.c), called as idemd's worker
+ * and reconciler call it, against idem-psp: each outcome of a refund, and
+ * the refund made once per provider key whatever goes wrong. */
+
+#define CONNECT_TIMEOUT_MS 2000
+
+static idem_provider_t *http_provider(const char *url, int64_t timeout_ms) {
+  idem_provider_t *pr = idem_http_provider_new(url, CONNECT_TIMEOUT_MS, timeout_ms);
+  assert_non_null(pr);
+  return pr;
+}
+
+static const char *outcome_name(idem_charge_outcome_t o) {
+  switch (o) {
+  case IDEM_CHARGE_SUCCEEDED:
+    return "SUCCEEDED";
+  case IDEM_CHARGE_DECLINED:
+    return "DECLINED";
+  case IDEM_CHARGE_UNKNOWN:
+    return "UNKNOWN";
+  case IDEM_CHARGE_NOT_SENT:
+    return "NOT_SENT";
+  case IDEM_CHARGE_NOT_FOUND:
+    return "NOT_FOUND";
+  }
+  return "?";
+}
+
+/* `res` is `want`, with a reference starting with `prefix` (NULL: none). */
+static void assert_outcome(const char *what, const idem_charge_result_t *res,
+                           idem_charge_outcome_t want, const char *prefix) {
+  if (res->outcome != want)
+    fail_msg("%s: %s, want %s", what, outcome_name(res->outcome), outcome_name(want));
+  if (prefix ? strncmp(res->reference, prefix, strlen(prefix)) != 0 ||
+                   strlen(res->reference) <= strlen(prefix)
+             : res->reference[0] != '\0')
+    fail_msg("%s: reference '%s', want %s", what, res->reference,
+             prefix ? prefix : "none");
+}
+
+/* stats["refund_keys"][key][field]; 0 when the key is absent. */
+static int64_t refund_key_stat(const json_t *stats, const char *key, const char *field) {
+  json_t *k = json_object_get(json_object_get(stats, "refund_keys"), key);
+  return json_integer_value(json_object_get(k, field));
+}
+
+/* The provider made `refunds` refunds and `declines` declined ones. */
+static void assert_refunds(p_psp_t *p, int64_t refunds, int64_t declines) {
+  json_t *stats = p_stats(p);
+  if (p_total(stats, "refunds") != refunds || p_total(stats, "refund_declines") != declines)
+    fail_msg("provider made %lld refunds and %lld declines, want %lld and %lld",
+             (long long)p_total(stats, "refunds"),
+             (long long)p_total(stats, "refund_declines"), (long long)refunds,
+             (long long)declines);
+  json_decref(stats);
+}
+
+static void charge_for_refunds(idem_provider_t *pr, const char *key, int64_t amount) {
+  idem_charge_t ch = {.provider_key = key, .amount = amount, .currency = "BRL"};
+  idem_charge_result_t res;
+  pr->charge(pr, &ch, &res);
+  assert_outcome("the charge to refund", &res, IDEM_CHARGE_SUCCEEDED, "ch_");
+}
+
+static void test_http_refund(void **state) {
+  p_psp_t *p = p_start(NULL);
+  idem_provider_t *pr = http_provider(p->url, 5000);
+  idem_refund_req_t r1 = {.provider_key = "re/1?x%#", .charge_key = "pay_r1",
+                          .amount = 4000, .currency = "BRL"};
+  idem_refund_req_t unknown = {.provider_key = "re_2", .charge_key = "pay_none",
+                               .amount = 1, .currency = "BRL"};
+  idem_refund_req_t over = {.provider_key = "re_3", .charge_key = "pay_r1",
+                            .amount = 6001, .currency = "BRL"};
+  idem_refund_req_t never = {.provider_key = "re_never", .charge_key = "pay_r1",
+                             .amount = 1, .currency = "BRL"};
+  idem_charge_result_t first, res;
+  json_t *stats;
+  (void)state;
+
+  charge_for_refunds(pr, "pay_r1", 10000);
+  pr->refund(pr, &r1, &first);
+  assert_outcome("refund", &first, IDEM_CHARGE_SUCCEEDED, "re_");
+  /* The same provider key again is the same refund. */
+  pr->refund(pr, &r1, &res);
+  assert_outcome("refund again", &res, IDEM_CHARGE_SUCCEEDED, "re_");
+  assert_string_equal(res.reference, first.reference);
+  /* Looked up by its key (escaped in the path). */
+  pr->refund_lookup(pr, &r1, &res);
+  assert_outcome("refund_lookup", &res, IDEM_CHARGE_SUCCEEDED, "re_");
+  assert_string_equal(res.reference, first.reference);
+  pr->refund_lookup(pr, &never, &res);
+  assert_outcome("refund_lookup of an unknown key", &res, IDEM_CHARGE_NOT_FOUND, NULL);
+
+  /* An unknown charge, and more than is left of one: declined, for good. */
+  pr->refund(pr, &unknown, &res);
+  assert_outcome("refund of an unknown charge", &res, IDEM_CHARGE_DECLINED, "re_");
+  pr->refund(pr, &over, &res);
+  assert_outcome("refund past the charge", &res, IDEM_CHARGE_DECLINED, "re_");
+  pr->refund_lookup(pr, &over, &res);
+  assert_outcome("refund_lookup of a declined refund", &res, IDEM_CHARGE_DECLINED, "re_");
+
+  assert_refunds(p, 1, 2);
+  stats = p_stats(p);
+  assert_int_equal(refund_key_stat(stats, "re/1?x%#", "requests"), 2);
+  assert_int_equal(refund_key_stat(stats, "re/1?x%#", "refunds"), 1);
+  /* A refund is not a charge. */
+  assert_int_equal(p_total(stats, "charges"), 1);
+  json_decref(stats);
+  pr->close(pr);
+  p_stop(p);
+}
+
+/* Each thing that goes wrong between us and the provider, on a refund:
+ * a refused connection is NOT_SENT and nothing is refunded; a 5xx, a
+ * dropped connection and a timeout are UNKNOWN, and refund_lookup then
+ * tells what the provider did. */
+static void test_http_refund_faults(void **state) {
+  static const char *const fail_before[] = {"--fail-before", NULL};
+  static const char *const fail_after[] = {"--fail-after", NULL};
+  static const char *const drop_after[] = {"--drop-after", NULL};
+  static const char *const delay[] = {"--delay-after-charge", "3s", NULL};
+  static const struct {
+    const char *const *flags;
+    const char *key;
+    int64_t timeout_ms;
+    idem_charge_outcome_t looked_up;
+  } phases[] = {
+      {fail_before, "re_fb", 5000, IDEM_CHARGE_NOT_FOUND},
+      {fail_after, "re_fa", 5000, IDEM_CHARGE_SUCCEEDED},
+      {drop_after, "re_da", 5000, IDEM_CHARGE_SUCCEEDED},
+      {delay, "re_late", 500, IDEM_CHARGE_SUCCEEDED},
+  };
+  p_psp_t *p = p_start(NULL);
+  idem_provider_t *pr = http_provider(p->url, 5000);
+  idem_refund_req_t r = {.charge_key = "pay_f", .amount = 10, .currency = "BRL"};
+  idem_charge_result_t res, again;
+  json_t *stats;
+  (void)state;
+
+  charge_for_refunds(pr, "pay_f", 1000);
+  pr->close(pr);
+
+  /* Nothing listens: NOT_SENT. */
+  p_stop(p);
+  pr = http_provider(p->url, 5000);
+  r.provider_key = "re_refused";
+  pr->refund(pr, &r, &res);
+  assert_outcome("refund while the provider is down", &res, IDEM_CHARGE_NOT_SENT, NULL);
+  pr->refund_lookup(pr, &r, &res);
+  assert_outcome("refund_lookup while the provider is down", &res, IDEM_CHARGE_UNKNOWN,
+                 NULL);
+  pr->close(pr);
+
+  /* A 500 before (nothing made), a 500 after, a dropped connection, an
+   * answer after our deadline: UNKNOWN to us, and the lookup tells. */
+  for (size_t i = 0; i < sizeof phases / sizeof *phases; i++) {
+    char what[64];
+    p_restart(p, phases[i].flags);
+    pr = http_provider(p->url, phases[i].timeout_ms);
+    r.provider_key = phases[i].key;
+    snprintf(what, sizeof what, "refund %s", phases[i].key);
+    pr->refund(pr, &r, &res);
+    assert_outcome(what, &res, IDEM_CHARGE_UNKNOWN, NULL);
+    snprintf(what, sizeof what, "refund_lookup %s", phases[i].key);
+    pr->refund_lookup(pr, &r, &res);
+    assert_outcome(what, &res, phases[i].looked_up,
+                   phases[i].looked_up == IDEM_CHARGE_SUCCEEDED ? "re_" : NULL);
+    pr->close(pr);
+    p_stop(p);
+  }
+
+  /* Sent again under their keys, they are the refunds made: one each. */
+  p_restart(p, NULL);
+  pr = http_provider(p->url, 5000);
+  for (int i = 0; i < 3; i++) {
+    static const char *const keys[] = {"re_fa", "re_da", "re_late"};
+    r.provider_key = keys[i];
+    pr->refund_lookup(pr, &r, &res);
+    pr->refund(pr, &r, &again);
+    assert_outcome(keys[i], &again, IDEM_CHARGE_SUCCEEDED, "re_");
+    assert_string_equal(again.reference, res.reference);
+  }
+  /* The refused and fail-before ones reached nothing: a first refund. */
+  r.provider_key = "re_fb";
+  pr->refund(pr, &r, &res);
+  assert_outcome("refund after fail-before", &res, IDEM_CHARGE_SUCCEEDED, "re_");
+  assert_refunds(p, 4, 0);
+  stats = p_stats(p);
+  assert_int_equal(refund_key_stat(stats, "re_refused", "requests"), 0);
+  assert_int_equal(refund_key_stat(stats, "re_fb", "requests"), 2);
+  assert_int_equal(p_total(stats, "charges"), 1);
+  json_decref(stats);
+  pr->close(pr);
+  p_stop(p);
+}
+
+/* The provider answers a charge on a kept-alive connection, then dies
+ * after reading the refund sent on it: libcurl's second try on a new
+ * connection is refused, but the refund had gone out: UNKNOWN, as for a
+ * charge (test_crash_after_charge_on_kept_alive_connection). */
+static void test_http_refund_crash_on_kept_alive_connection(void **state) {
+  static struct dying_psp d; /* static: its thread may outlive a failure */
+  idem_refund_req_t r = {.provider_key = "re_kept", .charge_key = "pay_kept",
+                         .amount = 10, .currency = "BRL"};
+  idem_charge_result_t res;
+  idem_provider_t *pr;
+  char url[64];
+  (void)state;
+
+  dying_start(&d, url, sizeof url);
+
+  pr = http_provider(url, 5000);
+  charge_for_refunds(pr, "pay_kept", 100);
+  pr->refund(pr, &r, &res);
+  pthread_join(d.thread, NULL);
+  assert_int_equal(d.requests, 2);
+  assert_string_equal(d.charged, "re_kept");
+  assert_outcome("refund the provider died on", &res, IDEM_CHARGE_UNKNOWN, NULL);
+  pr->close(pr);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_response_lost, p_teardown),
@@ -774,6 +1005,10 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_crash_after_charge_on_kept_alive_connection, p_teardown),
       cmocka_unit_test_teardown(test_provider_refuses, p_teardown),
       cmocka_unit_test_teardown(test_decline, p_teardown),
+      cmocka_unit_test_teardown(test_http_refund, p_teardown),
+      cmocka_unit_test_teardown(test_http_refund_faults, p_teardown),
+      cmocka_unit_test_teardown(test_http_refund_crash_on_kept_alive_connection,
+                                p_teardown),
   };
   int rc;
   h_init(argc, argv);

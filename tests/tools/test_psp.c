@@ -487,23 +487,31 @@ static const char *str_field(const resp_t *r, const char *name) {
   return v;
 }
 
-/* A charge body: every field, with these values. */
-static void assert_charge(const resp_t *r, long status, const char *key, long long amount,
-                          const char *currency, const char *charge_status) {
+/* A charge body (or, with `charge`, a refund's): every field, with these
+ * values. */
+static void assert_made(const resp_t *r, long status, const char *key, const char *charge,
+                        long long amount, const char *currency, const char *made_status) {
   const char *id, *created;
   assert_status(r, status);
-  assert_int_equal(json_object_size(r->json), 6);
+  assert_int_equal(json_object_size(r->json), charge ? 7 : 6);
   id = str_field(r, "id");
-  assert_true(strncmp(id, "ch_", 3) == 0 && strlen(id) > 10);
+  assert_true(strncmp(id, charge ? "re_" : "ch_", 3) == 0 && strlen(id) > 10);
   assert_string_equal(str_field(r, "key"), key);
+  if (charge)
+    assert_string_equal(str_field(r, "charge"), charge);
   assert_true(json_is_integer(json_object_get(r->json, "amount")));
   assert_int_equal(json_integer_value(json_object_get(r->json, "amount")), amount);
   assert_string_equal(str_field(r, "currency"), currency);
-  assert_string_equal(str_field(r, "status"), charge_status);
+  assert_string_equal(str_field(r, "status"), made_status);
   created = str_field(r, "created_at");
   /* RFC 3339 UTC: 2026-11-30T08:13:19Z */
   assert_int_equal(strlen(created), 20);
   assert_true(created[4] == '-' && created[10] == 'T' && created[19] == 'Z');
+}
+
+static void assert_charge(const resp_t *r, long status, const char *key, long long amount,
+                          const char *currency, const char *charge_status) {
+  assert_made(r, status, key, NULL, amount, currency, charge_status);
 }
 
 /* Transport failure: the connection closed (or timed out) with no answer. */
@@ -523,12 +531,14 @@ static json_t *stats(const psp_t *p) {
   return s;
 }
 
-/* stats field; with `key`, keys[key][field] (-1 if the key is absent). */
-static long long stat_of(const psp_t *p, const char *key, const char *field) {
+/* stats field; with `key`, stats[keys][key][field] (-1 if the key is
+ * absent). */
+static long long stat_in(const psp_t *p, const char *keys, const char *key,
+                         const char *field) {
   json_t *s = stats(p), *v;
   long long n;
   if (key) {
-    json_t *k = json_object_get(json_object_get(s, "keys"), key);
+    json_t *k = json_object_get(json_object_get(s, keys), key);
     v = k ? json_object_get(k, field) : NULL;
     if (k == NULL) {
       json_decref(s);
@@ -541,6 +551,17 @@ static long long stat_of(const psp_t *p, const char *key, const char *field) {
   n = json_integer_value(v);
   json_decref(s);
   return n;
+}
+
+/* stats field; with `key`, keys[key][field] (-1 if the key is absent). */
+static long long stat_of(const psp_t *p, const char *key, const char *field) {
+  return stat_in(p, "keys", key, field);
+}
+
+/* With `key`, refund_keys[key][field] (-1 if the key is absent); else
+ * the stats field. */
+static long long refund_stat(const psp_t *p, const char *key, const char *field) {
+  return stat_in(p, "refund_keys", key, field);
 }
 
 /* GET /charges/{key} (key already URL-safe). */
@@ -654,6 +675,8 @@ static void test_usage(void **state) {
   assert_non_null(strstr(out, "usage: idem-psp"));
   assert_non_null(strstr(out, "--decline-amount"));
   assert_non_null(strstr(out, "IDEM_PSP_LISTEN"));
+  assert_non_null(strstr(out, "POST /refunds"));
+  assert_non_null(strstr(out, "GET /refunds/{key}"));
   free(out);
 
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -701,6 +724,11 @@ static void test_routes(void **state) {
   assert_error(&r, 405);
   resp_free(&r);
 
+  get(p, "/refunds", &r);
+  assert_error(&r, 405);
+  assert_string_equal(r.allow, "POST");
+  resp_free(&r);
+
   http(p, &head, &r);
   assert_status(&r, 200);
   assert_int_equal(r.len, 0);
@@ -713,6 +741,14 @@ static void test_routes(void **state) {
   assert_int_equal(json_integer_value(json_object_get(r.json, "requests")), 0);
   assert_true(json_is_object(json_object_get(r.json, "keys")));
   assert_int_equal(json_object_size(json_object_get(r.json, "keys")), 0);
+  for (size_t i = 0; i < 3; i++) {
+    static const char *const zero[] = {"refunds", "refund_declines", "refund_requests"};
+    json_t *v = json_object_get(r.json, zero[i]);
+    assert_true(json_is_integer(v));
+    assert_int_equal(json_integer_value(v), 0);
+  }
+  assert_true(json_is_object(json_object_get(r.json, "refund_keys")));
+  assert_int_equal(json_object_size(json_object_get(r.json, "refund_keys")), 0);
   resp_free(&r);
 }
 
@@ -902,23 +938,32 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
+/* Sends the requests of w[0..n) (their .p and .q set) from n threads
+ * released together, and waits for every answer. */
+static void run_together(struct worker *w, int n) {
+  pthread_t t[TOGETHER];
+  pthread_barrier_t barrier;
+
+  assert_true(n <= TOGETHER);
+  pthread_barrier_init(&barrier, NULL, (unsigned)n);
+  for (int i = 0; i < n; i++) {
+    w[i].barrier = &barrier;
+    assert_int_equal(pthread_create(&t[i], NULL, worker_main, &w[i]), 0);
+  }
+  for (int i = 0; i < n; i++)
+    pthread_join(t[i], NULL);
+  pthread_barrier_destroy(&barrier);
+}
+
 static void test_one_charge_per_key(void **state) {
   psp_t *p = psp_start(NULL);
   struct worker w[TOGETHER];
-  pthread_t t[TOGETHER];
-  pthread_barrier_t barrier;
   int fresh = 0;
   (void)state;
 
-  pthread_barrier_init(&barrier, NULL, TOGETHER);
-  for (int i = 0; i < TOGETHER; i++) {
-    w[i] = (struct worker){
-        .p = p, .barrier = &barrier, .q = {.key = "k-race", .body = "{\"amount\": 777}"}};
-    assert_int_equal(pthread_create(&t[i], NULL, worker_main, &w[i]), 0);
-  }
   for (int i = 0; i < TOGETHER; i++)
-    pthread_join(t[i], NULL);
-  pthread_barrier_destroy(&barrier);
+    w[i] = (struct worker){.p = p, .q = {.key = "k-race", .body = "{\"amount\": 777}"}};
+  run_together(w, TOGETHER);
 
   for (int i = 0; i < TOGETHER; i++) {
     assert_charge(&w[i].r, 201, "k-race", 777, "BRL", "succeeded");
@@ -990,21 +1035,37 @@ static void test_fail_before(void **state) {
   assert_int_equal(stat_of(p, NULL, "charges"), 1);
 }
 
-/* After a fault that made the charge but gave no good answer, the charge is
- * visible by key and a retry replays it. */
-static void assert_charged_once(const psp_t *p, const char *key, long long amount) {
+/* After a fault that made the charge (or, with `charge`, the refund of
+ * that charge) but gave no good answer, it is visible by key and a retry
+ * replays it. */
+static void assert_made_once(const psp_t *p, const char *key, const char *charge,
+                             long long amount) {
+  char path[600], body[400], *id;
+  req_t q = {.path = charge ? "/refunds" : "/charges", .key = key, .body = body};
   resp_t r;
-  char *id = charge_id(p, key);
-  char body[64];
 
-  snprintf(body, sizeof body, "{\"amount\": %lld}", amount);
-  post(p, key, NULL, body, &r);
-  assert_charge(&r, 201, key, amount, "BRL", "succeeded");
+  snprintf(path, sizeof path, "%s/%s", q.path, key);
+  get(p, path, &r);
+  assert_made(&r, 200, key, charge, amount, "BRL", "succeeded");
+  id = strdup(str_field(&r, "id"));
+  resp_free(&r);
+  if (charge)
+    snprintf(body, sizeof body, "{\"charge\": \"%s\", \"amount\": %lld}", charge, amount);
+  else
+    snprintf(body, sizeof body, "{\"amount\": %lld}", amount);
+  http(p, &q, &r);
+  assert_made(&r, 201, key, charge, amount, "BRL", "succeeded");
   assert_true(r.replayed);
   assert_string_equal(str_field(&r, "id"), id);
   resp_free(&r);
-  assert_int_equal(stat_of(p, key, "charges"), 1);
+  assert_int_equal(stat_in(p, charge ? "refund_keys" : "keys", key,
+                           charge ? "refunds" : "charges"),
+                   1);
   free(id);
+}
+
+static void assert_charged_once(const psp_t *p, const char *key, long long amount) {
+  assert_made_once(p, key, NULL, amount);
 }
 
 static void test_fail_after(void **state) {
@@ -1526,6 +1587,506 @@ static void test_garbage(void **state) {
   assert_int_equal(stat_of(p, NULL, "charges"), 0);
 }
 
+/* ---- POST /refunds --------------------------------------------------------------- */
+
+static void post_refund(const psp_t *p, const char *key, const char *fault,
+                        const char *body, resp_t *out) {
+  req_t q = {.path = "/refunds", .key = key, .fault = fault, .body = body};
+  http(p, &q, out);
+}
+
+/* GET /refunds/{key} (key already URL-safe). */
+static void get_refund(const psp_t *p, const char *key, resp_t *out) {
+  char path[600];
+  snprintf(path, sizeof path, "/refunds/%s", key);
+  get(p, path, out);
+}
+
+static void assert_refund(const resp_t *r, long status, const char *key, const char *charge,
+                          long long amount, const char *currency,
+                          const char *refund_status) {
+  assert_made(r, status, key, charge, amount, currency, refund_status);
+}
+
+/* Makes a charge of `amount` under `key` (201), for refunds to refund. */
+static void make_charge(const psp_t *p, const char *key, long long amount,
+                        const char *fault) {
+  char body[64];
+  resp_t r;
+  snprintf(body, sizeof body, "{\"amount\": %lld}", amount);
+  post(p, key, fault, body, &r);
+  assert_status(&r, fault && strcmp(fault, "decline") == 0 ? 402 : 201);
+  resp_free(&r);
+}
+
+/* {"charge": charge, "amount": amount}, in `out`. */
+static const char *refund_body(char *out, size_t outlen, const char *charge,
+                               long long amount) {
+  snprintf(out, outlen, "{\"charge\": \"%s\", \"amount\": %lld}", charge, amount);
+  return out;
+}
+
+static void test_refund_and_replay(void **state) {
+  psp_t *p = psp_start(NULL);
+  req_t head = {.method = "HEAD", .path = "/refunds/r-1"};
+  resp_t first, again, r;
+  (void)state;
+
+  make_charge(p, "c-1", 10000, NULL);
+  post_refund(p, "r-1", NULL, "{\"charge\": \"c-1\", \"amount\": 3000}", &first);
+  assert_refund(&first, 201, "r-1", "c-1", 3000, "BRL", "succeeded");
+  assert_false(first.replayed);
+
+  /* Key order, whitespace and the charge's own currency do not matter. */
+  post_refund(p, "r-1", NULL, "{\"currency\":\"BRL\",\"amount\":3000,\"charge\":\"c-1\"}",
+              &again);
+  assert_refund(&again, 201, "r-1", "c-1", 3000, "BRL", "succeeded");
+  assert_true(again.replayed);
+  assert_string_equal(again.body, first.body);
+  resp_free(&again);
+
+  /* Another amount, charge or currency under the key is 409 and changes
+   * nothing. */
+  post_refund(p, "r-1", NULL, "{\"charge\": \"c-1\", \"amount\": 3001}", &r);
+  assert_error(&r, 409);
+  resp_free(&r);
+  make_charge(p, "c-2", 10000, NULL);
+  post_refund(p, "r-1", NULL, "{\"charge\": \"c-2\", \"amount\": 3000}", &r);
+  assert_error(&r, 409);
+  resp_free(&r);
+  post_refund(p, "r-1", NULL, "{\"charge\": \"c-1\", \"amount\": 3000, \"currency\": \"USD\"}",
+              &r);
+  assert_error(&r, 409);
+  resp_free(&r);
+
+  /* GET and HEAD by key; other keys, and a charge's key, are not refunds. */
+  get_refund(p, "r-1", &r);
+  assert_refund(&r, 200, "r-1", "c-1", 3000, "BRL", "succeeded");
+  assert_string_equal(str_field(&r, "id"), str_field(&first, "id"));
+  assert_false(r.replayed);
+  resp_free(&r);
+  http(p, &head, &r);
+  assert_status(&r, 200);
+  assert_int_equal(r.len, 0);
+  resp_free(&r);
+  get_refund(p, "r-2", &r);
+  assert_error(&r, 404);
+  assert_string_equal(str_field(&r, "error"), "no refund");
+  resp_free(&r);
+  get_refund(p, "c-1", &r);
+  assert_error(&r, 404);
+  resp_free(&r);
+  get_refund(p, "", &r);
+  assert_error(&r, 404);
+  resp_free(&r);
+
+  /* A refund key is not a charge key: "r-1" can still be charged. */
+  make_charge(p, "r-1", 5, NULL);
+
+  assert_int_equal(refund_stat(p, NULL, "refunds"), 1);
+  assert_int_equal(refund_stat(p, NULL, "refund_declines"), 0);
+  assert_int_equal(refund_stat(p, NULL, "refund_requests"), 5);
+  assert_int_equal(refund_stat(p, "r-1", "requests"), 5);
+  assert_int_equal(refund_stat(p, "r-1", "refunds"), 1);
+  assert_int_equal(refund_stat(p, "r-1", "declines"), 0);
+  assert_int_equal(stat_of(p, NULL, "charges"), 3);
+  assert_int_equal(stat_of(p, NULL, "requests"), 3);
+  resp_free(&first);
+}
+
+static void test_refund_validation(void **state) {
+  static const char *const bad[] = {
+      "",
+      "not json",
+      "[1, 2]",
+      "{}",
+      "{\"amount\": 100}",
+      "{\"charge\": \"c-v\"}",
+      "{\"charge\": \"\", \"amount\": 100}",
+      "{\"charge\": 42, \"amount\": 100}",
+      "{\"charge\": null, \"amount\": 100}",
+      "{\"charge\": [\"c-v\"], \"amount\": 100}",
+      "{\"charge\": \"c v\", \"amount\": 100}",
+      "{\"charge\": \"caf\xc3\xa9\", \"amount\": 100}",
+      "{\"charge\": \"c-v\", \"amount\": 0}",
+      "{\"charge\": \"c-v\", \"amount\": -5}",
+      "{\"charge\": \"c-v\", \"amount\": 1.5}",
+      "{\"charge\": \"c-v\", \"amount\": \"100\"}",
+      "{\"charge\": \"c-v\", \"amount\": 9007199254740992}",
+      "{\"charge\": \"c-v\", \"amount\": 100, \"currency\": \"brl\"}",
+      "{\"charge\": \"c-v\", \"amount\": 100, \"currency\": 986}",
+      "{\"charge\": \"c-v\", \"charge\": \"c-w\", \"amount\": 100}",
+      "{\"charge\": \"c-v\", \"amount\": 100",
+  };
+  psp_t *p = psp_start(NULL);
+  char long_charge[400], body[512], *big;
+  resp_t r;
+  int n = 0;
+  (void)state;
+
+  make_charge(p, "c-v", 1000, NULL);
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++, n++) {
+    post_refund(p, "r-v", NULL, bad[i], &r);
+    if (r.status != 422)
+      fail_msg("body %s: expected 422, got %ld", bad[i], r.status);
+    assert_error(&r, 422);
+    resp_free(&r);
+  }
+  memset(long_charge, 'c', 256);
+  long_charge[256] = '\0';
+  post_refund(p, "r-v", NULL, refund_body(body, sizeof body, long_charge, 100), &r);
+  assert_error(&r, 422);
+  resp_free(&r);
+  n++;
+  big = malloc(70 * 1024 + 64);
+  assert_non_null(big);
+  memset(big, ' ', 70 * 1024);
+  strcpy(big + 70 * 1024, "{\"charge\": \"c-v\", \"amount\": 100}");
+  post_refund(p, "r-v", NULL, big, &r);
+  assert_error(&r, 413);
+  resp_free(&r);
+  free(big);
+  n++;
+
+  /* The key: as for charges. */
+  post_refund(p, NULL, NULL, "{\"charge\": \"c-v\", \"amount\": 100}", &r);
+  assert_error(&r, 400);
+  assert_non_null(strstr(r.body, "required"));
+  resp_free(&r);
+  post_refund(p, "", NULL, "{\"charge\": \"c-v\", \"amount\": 100}", &r);
+  assert_error(&r, 400);
+  resp_free(&r);
+  post_refund(p, "caf\xc3\xa9", NULL, "{\"charge\": \"c-v\", \"amount\": 100}", &r);
+  assert_error(&r, 400);
+  resp_free(&r);
+  /* A malformed X-Psp-Fault, as for charges. */
+  post_refund(p, "r-v", "bogus", "{\"charge\": \"c-v\", \"amount\": 100}", &r);
+  assert_error(&r, 400);
+  resp_free(&r);
+  n++;
+
+  /* Nothing was refunded or declined: the key is still free. */
+  get_refund(p, "r-v", &r);
+  assert_error(&r, 404);
+  resp_free(&r);
+  assert_int_equal(refund_stat(p, NULL, "refunds"), 0);
+  assert_int_equal(refund_stat(p, NULL, "refund_declines"), 0);
+  assert_int_equal(refund_stat(p, "r-v", "requests"), n);
+  assert_int_equal(refund_stat(p, NULL, "refund_requests"), n + 3);
+  /* The longest charge key is fine; other fields are ignored. */
+  long_charge[255] = '\0';
+  post_refund(p, "r-long", NULL, refund_body(body, sizeof body, long_charge, 100), &r);
+  assert_refund(&r, 402, "r-long", long_charge, 100, "BRL", "declined");
+  resp_free(&r);
+  post_refund(p, "r-v", NULL, "{\"charge\": \"c-v\", \"amount\": 100, \"note\": \"x\"}", &r);
+  assert_refund(&r, 201, "r-v", "c-v", 100, "BRL", "succeeded");
+  assert_false(r.replayed);
+  resp_free(&r);
+}
+
+static void test_one_refund_per_key(void **state) {
+  psp_t *p = psp_start(NULL);
+  struct worker w[TOGETHER];
+  int fresh = 0;
+  (void)state;
+
+  make_charge(p, "c-race", 1000, NULL);
+  for (int i = 0; i < TOGETHER; i++)
+    w[i] = (struct worker){.p = p,
+                           .q = {.path = "/refunds",
+                                 .key = "r-race",
+                                 .body = "{\"charge\": \"c-race\", \"amount\": 700}"}};
+  run_together(w, TOGETHER);
+
+  for (int i = 0; i < TOGETHER; i++) {
+    assert_refund(&w[i].r, 201, "r-race", "c-race", 700, "BRL", "succeeded");
+    assert_string_equal(str_field(&w[i].r, "id"), str_field(&w[0].r, "id"));
+    fresh += !w[i].r.replayed;
+  }
+  assert_int_equal(fresh, 1);
+  assert_int_equal(refund_stat(p, NULL, "refunds"), 1);
+  assert_int_equal(refund_stat(p, NULL, "refund_declines"), 0);
+  assert_int_equal(refund_stat(p, "r-race", "requests"), TOGETHER);
+  assert_int_equal(refund_stat(p, "r-race", "refunds"), 1);
+  for (int i = 0; i < TOGETHER; i++)
+    resp_free(&w[i].r);
+}
+
+/* Twenty refunds of a tenth of a charge, under twenty keys at once: ten
+ * refund it all, ten are declined, and nothing is left. */
+static void test_refunds_never_exceed_the_charge(void **state) {
+  psp_t *p = psp_start(NULL);
+  struct worker w[TOGETHER];
+  char keys[TOGETHER][16], body[64];
+  int succeeded = 0, declined = 0;
+  resp_t r;
+  (void)state;
+
+  make_charge(p, "c-split", 10000, NULL);
+  for (int i = 0; i < TOGETHER; i++) {
+    snprintf(keys[i], sizeof keys[i], "r-split-%02d", i);
+    w[i] = (struct worker){.p = p,
+                           .q = {.path = "/refunds",
+                                 .key = keys[i],
+                                 .body = "{\"charge\": \"c-split\", \"amount\": 1000}"}};
+  }
+  run_together(w, TOGETHER);
+
+  for (int i = 0; i < TOGETHER; i++) {
+    const char *status = w[i].r.status == 201 ? "succeeded" : "declined";
+    assert_refund(&w[i].r, w[i].r.status == 201 ? 201 : 402, keys[i], "c-split", 1000,
+                  "BRL", status);
+    assert_false(w[i].r.replayed);
+    succeeded += w[i].r.status == 201;
+    declined += w[i].r.status == 402;
+    /* What each was answered is what was stored. */
+    get_refund(p, keys[i], &r);
+    assert_refund(&r, 200, keys[i], "c-split", 1000, "BRL", status);
+    resp_free(&r);
+    resp_free(&w[i].r);
+  }
+  assert_int_equal(succeeded, 10);
+  assert_int_equal(declined, 10);
+  assert_int_equal(refund_stat(p, NULL, "refunds"), 10);
+  assert_int_equal(refund_stat(p, NULL, "refund_declines"), 10);
+  post_refund(p, "r-split-last", NULL, refund_body(body, sizeof body, "c-split", 1), &r);
+  assert_refund(&r, 402, "r-split-last", "c-split", 1, "BRL", "declined");
+  resp_free(&r);
+}
+
+static void test_refund_declines(void **state) {
+  const char *flags[] = {"--decline-amount", "402", NULL};
+  psp_t *p = psp_start(flags);
+  char body[128];
+  resp_t first, r;
+  (void)state;
+
+  make_charge(p, "c-ok", 1000, NULL);
+  make_charge(p, "c-declined", 1000, "decline");
+
+  /* No such charge: declined, stored and replayed... */
+  post_refund(p, "r-d1", NULL, refund_body(body, sizeof body, "c-later", 100), &first);
+  assert_refund(&first, 402, "r-d1", "c-later", 100, "BRL", "declined");
+  assert_false(first.replayed);
+  /* ...even once the charge exists: one decision per key, ever. */
+  make_charge(p, "c-later", 1000, NULL);
+  post_refund(p, "r-d1", NULL, refund_body(body, sizeof body, "c-later", 100), &r);
+  assert_refund(&r, 402, "r-d1", "c-later", 100, "BRL", "declined");
+  assert_true(r.replayed);
+  assert_string_equal(r.body, first.body);
+  resp_free(&r);
+  get_refund(p, "r-d1", &r);
+  assert_refund(&r, 200, "r-d1", "c-later", 100, "BRL", "declined");
+  resp_free(&r);
+
+  /* A declined charge, more than the charge, another currency. */
+  post_refund(p, "r-d2", NULL, refund_body(body, sizeof body, "c-declined", 100), &r);
+  assert_refund(&r, 402, "r-d2", "c-declined", 100, "BRL", "declined");
+  resp_free(&r);
+  post_refund(p, "r-d3", NULL, refund_body(body, sizeof body, "c-ok", 1001), &r);
+  assert_refund(&r, 402, "r-d3", "c-ok", 1001, "BRL", "declined");
+  resp_free(&r);
+  post_refund(p, "r-d4", NULL,
+              "{\"charge\": \"c-ok\", \"amount\": 100, \"currency\": \"USD\"}", &r);
+  assert_refund(&r, 402, "r-d4", "c-ok", 100, "USD", "declined");
+  resp_free(&r);
+  /* --decline-amount and the decline fault, as for charges; the header
+   * replaces the flag. */
+  post_refund(p, "r-d5", NULL, refund_body(body, sizeof body, "c-ok", 402), &r);
+  assert_refund(&r, 402, "r-d5", "c-ok", 402, "BRL", "declined");
+  resp_free(&r);
+  post_refund(p, "r-d6", "decline", refund_body(body, sizeof body, "c-ok", 10), &r);
+  assert_refund(&r, 402, "r-d6", "c-ok", 10, "BRL", "declined");
+  resp_free(&r);
+
+  /* Declined refunds took nothing: the whole charge is still there. */
+  post_refund(p, "r-ok", "none", refund_body(body, sizeof body, "c-ok", 1000), &r);
+  assert_refund(&r, 201, "r-ok", "c-ok", 1000, "BRL", "succeeded");
+  resp_free(&r);
+  post_refund(p, "r-none-left", NULL, refund_body(body, sizeof body, "c-ok", 1), &r);
+  assert_refund(&r, 402, "r-none-left", "c-ok", 1, "BRL", "declined");
+  resp_free(&r);
+
+  assert_int_equal(refund_stat(p, NULL, "refunds"), 1);
+  assert_int_equal(refund_stat(p, NULL, "refund_declines"), 7);
+  assert_int_equal(refund_stat(p, "r-d1", "declines"), 1);
+  assert_int_equal(refund_stat(p, "r-d1", "refunds"), 0);
+  assert_int_equal(refund_stat(p, "r-d1", "requests"), 2);
+  /* Refunds never change their charge. */
+  get_charge(p, "c-ok", &r);
+  assert_charge(&r, 200, "c-ok", 1000, "BRL", "succeeded");
+  resp_free(&r);
+  resp_free(&first);
+}
+
+/* Each fault of POST /charges on POST /refunds: the same effect, the same
+ * log line. */
+static void test_refund_faults(void **state) {
+  psp_t *p = psp_start(NULL);
+  req_t late = {.path = "/refunds",
+                .key = "r-dac",
+                .fault = "delay-after-charge=1500ms",
+                .body = "{\"charge\": \"c-f\", \"amount\": 4}",
+                .timeout_ms = 300};
+  char body[128];
+  json_t *lines, *j;
+  resp_t r;
+  int status;
+  (void)state;
+
+  make_charge(p, "c-f", 100, NULL);
+
+  /* fail-before: 500 and nothing stored; the retry is the first refund. */
+  post_refund(p, "r-fb", "fail-before", refund_body(body, sizeof body, "c-f", 1), &r);
+  assert_error(&r, 500);
+  resp_free(&r);
+  get_refund(p, "r-fb", &r);
+  assert_error(&r, 404);
+  resp_free(&r);
+  assert_int_equal(refund_stat(p, "r-fb", "refunds"), 0);
+  assert_int_equal(refund_stat(p, "r-fb", "declines"), 0);
+  post_refund(p, "r-fb", NULL, body, &r);
+  assert_refund(&r, 201, "r-fb", "c-f", 1, "BRL", "succeeded");
+  assert_false(r.replayed);
+  resp_free(&r);
+
+  /* fail-after and drop-after: refunded, the answer lost. */
+  post_refund(p, "r-fa", "fail-after", refund_body(body, sizeof body, "c-f", 2), &r);
+  assert_error(&r, 500);
+  resp_free(&r);
+  assert_made_once(p, "r-fa", "c-f", 2);
+  post_refund(p, "r-da", "drop-after", refund_body(body, sizeof body, "c-f", 3), &r);
+  assert_no_answer(&r);
+  resp_free(&r);
+  assert_made_once(p, "r-da", "c-f", 3);
+
+  /* delay-after-charge: refunded before the caller's deadline passed. */
+  http(p, &late, &r);
+  assert_no_answer(&r);
+  assert_int_equal(r.err, CURLE_OPERATION_TIMEDOUT);
+  resp_free(&r);
+  get_refund(p, "r-dac", &r);
+  assert_refund(&r, 200, "r-dac", "c-f", 4, "BRL", "succeeded");
+  resp_free(&r);
+
+  /* crash-after: refunded, exit 3, there after the restart. */
+  post_refund(p, "r-ca", "crash-after", refund_body(body, sizeof body, "c-f", 5), &r);
+  assert_no_answer(&r);
+  resp_free(&r);
+  status = wait_exit(p->pid, 10);
+  assert_true(status != -1);
+  p->running = 0;
+  assert_true(WIFEXITED(status));
+  assert_int_equal(WEXITSTATUS(status), 3);
+  lines = log_lines(p);
+  psp_restart(p, NULL);
+  assert_made_once(p, "r-ca", "c-f", 5);
+  assert_made_once(p, "r-dac", "c-f", 4);
+  assert_int_equal(refund_stat(p, NULL, "refunds"), 5);
+  assert_int_equal(refund_stat(p, "r-ca", "requests"), 2);
+
+  /* Logged as for charges: the path, the fault, and no status when
+   * nothing was answered. */
+  j = post_log(lines, "r-fb", 0);
+  assert_string_equal(json_string_value(json_object_get(j, "path")), "/refunds");
+  assert_string_equal(json_string_value(json_object_get(j, "fault")), "fail-before");
+  assert_int_equal(json_integer_value(json_object_get(j, "status")), 500);
+  j = post_log(lines, "r-da", 0);
+  assert_string_equal(json_string_value(json_object_get(j, "fault")), "drop-after");
+  assert_true(json_is_null(json_object_get(j, "status")));
+  j = post_log(lines, "r-ca", 0);
+  assert_string_equal(json_string_value(json_object_get(j, "fault")), "crash-after");
+  assert_true(json_is_null(json_object_get(j, "status")));
+  json_decref(lines);
+}
+
+/* The fault flags (and --chaos) act on refunds as on charges. */
+static void test_refund_fault_flags(void **state) {
+  const char *fail_before[] = {"--fail-before", NULL};
+  const char *chaos[] = {"--chaos", "1", "--seed", "7", NULL};
+  psp_t *p = psp_start(fail_before);
+  char body[128], key[16];
+  json_t *lines;
+  resp_t r;
+  (void)state;
+
+  make_charge(p, "c-flags", 1000, "none");
+  post_refund(p, "r-flag", NULL, refund_body(body, sizeof body, "c-flags", 1), &r);
+  assert_error(&r, 500);
+  resp_free(&r);
+  get_refund(p, "r-flag", &r);
+  assert_error(&r, 404);
+  resp_free(&r);
+  psp_stop(p);
+
+  psp_restart(p, chaos);
+  for (int i = 0; i < 8; i++) {
+    snprintf(key, sizeof key, "r-chaos-%d", i);
+    post_refund(p, key, NULL, refund_body(body, sizeof body, "c-flags", 1), &r);
+    resp_free(&r);
+  }
+  psp_stop(p);
+  lines = log_lines(p);
+  psp_restart(p, NULL);
+  for (int i = 0; i < 8; i++) {
+    json_t *j;
+    const char *fault;
+    snprintf(key, sizeof key, "r-chaos-%d", i);
+    j = post_log(lines, key, 0);
+    fault = json_string_value(json_object_get(j, "fault"));
+    /* Every request drew a fault; only fail-before refunded nothing. */
+    assert_true(json_is_true(json_object_get(j, "chaos")));
+    assert_non_null(fault);
+    assert_string_not_equal(fault, "none");
+    get_refund(p, key, &r);
+    assert_status(&r, strcmp(fault, "fail-before") == 0 ? 404 : 200);
+    resp_free(&r);
+  }
+  json_decref(lines);
+}
+
+static void test_restart_keeps_refunds(void **state) {
+  psp_t *p = psp_start(NULL);
+  char body[128], *id;
+  resp_t r;
+  (void)state;
+
+  make_charge(p, "c-p", 1000, NULL);
+  post_refund(p, "r-p1", NULL, refund_body(body, sizeof body, "c-p", 600), &r);
+  assert_status(&r, 201);
+  id = strdup(str_field(&r, "id"));
+  resp_free(&r);
+  post_refund(p, "r-pd", NULL, refund_body(body, sizeof body, "c-none", 1), &r);
+  assert_status(&r, 402);
+  resp_free(&r);
+
+  psp_kill9(p);
+  assert_true(WIFSIGNALED(p->exit_status));
+  psp_restart(p, NULL);
+
+  post_refund(p, "r-p1", NULL, refund_body(body, sizeof body, "c-p", 600), &r);
+  assert_refund(&r, 201, "r-p1", "c-p", 600, "BRL", "succeeded");
+  assert_true(r.replayed);
+  assert_string_equal(str_field(&r, "id"), id);
+  resp_free(&r);
+  free(id);
+  post_refund(p, "r-pd", NULL, refund_body(body, sizeof body, "c-none", 1), &r);
+  assert_refund(&r, 402, "r-pd", "c-none", 1, "BRL", "declined");
+  assert_true(r.replayed);
+  resp_free(&r);
+  /* What was refunded before the crash still counts against the charge. */
+  post_refund(p, "r-p2", NULL, refund_body(body, sizeof body, "c-p", 401), &r);
+  assert_refund(&r, 402, "r-p2", "c-p", 401, "BRL", "declined");
+  resp_free(&r);
+  post_refund(p, "r-p3", NULL, refund_body(body, sizeof body, "c-p", 400), &r);
+  assert_refund(&r, 201, "r-p3", "c-p", 400, "BRL", "succeeded");
+  resp_free(&r);
+  assert_int_equal(refund_stat(p, NULL, "refunds"), 2);
+  assert_int_equal(refund_stat(p, NULL, "refund_declines"), 2);
+  assert_int_equal(refund_stat(p, NULL, "refund_requests"), 6);
+  assert_int_equal(refund_stat(p, "r-p1", "requests"), 2);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_usage, teardown),
@@ -1551,6 +2112,14 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_log_lines, teardown),
       cmocka_unit_test_teardown(test_signals, teardown),
       cmocka_unit_test_teardown(test_garbage, teardown),
+      cmocka_unit_test_teardown(test_refund_and_replay, teardown),
+      cmocka_unit_test_teardown(test_refund_validation, teardown),
+      cmocka_unit_test_teardown(test_one_refund_per_key, teardown),
+      cmocka_unit_test_teardown(test_refunds_never_exceed_the_charge, teardown),
+      cmocka_unit_test_teardown(test_refund_declines, teardown),
+      cmocka_unit_test_teardown(test_refund_faults, teardown),
+      cmocka_unit_test_teardown(test_refund_fault_flags, teardown),
+      cmocka_unit_test_teardown(test_restart_keeps_refunds, teardown),
   };
 
   psp_bin = getenv("IDEM_TEST_PSP");

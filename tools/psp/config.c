@@ -56,14 +56,20 @@ void psp_usage(FILE *out) {
         "A payment-provider simulator with fault injection, for tests of idem.\n"
         "\n"
         "  --listen HOST:PORT        address to listen on (127.0.0.1:9090)\n"
-        "  --db FILE                 SQLite file of charges and counters (./psp.db)\n"
+        "  --db FILE                 SQLite file of charges, refunds and counters\n"
+        "                            (./psp.db)\n"
         "  --latency DUR             sleep before handling each POST /charges\n"
-        "  --delay-after-charge DUR  charge, then wait DUR before answering\n"
-        "  --fail-before             answer 500 without charging\n"
-        "  --fail-after              charge, then answer 500\n"
-        "  --drop-after              charge, then close the connection unanswered\n"
-        "  --crash-after             charge, then exit at once with status 3\n"
-        "  --decline-amount N        decline (402) charges of amount N; repeatable\n"
+        "                            or POST /refunds\n"
+        "  --delay-after-charge DUR  charge (or refund), then wait DUR before\n"
+        "                            answering\n"
+        "  --fail-before             answer 500 without charging (or refunding)\n"
+        "  --fail-after              charge (or refund), then answer 500\n"
+        "  --drop-after              charge (or refund), then close the\n"
+        "                            connection unanswered\n"
+        "  --crash-after             charge (or refund), then exit at once with\n"
+        "                            status 3\n"
+        "  --decline-amount N        decline (402) charges and refunds of amount N;\n"
+        "                            repeatable\n"
         "  --chaos P                 with probability P, a random fault per request\n"
         "  --seed S                  seed of --chaos (default: random, logged)\n"
         "  --help                    this text\n"
@@ -81,7 +87,9 @@ void psp_usage(FILE *out) {
         "crash-after, decline, or none.\n"
         "\n"
         "Routes: POST /charges (Idempotency-Key), GET /charges/{key},\n"
-        "GET /stats, GET /healthz. SIGTERM or SIGINT: clean exit 0.\n",
+        "POST /refunds (Idempotency-Key; {\"charge\": KEY, \"amount\": N}),\n"
+        "GET /refunds/{key}, GET /stats, GET /healthz. The faults act on\n"
+        "POST /charges and POST /refunds alike. SIGTERM or SIGINT: clean exit 0.\n",
         out);
 }
 

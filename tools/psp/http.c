@@ -1,5 +1,6 @@
-/* The HTTP side of idem-psp on libmicrohttpd: routes, POST /charges with
- * its faults in the order they act, and one JSON log line per request.
+/* The HTTP side of idem-psp on libmicrohttpd: routes, POST /charges and
+ * POST /refunds with their faults in the order they act (one path for
+ * both), and one JSON log line per request.
  *
  * A thread per connection, so a request sleeping in a fault never delays
  * another; sleeps wait on a condition variable that psp_server_stop()
@@ -32,7 +33,7 @@ struct psp_server {
   int stopping;
 };
 
-enum route { R_NONE, R_CHARGES, R_CHARGE, R_STATS, R_HEALTHZ };
+enum route { R_NONE, R_CREATE, R_GET, R_STATS, R_HEALTHZ };
 
 struct route_def {
   const char *path;
@@ -40,13 +41,34 @@ struct route_def {
   const char *method;
   const char *allow;
   enum route route;
+  psp_kind_t kind; /* of R_CREATE and R_GET */
 };
 
 static const struct route_def routes[] = {
-    {"/charges", 0, "POST", "POST", R_CHARGES},
-    {"/charges/", 1, "GET", "GET, HEAD", R_CHARGE},
-    {"/stats", 0, "GET", "GET, HEAD", R_STATS},
-    {"/healthz", 0, "GET", "GET, HEAD", R_HEALTHZ},
+    {"/charges", 0, "POST", "POST", R_CREATE, PSP_KIND_CHARGE},
+    {"/charges/", 1, "GET", "GET, HEAD", R_GET, PSP_KIND_CHARGE},
+    {"/refunds", 0, "POST", "POST", R_CREATE, PSP_KIND_REFUND},
+    {"/refunds/", 1, "GET", "GET, HEAD", R_GET, PSP_KIND_REFUND},
+    {"/stats", 0, "GET", "GET, HEAD", R_STATS, PSP_KIND_CHARGE},
+    {"/healthz", 0, "GET", "GET, HEAD", R_HEALTHZ, PSP_KIND_CHARGE},
+};
+
+/* What differs between a charge and a refund in their answers. */
+static const struct kind_def {
+  const char *id_prefix;
+  const char *not_found;
+  const char *fail_before;
+  const char *fail_after;
+  const char *mismatch;
+} kinds[] = {
+    [PSP_KIND_CHARGE] = {"ch_", "no charge", "simulated failure before the charge",
+                         "simulated failure after the charge",
+                         "Idempotency-Key was already used with a different amount or "
+                         "currency"},
+    [PSP_KIND_REFUND] = {"re_", "no refund", "simulated failure before the refund",
+                         "simulated failure after the refund",
+                         "Idempotency-Key was already used with a different charge, "
+                         "amount or currency"},
 };
 
 /* One request, from its headers to the log line. */
@@ -174,22 +196,24 @@ static enum MHD_Result reply_error(struct request *r, int status, const char *me
                status == 405 ? r->route->allow : NULL);
 }
 
-static json_t *charge_json(const psp_charge_t *c) {
-  return json_pack("{s:s, s:s, s:I, s:s, s:s, s:s}", "id", c->id, "key", c->key, "amount",
+/* A charge's JSON; a refund's has "charge" too, after "key". */
+static json_t *charge_json(psp_kind_t kind, const psp_charge_t *c) {
+  return json_pack("{s:s, s:s, s:s*, s:I, s:s, s:s, s:s}", "id", c->id, "key", c->key,
+                   "charge", kind == PSP_KIND_REFUND ? c->charge : NULL, "amount",
                    (json_int_t)c->amount, "currency", c->currency, "status", c->status,
                    "created_at", c->created_at);
 }
 
 static enum MHD_Result reply_charge(struct request *r, int status, const psp_charge_t *c,
                                     int replayed) {
-  return reply(r, status, charge_json(c), replayed, NULL);
+  return reply(r, status, charge_json(r->route->kind, c), replayed, NULL);
 }
 
 static int charge_status(const psp_charge_t *c) {
   return strcmp(c->status, "declined") == 0 ? 402 : 201;
 }
 
-/* ---- POST /charges, step by step ---------------------------------------
+/* ---- POST /charges and POST /refunds, step by step --------------------
  * Each ..._or_reply helper returns 0 to go on, or -1 after answering (its
  * MHD result in r->ret). */
 
@@ -231,10 +255,14 @@ static int is_currency(const char *s) {
   return s && strlen(s) == 3 && strspn(s, "ABCDEFGHIJKLMNOPQRSTUVWXYZ") == 3;
 }
 
-/* {"amount": positive integer, "currency": "XYZ" (default "BRL")}; other
- * fields are ignored. Fills want->amount and want->currency. */
+/* {"amount": positive integer, "currency": "XYZ" (default "BRL")}; a
+ * refund's also has "charge", the key of the charge refunded, and its
+ * currency defaults to that charge's. Other fields are ignored. Fills
+ * want->amount, want->currency ("" for a refund without one) and
+ * want->charge. */
 static int body_or_reply(struct request *r, psp_charge_t *want) {
-  json_t *body = NULL, *amount, *currency;
+  int refund = r->route->kind == PSP_KIND_REFUND;
+  json_t *body = NULL, *amount, *currency, *charge;
   const char *msg = NULL;
 
   if (r->too_large) {
@@ -245,17 +273,24 @@ static int body_or_reply(struct request *r, psp_charge_t *want) {
     body = json_loadb(r->body, r->body_len, JSON_REJECT_DUPLICATES, NULL);
   amount = json_object_get(body, "amount"); /* NULL when body is not an object */
   currency = json_object_get(body, "currency");
+  charge = json_object_get(body, "charge");
   if (!json_is_object(body))
     msg = "the body must be a JSON object";
   else if (!json_is_integer(amount) || json_integer_value(amount) < 1 ||
            json_integer_value(amount) > MAX_SAFE_INTEGER)
     msg = "amount must be a positive integer (minor units)";
+  else if (refund && !(json_is_string(charge) && key_valid(json_string_value(charge)) &&
+                       strlen(json_string_value(charge)) == json_string_length(charge)))
+    msg = "charge must be the Idempotency-Key of a charge (1 to 255 visible "
+          "ASCII characters)";
   else if (currency && !is_currency(json_string_value(currency)))
     msg = "currency must be three upper-case letters";
   if (msg == NULL) {
     want->amount = json_integer_value(amount);
     snprintf(want->currency, sizeof want->currency, "%s",
-             currency ? json_string_value(currency) : "BRL");
+             currency ? json_string_value(currency) : refund ? "" : "BRL");
+    snprintf(want->charge, sizeof want->charge, "%s",
+             refund ? json_string_value(charge) : "");
   }
   json_decref(body);
   if (msg) {
@@ -265,11 +300,12 @@ static int body_or_reply(struct request *r, psp_charge_t *want) {
   return 0;
 }
 
-/* Makes the charge of r->key, or finds the one made before: 0 with `got`
- * and *created set, or -1 after answering 409 (another amount or
- * currency under this key) or 500. */
+/* Makes the charge (or refund) of r->key, or finds the one made before: 0
+ * with `got` and *created set, or -1 after answering 409 (another amount,
+ * currency or charge under this key) or 500. */
 static int charge_or_reply(struct request *r, psp_charge_t *want, int decline,
                            psp_charge_t *got, int *created) {
+  const struct kind_def *k = &kinds[r->route->kind];
   unsigned char raw[12];
   time_t now = time(NULL);
   struct tm tm;
@@ -279,7 +315,7 @@ static int charge_or_reply(struct request *r, psp_charge_t *want, int decline,
     r->ret = reply_error(r, 500, "internal error");
     return -1;
   }
-  memcpy(want->id, "ch_", 3);
+  memcpy(want->id, k->id_prefix, 3);
   for (size_t i = 0; i < sizeof raw; i++)
     snprintf(want->id + 3 + 2 * i, 3, "%02x", raw[i]);
   memcpy(want->key, r->key, sizeof want->key);
@@ -287,15 +323,17 @@ static int charge_or_reply(struct request *r, psp_charge_t *want, int decline,
   gmtime_r(&now, &tm);
   strftime(want->created_at, sizeof want->created_at, "%Y-%m-%dT%H:%M:%SZ", &tm);
 
-  rc = psp_store_charge(r->srv->store, want, got);
+  rc = r->route->kind == PSP_KIND_REFUND
+           ? psp_store_refund(r->srv->store, want, decline, got)
+           : psp_store_charge(r->srv->store, want, got);
   if (rc == PSP_STORE_ERROR) {
     r->ret = reply_error(r, 500, "internal error");
     return -1;
   }
-  if (got->amount != want->amount || strcmp(got->currency, want->currency) != 0) {
-    r->ret = reply_error(r, 409,
-                         "Idempotency-Key was already used with a different "
-                         "amount or currency");
+  /* A refund without a currency takes its charge's: any matches. */
+  if (got->amount != want->amount || strcmp(got->charge, want->charge) != 0 ||
+      (want->currency[0] && strcmp(got->currency, want->currency) != 0)) {
+    r->ret = reply_error(r, 409, k->mismatch);
     return -1;
   }
   *created = rc == PSP_CREATED;
@@ -322,10 +360,11 @@ static enum MHD_Result serve_create(struct request *r) {
     psp_faults_describe(&f, r->fault, sizeof r->fault);
   }
   if (f.fail_before)
-    return reply_error(r, 500, "simulated failure before the charge");
+    return reply_error(r, 500, kinds[r->route->kind].fail_before);
   if (charge_or_reply(r, &want, f.decline, &got, &created) != 0)
     return r->ret;
-  /* The charge is committed: from here on it exists whatever we answer. */
+  /* The charge (or refund) is committed: from here on it exists whatever
+   * we answer. */
   if (f.delay_ms > 0)
     (void)nap(srv, f.delay_ms);
   if (f.crash_after)
@@ -333,25 +372,27 @@ static enum MHD_Result serve_create(struct request *r) {
   if (f.drop_after)
     return MHD_NO;
   if (f.fail_after)
-    return reply_error(r, 500, "simulated failure after the charge");
+    return reply_error(r, 500, kinds[r->route->kind].fail_after);
   return reply_charge(r, charge_status(&got), &got, !created);
 }
 
 /* ---- the other routes ----------------------------------------------------- */
 
-static enum MHD_Result serve_get_charge(struct request *r) {
+/* GET /charges/{key} and GET /refunds/{key}. */
+static enum MHD_Result serve_get(struct request *r) {
   const char *key = r->url + strlen(r->route->path);
+  const char *not_found = kinds[r->route->kind].not_found;
   psp_charge_t c;
   int rc;
 
   copy_visible(r->key, sizeof r->key, key);
   if (!key_valid(key))
-    return reply_error(r, 404, "no charge");
-  rc = psp_store_get(r->srv->store, key, &c);
+    return reply_error(r, 404, not_found);
+  rc = psp_store_get(r->srv->store, r->route->kind, key, &c);
   if (rc == PSP_STORE_ERROR)
     return reply_error(r, 500, "internal error");
   if (rc == PSP_NOT_FOUND)
-    return reply_error(r, 404, "no charge");
+    return reply_error(r, 404, not_found);
   return reply_charge(r, 200, &c, 0);
 }
 
@@ -364,12 +405,13 @@ static enum MHD_Result serve_stats(struct request *r) {
 
 static enum MHD_Result dispatch(struct request *r) {
   switch (r->route->route) {
-  case R_CHARGES:
-    if (psp_store_count_request(r->srv->store, r->key_ok ? r->key : NULL) != 0)
+  case R_CREATE:
+    if (psp_store_count_request(r->srv->store, r->route->kind,
+                                r->key_ok ? r->key : NULL) != 0)
       return reply_error(r, 500, "internal error");
     return serve_create(r);
-  case R_CHARGE:
-    return serve_get_charge(r);
+  case R_GET:
+    return serve_get(r);
   case R_STATS:
     return serve_stats(r);
   case R_HEALTHZ:
@@ -419,7 +461,7 @@ static enum MHD_Result on_headers(struct request *r) {
   if (strcmp(r->method, r->route->method) != 0 &&
       !(strcmp(r->route->method, "GET") == 0 && strcmp(r->method, "HEAD") == 0))
     return reply_error(r, 405, "method not allowed");
-  if (r->route->route == R_CHARGES) {
+  if (r->route->route == R_CREATE) {
     key = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
     if (key) {
       copy_visible(r->key, sizeof r->key, key);

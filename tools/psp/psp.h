@@ -1,6 +1,7 @@
 /* idem-psp, the payment-provider simulator: what its files share. The
  * configuration (config.c), the fault set of one request (faults.c), the
- * charge store (store.c) and the HTTP server (http.c); main.c ties them. */
+ * store of charges and refunds (store.c) and the HTTP server (http.c);
+ * main.c ties them. */
 #ifndef IDEM_PSP_H
 #define IDEM_PSP_H
 
@@ -14,9 +15,10 @@
 #define PSP_MAX_DECLINES 64
 #define PSP_MAX_DURATION_MS ((int64_t)3600 * 1000)
 
-/* The faults applied to one POST /charges, in the order they act:
- * latency, fail-before, (the charge, declined when `decline`),
- * delay-after-charge, then crash-after, drop-after or fail-after. */
+/* The faults applied to one POST /charges or POST /refunds, in the order
+ * they act: latency, fail-before, (the charge or refund, declined when
+ * `decline`), delay-after-charge, then crash-after, drop-after or
+ * fail-after. */
 typedef struct psp_faults {
   int64_t latency_ms;
   int64_t delay_ms; /* delay-after-charge */
@@ -70,9 +72,12 @@ int psp_chaos_pick(double p, psp_faults_t *f);
 
 /* ---- store.c ---- */
 
+/* A charge, or a refund of one: both are made once per key, ever, and
+ * stored and answered alike. */
 typedef struct psp_charge {
-  char id[40];
-  char key[PSP_KEY_MAX + 1];
+  char id[40];               /* ch_... or re_... */
+  char key[PSP_KEY_MAX + 1]; /* the Idempotency-Key it was made under */
+  char charge[PSP_KEY_MAX + 1]; /* a refund's: the key of the charge refunded */
   int64_t amount;
   char currency[4];
   char status[16]; /* "succeeded" or "declined" */
@@ -83,20 +88,34 @@ typedef struct psp_store psp_store_t;
 
 enum { PSP_STORE_ERROR = -1, PSP_FOUND = 0, PSP_NOT_FOUND = 1, PSP_CREATED = 2 };
 
+/* What a POST makes, and what a key names: charges and refunds have keys
+ * of their own (one key may name a charge and a refund). */
+typedef enum psp_kind { PSP_KIND_CHARGE = 0, PSP_KIND_REFUND = 1 } psp_kind_t;
+
 /* Opens (creating) the database at `path`: WAL, synchronous=FULL, schema.
  * Returns the store (close with psp_store_close) or NULL with a reason. */
 psp_store_t *psp_store_open(const char *path, char *err, size_t errlen);
 void psp_store_close(psp_store_t *s);
-/* Counts one POST /charges, and one for `key` unless it is NULL. Returns 0
- * or PSP_STORE_ERROR. */
-int psp_store_count_request(psp_store_t *s, const char *key);
+/* Counts one POST /charges (or /refunds, by `kind`), and one for `key`
+ * unless it is NULL. Returns 0 or PSP_STORE_ERROR. */
+int psp_store_count_request(psp_store_t *s, psp_kind_t kind, const char *key);
 /* Inserts `want` unless its key already has a charge, then reads the
  * charge of that key into `out`. Returns PSP_CREATED, PSP_FOUND (a charge
  * made earlier, which may differ from `want`) or PSP_STORE_ERROR. */
 int psp_store_charge(psp_store_t *s, const psp_charge_t *want, psp_charge_t *out);
-/* Reads the charge made under `key`: PSP_FOUND, PSP_NOT_FOUND or
- * PSP_STORE_ERROR. */
-int psp_store_get(psp_store_t *s, const char *key, psp_charge_t *out);
+/* In one transaction: unless want->key already has a refund, inserts
+ * `want` as a refund of the charge under want->charge, "succeeded" or
+ * "declined" (want->status is not read): declined when `decline`, when
+ * that charge is unknown or not succeeded, when want->currency is given
+ * ("" takes the charge's) and is not the charge's, or when the charge's
+ * succeeded refunds and want->amount would exceed it. Then reads the
+ * refund of that key into `out`. Returns PSP_CREATED, PSP_FOUND (a refund
+ * made earlier, which may differ from `want`) or PSP_STORE_ERROR. */
+int psp_store_refund(psp_store_t *s, const psp_charge_t *want, int decline,
+                     psp_charge_t *out);
+/* Reads the charge (or refund) made under `key`: PSP_FOUND, PSP_NOT_FOUND
+ * or PSP_STORE_ERROR. */
+int psp_store_get(psp_store_t *s, psp_kind_t kind, const char *key, psp_charge_t *out);
 /* The body of GET /stats (caller owns it), or NULL on a store error. */
 json_t *psp_store_stats(psp_store_t *s);
 

@@ -1,10 +1,12 @@
-/* The charges of idem-psp in their own SQLite file: WAL and
- * synchronous=FULL, so an answered charge survives kill -9, and UNIQUE(key)
- * with INSERT ... ON CONFLICT DO NOTHING, so one key makes one charge even
- * under concurrent requests.
+/* The charges and refunds of idem-psp in their own SQLite file: WAL and
+ * synchronous=FULL, so an answered charge or refund survives kill -9, and
+ * UNIQUE(key) with INSERT ... ON CONFLICT DO NOTHING, so one key makes one
+ * charge even under concurrent requests. A refund is decided and inserted
+ * in one write transaction (BEGIN IMMEDIATE), so refunds racing under
+ * different keys for the last of a charge never refund more than it.
  *
- * The request counters of GET /stats (all POST /charges, and per key) live
- * in the same file, so they survive restarts too.
+ * The request counters of GET /stats (all POST /charges and /refunds, and
+ * per key) live in the same file, so they survive restarts too.
  *
  * One connection, serialised by a mutex held only for a statement or a
  * short transaction (never while a fault sleeps): SQLite admits one writer
@@ -22,10 +24,15 @@ enum stmt_id {
   ST_ROLLBACK,
   ST_COUNT_ALL,
   ST_COUNT_KEY,
+  ST_COUNT_REFUND_KEY,
   ST_INSERT,
   ST_GET,
+  ST_INSERT_REFUND,
+  ST_GET_REFUND,
+  ST_REFUNDED,
   ST_TOTALS,
   ST_KEYS,
+  ST_REFUND_KEYS,
   ST_COUNT_
 };
 
@@ -33,20 +40,37 @@ static const char *const stmt_sql[ST_COUNT_] = {
     [ST_BEGIN] = "BEGIN IMMEDIATE",
     [ST_COMMIT] = "COMMIT",
     [ST_ROLLBACK] = "ROLLBACK",
-    [ST_COUNT_ALL] = "INSERT INTO counters (name, value) VALUES ('requests', 1) "
+    [ST_COUNT_ALL] = "INSERT INTO counters (name, value) VALUES (?1, 1) "
                      "ON CONFLICT (name) DO UPDATE SET value = value + 1",
     [ST_COUNT_KEY] = "INSERT INTO key_requests (key, requests) VALUES (?1, 1) "
                      "ON CONFLICT (key) DO UPDATE SET requests = requests + 1",
+    [ST_COUNT_REFUND_KEY] = "INSERT INTO refund_key_requests (key, requests) "
+                            "VALUES (?1, 1) "
+                            "ON CONFLICT (key) DO UPDATE SET requests = requests + 1",
     [ST_INSERT] = "INSERT INTO charges (key, id, amount, currency, status, created_at) "
                   "VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT (key) DO NOTHING",
-    [ST_GET] = "SELECT id, key, amount, currency, status, created_at FROM charges "
+    [ST_GET] = "SELECT id, key, amount, currency, status, created_at, '' FROM charges "
                "WHERE key = ?1",
+    [ST_INSERT_REFUND] = "INSERT INTO refunds "
+                         "(key, id, charge, amount, currency, status, created_at) "
+                         "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+    [ST_GET_REFUND] = "SELECT id, key, amount, currency, status, created_at, charge "
+                      "FROM refunds WHERE key = ?1",
+    [ST_REFUNDED] = "SELECT coalesce(sum(amount), 0) FROM refunds "
+                    "WHERE charge = ?1 AND status = 'succeeded'",
     [ST_TOTALS] = "SELECT (SELECT count(*) FROM charges WHERE status = 'succeeded'), "
                   "(SELECT count(*) FROM charges WHERE status = 'declined'), "
                   "(SELECT coalesce(sum(value), 0) FROM counters "
-                  "WHERE name = 'requests')",
+                  "WHERE name = 'requests'), "
+                  "(SELECT count(*) FROM refunds WHERE status = 'succeeded'), "
+                  "(SELECT count(*) FROM refunds WHERE status = 'declined'), "
+                  "(SELECT coalesce(sum(value), 0) FROM counters "
+                  "WHERE name = 'refund_requests')",
     [ST_KEYS] = "SELECT k.key, k.requests, coalesce(c.status, '') FROM key_requests k "
                 "LEFT JOIN charges c ON c.key = k.key ORDER BY k.key",
+    [ST_REFUND_KEYS] = "SELECT k.key, k.requests, coalesce(r.status, '') "
+                       "FROM refund_key_requests k "
+                       "LEFT JOIN refunds r ON r.key = k.key ORDER BY k.key",
 };
 
 static const char schema[] =
@@ -58,6 +82,17 @@ static const char schema[] =
     " status TEXT NOT NULL CHECK (status IN ('succeeded', 'declined')),"
     " created_at TEXT NOT NULL);"
     "CREATE TABLE IF NOT EXISTS key_requests ("
+    " key TEXT PRIMARY KEY, requests INTEGER NOT NULL) WITHOUT ROWID;"
+    "CREATE TABLE IF NOT EXISTS refunds ("
+    " key TEXT NOT NULL UNIQUE,"
+    " id TEXT NOT NULL UNIQUE,"
+    " charge TEXT NOT NULL," /* the key of the charge refunded, which may not exist */
+    " amount INTEGER NOT NULL,"
+    " currency TEXT NOT NULL,"
+    " status TEXT NOT NULL CHECK (status IN ('succeeded', 'declined')),"
+    " created_at TEXT NOT NULL);"
+    "CREATE INDEX IF NOT EXISTS refunds_charge ON refunds (charge, status);"
+    "CREATE TABLE IF NOT EXISTS refund_key_requests ("
     " key TEXT PRIMARY KEY, requests INTEGER NOT NULL) WITHOUT ROWID;"
     "CREATE TABLE IF NOT EXISTS counters ("
     " name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;";
@@ -131,15 +166,19 @@ static int exec_stmt(psp_store_t *s, enum stmt_id id) {
   return rc == SQLITE_DONE ? 0 : -1;
 }
 
-int psp_store_count_request(psp_store_t *s, const char *key) {
+int psp_store_count_request(psp_store_t *s, psp_kind_t kind, const char *key) {
+  enum stmt_id count_key = kind == PSP_KIND_REFUND ? ST_COUNT_REFUND_KEY : ST_COUNT_KEY;
   int rc = -1;
 
   pthread_mutex_lock(&s->lock);
   if (exec_stmt(s, ST_BEGIN) == 0) {
+    sqlite3_bind_text(s->st[ST_COUNT_ALL], 1,
+                      kind == PSP_KIND_REFUND ? "refund_requests" : "requests", -1,
+                      SQLITE_STATIC);
     if (key)
-      sqlite3_bind_text(s->st[ST_COUNT_KEY], 1, key, -1, SQLITE_STATIC);
+      sqlite3_bind_text(s->st[count_key], 1, key, -1, SQLITE_STATIC);
     if (exec_stmt(s, ST_COUNT_ALL) == 0 &&
-        (key == NULL || exec_stmt(s, ST_COUNT_KEY) == 0))
+        (key == NULL || exec_stmt(s, count_key) == 0))
       rc = exec_stmt(s, ST_COMMIT);
     if (rc != 0) {
       log_db_error(s, "count_request");
@@ -157,9 +196,10 @@ static void copy_column(sqlite3_stmt *st, int col, char *out, size_t outlen) {
   snprintf(out, outlen, "%s", v ? v : "");
 }
 
-/* Reads the charge of `key`; the caller holds the lock. */
-static int get_locked(psp_store_t *s, const char *key, psp_charge_t *out) {
-  sqlite3_stmt *st = s->st[ST_GET];
+/* Reads the charge (or refund) of `key`; the caller holds the lock. */
+static int get_locked(psp_store_t *s, psp_kind_t kind, const char *key,
+                      psp_charge_t *out) {
+  sqlite3_stmt *st = s->st[kind == PSP_KIND_REFUND ? ST_GET_REFUND : ST_GET];
   int rc;
 
   sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
@@ -171,6 +211,7 @@ static int get_locked(psp_store_t *s, const char *key, psp_charge_t *out) {
     copy_column(st, 3, out->currency, sizeof out->currency);
     copy_column(st, 4, out->status, sizeof out->status);
     copy_column(st, 5, out->created_at, sizeof out->created_at);
+    copy_column(st, 6, out->charge, sizeof out->charge);
   } else if (rc != SQLITE_DONE) {
     log_db_error(s, "get");
   }
@@ -198,7 +239,7 @@ int psp_store_charge(psp_store_t *s, const psp_charge_t *want, psp_charge_t *out
     log_db_error(s, "charge");
     rc = PSP_STORE_ERROR;
   } else {
-    rc = get_locked(s, want->key, out);
+    rc = get_locked(s, PSP_KIND_CHARGE, want->key, out);
     /* The insert committed or found a row: not finding one now is a fault. */
     if (rc == PSP_NOT_FOUND)
       rc = PSP_STORE_ERROR;
@@ -209,42 +250,127 @@ int psp_store_charge(psp_store_t *s, const psp_charge_t *want, psp_charge_t *out
   return rc;
 }
 
-int psp_store_get(psp_store_t *s, const char *key, psp_charge_t *out) {
+/* The sum of the succeeded refunds of the charge under `charge` into
+ * *refunded; 0 or -1. The caller holds the lock. */
+static int refunded_locked(psp_store_t *s, const char *charge, int64_t *refunded) {
+  sqlite3_stmt *st = s->st[ST_REFUNDED];
   int rc;
+
+  sqlite3_bind_text(st, 1, charge, -1, SQLITE_STATIC);
+  rc = sqlite3_step(st);
+  if (rc == SQLITE_ROW)
+    *refunded = sqlite3_column_int64(st, 0);
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  return rc == SQLITE_ROW ? 0 : -1;
+}
+
+/* Decides the refund `want` against its charge and inserts it; 0 or -1.
+ * The caller holds the lock and the write transaction, so no other
+ * refund of the charge comes between the sum and the insert. */
+static int insert_refund_locked(psp_store_t *s, const psp_charge_t *want, int decline) {
+  sqlite3_stmt *st = s->st[ST_INSERT_REFUND];
+  const char *currency = want->currency[0] ? want->currency : "BRL";
+  psp_charge_t charge;
+  int64_t refunded = 0;
+  int found, ok;
+
+  found = get_locked(s, PSP_KIND_CHARGE, want->charge, &charge);
+  if (found == PSP_STORE_ERROR)
+    return -1;
+  if (found == PSP_FOUND) {
+    if (want->currency[0] == '\0')
+      currency = charge.currency;
+    if (refunded_locked(s, want->charge, &refunded) != 0)
+      return -1;
+  }
+  /* refunded <= charge.amount, so the difference cannot overflow. */
+  ok = !decline && found == PSP_FOUND && strcmp(charge.status, "succeeded") == 0 &&
+       strcmp(currency, charge.currency) == 0 && want->amount <= charge.amount - refunded;
+  sqlite3_bind_text(st, 1, want->key, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 2, want->id, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 3, want->charge, -1, SQLITE_STATIC);
+  sqlite3_bind_int64(st, 4, want->amount);
+  sqlite3_bind_text(st, 5, currency, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 6, ok ? "succeeded" : "declined", -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 7, want->created_at, -1, SQLITE_STATIC);
+  return exec_stmt(s, ST_INSERT_REFUND);
+}
+
+int psp_store_refund(psp_store_t *s, const psp_charge_t *want, int decline,
+                     psp_charge_t *out) {
+  int rc;
+
   pthread_mutex_lock(&s->lock);
-  rc = get_locked(s, key, out);
+  if (exec_stmt(s, ST_BEGIN) != 0) {
+    log_db_error(s, "refund");
+    pthread_mutex_unlock(&s->lock);
+    return PSP_STORE_ERROR;
+  }
+  rc = get_locked(s, PSP_KIND_REFUND, want->key, out);
+  if (rc == PSP_NOT_FOUND) {
+    rc = insert_refund_locked(s, want, decline) == 0
+             ? get_locked(s, PSP_KIND_REFUND, want->key, out)
+             : PSP_STORE_ERROR;
+    /* Inserted in this transaction: not finding it now is a fault. */
+    rc = rc == PSP_FOUND ? PSP_CREATED : PSP_STORE_ERROR;
+  }
+  if (rc != PSP_STORE_ERROR && exec_stmt(s, ST_COMMIT) != 0)
+    rc = PSP_STORE_ERROR;
+  if (rc == PSP_STORE_ERROR) {
+    log_db_error(s, "refund");
+    (void)exec_stmt(s, ST_ROLLBACK);
+  }
   pthread_mutex_unlock(&s->lock);
   return rc;
 }
 
-/* Fills the stats object; the caller holds the lock. */
-static int stats_locked(psp_store_t *s, json_t *stats) {
-  sqlite3_stmt *st = s->st[ST_TOTALS];
+int psp_store_get(psp_store_t *s, psp_kind_t kind, const char *key, psp_charge_t *out) {
+  int rc;
+  pthread_mutex_lock(&s->lock);
+  rc = get_locked(s, kind, key, out);
+  pthread_mutex_unlock(&s->lock);
+  return rc;
+}
+
+/* Sets stats[field] to {"<key>": {"requests", made: 0|1, "declines": 0|1}}
+ * from the rows of `id` (key, requests, status); the caller holds the
+ * lock. 0 or -1. */
+static int keys_locked(psp_store_t *s, enum stmt_id id, const char *made, json_t *stats,
+                       const char *field) {
+  sqlite3_stmt *st = s->st[id];
   json_t *keys = json_object();
   int rc;
 
-  if (sqlite3_step(st) != SQLITE_ROW) {
-    sqlite3_reset(st);
-    json_decref(keys);
-    return -1;
-  }
-  json_object_set_new(stats, "charges", json_integer(sqlite3_column_int64(st, 0)));
-  json_object_set_new(stats, "declines", json_integer(sqlite3_column_int64(st, 1)));
-  json_object_set_new(stats, "requests", json_integer(sqlite3_column_int64(st, 2)));
-  sqlite3_reset(st);
-
-  st = s->st[ST_KEYS];
   while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
     const char *status = (const char *)sqlite3_column_text(st, 2);
     json_object_set_new(keys, (const char *)sqlite3_column_text(st, 0),
                         json_pack("{s:I, s:i, s:i}", "requests",
-                                  (json_int_t)sqlite3_column_int64(st, 1), "charges",
+                                  (json_int_t)sqlite3_column_int64(st, 1), made,
                                   strcmp(status, "succeeded") == 0, "declines",
                                   strcmp(status, "declined") == 0));
   }
   sqlite3_reset(st);
-  json_object_set_new(stats, "keys", keys);
+  json_object_set_new(stats, field, keys);
   return rc == SQLITE_DONE ? 0 : -1;
+}
+
+/* Fills the stats object; the caller holds the lock. */
+static int stats_locked(psp_store_t *s, json_t *stats) {
+  static const char *const totals[] = {"charges", "declines", "requests",
+                                       "refunds", "refund_declines", "refund_requests"};
+  sqlite3_stmt *st = s->st[ST_TOTALS];
+
+  if (sqlite3_step(st) != SQLITE_ROW) {
+    sqlite3_reset(st);
+    return -1;
+  }
+  for (int i = 0; i < (int)(sizeof totals / sizeof *totals); i++)
+    json_object_set_new(stats, totals[i], json_integer(sqlite3_column_int64(st, i)));
+  sqlite3_reset(st);
+  if (keys_locked(s, ST_KEYS, "charges", stats, "keys") != 0)
+    return -1;
+  return keys_locked(s, ST_REFUND_KEYS, "refunds", stats, "refund_keys");
 }
 
 json_t *psp_store_stats(psp_store_t *s) {
