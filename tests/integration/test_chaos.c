@@ -2,7 +2,9 @@
  * (idem-psp --chaos), and an idemd that is killed with SIGKILL and started
  * again on its database while they work. Whatever happened, in the end:
  * no provider key charged twice, every payment a client saw succeed charged
- * exactly once, every charge made is a succeeded payment, and nothing left
+ * exactly once, every charge made is a succeeded payment; each succeeded
+ * payment then half refunded, every refund a client saw made made once at
+ * the provider, none beyond its payment; and nothing left
  * processing or pending (docs/idempotency.md, section 4.1: "One payment is
  * one charge at the provider at most, whatever crashes or times out between
  * the steps"). */
@@ -22,20 +24,31 @@
 #define CLIENT_DEADLINE_S 50.0
 #define SETTLE_TIMEOUT_MS 20000
 #define DEFAULT_SEED "20260611"
+#define PROBLEM_MAX 512 /* struct intent's problem */
 /* 1 when no record is processing or pending; the same text on both stores. */
 #define NOTHING_OPEN                                                                     \
   "SELECT CASE WHEN count(*) = 0 THEN 1 ELSE 0 END FROM idempotency_records "            \
   "WHERE state IN ('processing', 'pending')"
 
-/* One payment a client wants made: one key, kept across its retries. */
-struct intent {
+/* One request a client wants to succeed: one key, kept across its
+ * retries. */
+struct call {
   char key[64];
+  char path[96];
   char body[96];
+  const char *prefix; /* of the ids its answers carry: "pay_", "re_" */
+  long final;         /* 201 or 402 once answered; 0 until then */
+  char id[64];        /* the id the answers carry (once one did) */
+  int attempts;       /* requests sent, replays included */
+  long last_status;   /* of the last request */
+  char *problem;      /* its intent's */
+};
+
+/* One payment a client wants made and, once it succeeded, half of it
+ * refunded. */
+struct intent {
   int amount;
-  long final;        /* 201 or 402 once answered; 0 until then */
-  char id[64];       /* the payment id the answers carry (once one did) */
-  int attempts;      /* requests sent, replays included */
-  long last_status;  /* of the last request */
+  struct call pay, refund;
   char problem[512]; /* a broken rule, seen by the client thread */
 };
 
@@ -54,12 +67,11 @@ static double g_deadline;
 /* Answers by class, for the summary. */
 static atomic_int g_n201, g_n402, g_n202, g_n409, g_n503, g_ntransport, g_nother;
 
-/* One POST of the intent to wherever idemd is now. */
-static void send_intent(CURL *c, const struct client *cl, struct intent *it,
-                        h_resp_t *r) {
+/* One POST of the call to wherever idemd is now. */
+static void send_call(CURL *c, const struct client *cl, struct call *it, h_resp_t *r) {
   h_server_t view;
   h_req_t req = {.method = "POST",
-                 .path = "/payments",
+                 .path = it->path,
                  .token = cl->tok,
                  .key = it->key,
                  .body = it->body};
@@ -70,52 +82,53 @@ static void send_intent(CURL *c, const struct client *cl, struct intent *it,
   it->last_status = r->status;
 }
 
-/* Checks an answer that carries a payment; returns 0, or -1 with the
- * broken rule in it->problem. */
-static int check_payment_answer(struct intent *it, const h_resp_t *r) {
+/* Checks an answer that carries the call's payment or refund; returns 0,
+ * or -1 with the broken rule in it->problem. */
+static int check_answer(struct call *it, const h_resp_t *r) {
   const char *want = r->status == 201   ? "succeeded"
                      : r->status == 402 ? "declined"
                                         : "pending";
   const char *id = json_string_value(json_object_get(r->json, "id"));
   const char *status = json_string_value(json_object_get(r->json, "status"));
 
-  if (id == NULL || strncmp(id, "pay_", 4) != 0 || status == NULL) {
-    snprintf(it->problem, sizeof it->problem, "%ld without a payment: %.300s", r->status,
-             r->body);
+  if (id == NULL || strncmp(id, it->prefix, strlen(it->prefix)) != 0 || status == NULL) {
+    snprintf(it->problem, PROBLEM_MAX, "%s: %ld without its resource: %.300s", it->key,
+             r->status, r->body);
     return -1;
   }
   if (strcmp(status, want) != 0) {
-    snprintf(it->problem, sizeof it->problem, "%ld with payment status '%s'", r->status,
+    snprintf(it->problem, PROBLEM_MAX, "%s: %ld with status '%s'", it->key, r->status,
              status);
     return -1;
   }
-  /* Once a payment was answered for this key (pending or final), every
-   * later answer is that payment: a pending one never runs again. */
+  /* Once a payment or refund was answered for this key (pending or
+   * final), every later answer is that one: a pending one never runs
+   * again. */
   if (it->id[0] && strcmp(it->id, id) != 0) {
-    snprintf(it->problem, sizeof it->problem, "two payments for one key: %s, then %s",
-             it->id, id);
+    snprintf(it->problem, PROBLEM_MAX, "%s: two resources for one key: %s, then %s",
+             it->key, it->id, id);
     return -1;
   }
   snprintf(it->id, sizeof it->id, "%s", id);
   return 0;
 }
 
-/* Retries the intent until a final answer (201/402) or the deadline. */
-static void run_intent(CURL *c, const struct client *cl, struct intent *it) {
+/* Retries the call until a final answer (201/402) or the deadline. */
+static void run_call(CURL *c, const struct client *cl, struct call *it) {
   while (h_now() < g_deadline) {
     h_resp_t r;
-    send_intent(c, cl, it, &r);
+    send_call(c, cl, it, &r);
     switch (r.status) {
     case 201:
     case 402:
       atomic_fetch_add(r.status == 201 ? &g_n201 : &g_n402, 1);
-      if (check_payment_answer(it, &r) == 0)
+      if (check_answer(it, &r) == 0)
         it->final = r.status;
       h_resp_free(&r);
       return;
     case 202:
       atomic_fetch_add(&g_n202, 1);
-      if (check_payment_answer(it, &r) != 0) {
+      if (check_answer(it, &r) != 0) {
         h_resp_free(&r);
         return;
       }
@@ -131,7 +144,7 @@ static void run_intent(CURL *c, const struct client *cl, struct intent *it) {
       break;
     default:
       atomic_fetch_add(&g_nother, 1);
-      snprintf(it->problem, sizeof it->problem, "unexpected %ld: %.300s", r.status,
+      snprintf(it->problem, PROBLEM_MAX, "%s: unexpected %ld: %.300s", it->key, r.status,
                r.body);
       h_resp_free(&r);
       return;
@@ -141,28 +154,37 @@ static void run_intent(CURL *c, const struct client *cl, struct intent *it) {
   }
 }
 
-/* After the final answer: a retry replays it (same status, same payment). */
-static void check_replay(CURL *c, const struct client *cl, struct intent *it) {
+/* After the final answer: a retry replays it (same status, same payment
+ * or refund). */
+static void check_replay(CURL *c, const struct client *cl, struct call *it) {
   while (h_now() < g_deadline) {
     h_resp_t r;
-    send_intent(c, cl, it, &r);
+    send_call(c, cl, it, &r);
     if (r.status == 0) { /* idemd restarting: try again */
       h_resp_free(&r);
       p_nap_ms(50);
       continue;
     }
     if (r.status != it->final || strcmp(r.replayed, "true") != 0 ||
-        check_payment_answer(it, &r) != 0) {
+        check_answer(it, &r) != 0) {
       if (it->problem[0] == '\0')
         snprintf(
-            it->problem, sizeof it->problem,
-            "final %ld, then a retry answered %ld (Idempotent-Replayed '%s'): %.300s",
-            it->final, r.status, r.replayed, r.body);
+            it->problem, PROBLEM_MAX,
+            "%s: final %ld, then a retry answered %ld (Idempotent-Replayed '%s'): %.300s",
+            it->key, it->final, r.status, r.replayed, r.body);
     }
     h_resp_free(&r);
     return;
   }
-  snprintf(it->problem, sizeof it->problem, "no answer to the replay by the deadline");
+  snprintf(it->problem, PROBLEM_MAX, "%s: no answer to the replay by the deadline",
+           it->key);
+}
+
+/* A call to its final answer, then its replay. */
+static void run_and_replay(CURL *c, const struct client *cl, struct call *it) {
+  run_call(c, cl, it);
+  if (it->final && it->problem[0] == '\0')
+    check_replay(c, cl, it);
 }
 
 static void *client_main(void *arg) {
@@ -172,9 +194,13 @@ static void *client_main(void *arg) {
     return NULL; /* the intents stay unanswered: the main thread reports it */
   for (int i = 0; i < NINTENTS; i++) {
     struct intent *it = &cl->intents[i];
-    run_intent(c, cl, it);
-    if (it->final && it->problem[0] == '\0')
-      check_replay(c, cl, it);
+    run_and_replay(c, cl, &it->pay);
+    if (it->pay.final == 201 && it->problem[0] == '\0') {
+      char id[sizeof it->pay.id];
+      memcpy(id, it->pay.id, sizeof id); /* one struct: gcc sees an overlap otherwise */
+      snprintf(it->refund.path, sizeof it->refund.path, "/payments/%s/refunds", id);
+      run_and_replay(c, cl, &it->refund);
+    }
     atomic_fetch_add(&g_done, 1);
   }
   curl_easy_cleanup(c);
@@ -193,7 +219,7 @@ static void test_chaos(void **state) {
   json_t *stats, *v;
   const char *key;
   int kills = 0, n201 = 0, n402 = 0, bad = 0;
-  int64_t charges, declines;
+  int64_t charges, declines, refunds;
   double start;
   (void)state;
 
@@ -217,9 +243,16 @@ static void test_chaos(void **state) {
     for (int i = 0; i < NINTENTS; i++) {
       struct intent *it = &clients[t].intents[i];
       it->amount = i % 4 == 3 ? DECLINE_AMOUNT : 1000 + t * 100 + i;
-      snprintf(it->key, sizeof it->key, "chaos-%d-%d", t, i);
-      snprintf(it->body, sizeof it->body, "{\"amount\": %d, \"currency\": \"BRL\"}",
-               it->amount);
+      it->pay.problem = it->refund.problem = it->problem;
+      it->pay.prefix = "pay_";
+      it->refund.prefix = "re_";
+      snprintf(it->pay.key, sizeof it->pay.key, "chaos-%d-%d", t, i);
+      snprintf(it->pay.path, sizeof it->pay.path, "/payments");
+      snprintf(it->pay.body, sizeof it->pay.body,
+               "{\"amount\": %d, \"currency\": \"BRL\"}", it->amount);
+      snprintf(it->refund.key, sizeof it->refund.key, "chaos-refund-%d-%d", t, i);
+      snprintf(it->refund.body, sizeof it->refund.body, "{\"amount\": %d}",
+               it->amount / 2);
     }
   }
   fprintf(stderr, "chaos: seed %s, %d clients x %d intents, %d kills of idemd\n",
@@ -266,16 +299,22 @@ static void test_chaos(void **state) {
       struct intent *it = &clients[t].intents[i];
       long want = it->amount == DECLINE_AMOUNT ? 402 : 201;
       if (it->problem[0]) {
-        fprintf(stderr, "chaos: key %s: %s\n", it->key, it->problem);
+        fprintf(stderr, "chaos: %s\n", it->problem);
         bad++;
-      } else if (it->final != want) {
+      } else if (it->pay.final != want) {
         fprintf(stderr,
                 "chaos: key %s: final answer %ld, want %ld (%d attempts, last %ld)\n",
-                it->key, it->final, want, it->attempts, it->last_status);
+                it->pay.key, it->pay.final, want, it->pay.attempts, it->pay.last_status);
+        bad++;
+      } else if (want == 201 && it->refund.final != 201) {
+        fprintf(stderr,
+                "chaos: key %s: refund's final answer %ld (%d attempts, last %ld)\n",
+                it->refund.key, it->refund.final, it->refund.attempts,
+                it->refund.last_status);
         bad++;
       }
-      n201 += it->final == 201;
-      n402 += it->final == 402;
+      n201 += it->pay.final == 201;
+      n402 += it->pay.final == 402;
     }
   if (bad)
     fail_msg("%d of %d keys broke a rule or got no final answer (see above)", bad,
@@ -295,7 +334,7 @@ static void test_chaos(void **state) {
   h_assert_db(s, 0, "SELECT count(*) FROM idempotency_records WHERE state = 'pending'");
   h_assert_db(s, 0, "SELECT count(*) FROM payments WHERE status = 'pending'");
   h_assert_db(s, 0, "SELECT count(*) FROM outbox");
-  h_assert_db(s, NCLIENTS * NINTENTS, "SELECT count(*) FROM idempotency_records");
+  h_assert_db(s, NCLIENTS * NINTENTS + n201, "SELECT count(*) FROM idempotency_records");
 
   /* What the provider did. */
   stats = p_stats(p);
@@ -329,26 +368,58 @@ static void test_chaos(void **state) {
   for (int t = 0; t < NCLIENTS; t++)
     for (int i = 0; i < NINTENTS; i++) {
       struct intent *it = &clients[t].intents[i];
-      const char *want = it->final == 201 ? "succeeded" : "declined";
-      char *status = h_db_text(s, "SELECT status FROM payments WHERE id = ?1", it->id);
-      int64_t charged = p_key(stats, it->id, "charges");
-      int64_t declined = p_key(stats, it->id, "declines");
-      if (status == NULL || strcmp(status, want) != 0 || charged != (it->final == 201) ||
-          declined != (it->final == 402)) {
+      const char *want = it->pay.final == 201 ? "succeeded" : "declined";
+      char *status = h_db_text(s, "SELECT status FROM payments WHERE id = ?1", it->pay.id);
+      int64_t charged = p_key(stats, it->pay.id, "charges");
+      int64_t declined = p_key(stats, it->pay.id, "declines");
+      if (status == NULL || strcmp(status, want) != 0 ||
+          charged != (it->pay.final == 201) || declined != (it->pay.final == 402)) {
         fprintf(stderr,
                 "chaos: key %s answered %ld with %s: payment '%s', provider %lld "
                 "charges, %lld declines\n",
-                it->key, it->final, it->id, status ? status : "(none)",
+                it->pay.key, it->pay.final, it->pay.id, status ? status : "(none)",
                 (long long)charged, (long long)declined);
         bad++;
       }
       free(status);
     }
+  /* Refunds: each provider refund key is an idemd refund that says the
+   * same; every refund a client saw made was made once at the provider. */
+  json_object_foreach(json_object_get(stats, "refund_keys"), key, v) {
+    int64_t kr = json_integer_value(json_object_get(v, "refunds"));
+    int64_t kd = json_integer_value(json_object_get(v, "declines"));
+    char *status = h_db_text(s, "SELECT status FROM refunds WHERE id = ?1", key);
+    if (kr + kd == 1 && (status == NULL || strcmp(status, kr ? "succeeded" : "declined"))) {
+      fprintf(stderr, "chaos: provider refund %s was %s, but idemd's refund is '%s'\n", key,
+              kr ? "made" : "declined", status ? status : "(none)");
+      bad++;
+    }
+    free(status);
+  }
+  for (int t = 0; t < NCLIENTS; t++)
+    for (int i = 0; i < NINTENTS; i++) {
+      struct intent *it = &clients[t].intents[i];
+      json_t *k = json_object_get(json_object_get(stats, "refund_keys"), it->refund.id);
+      if (it->refund.final == 201 &&
+          json_integer_value(json_object_get(k, "refunds")) != 1) {
+        fprintf(stderr, "chaos: key %s answered 201 with %s, not refunded at the provider\n",
+                it->refund.key, it->refund.id);
+        bad++;
+      }
+    }
+  refunds = p_total(stats, "refunds");
   charges = p_total(stats, "charges");
   declines = p_total(stats, "declines");
   json_decref(stats); /* before anything fails: it is big */
   if (bad)
-    fail_msg("%d broken payment rules (see above); seed %s", bad, psp_flags[3]);
+    fail_msg("%d broken payment or refund rules (see above); seed %s", bad, psp_flags[3]);
+  fprintf(stderr, "chaos: provider: %lld refunds\n", (long long)refunds);
+  assert_int_equal(refunds, n201);
+  h_assert_db(s, refunds, "SELECT count(*) FROM refunds WHERE status = 'succeeded'");
+  /* A payment's refunds and what is left of it add up to its amount. */
+  h_assert_db(s, 0,
+              "SELECT count(*) FROM payments p JOIN resources r ON r.id = p.id AND "
+              "r.tenant_id = p.tenant_id WHERE r.refunded + r.refundable <> p.amount");
   h_assert_db(s, charges, "SELECT count(*) FROM payments WHERE status = 'succeeded'");
   h_assert_db(s, declines, "SELECT count(*) FROM payments WHERE status = 'declined'");
   assert_int_equal(charges, n201);
