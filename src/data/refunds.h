@@ -1,9 +1,10 @@
 /* A payment's refundable balance in the store (docs/idempotency.md,
  * section 4.5). A refund's reservation takes its amount from what is left
- * of the payment, in the transaction that wins the key, so refunds racing
- * under different keys never take more than the payment; its completion
- * counts the amount as refunded, or gives it back when the provider
- * declined it or never got it. The refund itself is a resource with an
+ * of the payment (its amount less what its refunds have taken: the
+ * column refund_taken), in the transaction that wins the key, so refunds
+ * racing under different keys never take more than the payment; its
+ * completion counts the amount as refunded, or gives it back when the
+ * provider declined it or never got it. The refund itself is a resource with an
  * outbox row, written as a payment's is (data/resources.h). */
 #ifndef IDEMD_REFUNDS_H
 #define IDEMD_REFUNDS_H
@@ -19,6 +20,21 @@ typedef enum idemd_refund_refusal {
   IDEMD_REFUND_NOT_REFUNDABLE, /* the payment is not succeeded: 409 */
   IDEMD_REFUND_EXCEEDS         /* more than is left of it: 409 */
 } idemd_refund_refusal_t;
+
+/* Before a reservation, outside any transaction: IDEM_OK when the
+ * tenant's payment `payment_id` exists and is succeeded; IDEM_EREFUSED
+ * with `*why` NO_PAYMENT or NOT_REFUNDABLE otherwise (neither can change
+ * back, so a refund refused here would be refused in the transaction
+ * too; what is left is only checked there); a store error otherwise. */
+int idemd_refund_precheck(idem_store_t *store, int64_t tenant_id, const char *payment_id,
+                          idemd_refund_refusal_t *why);
+
+/* Reads the tenant's payment `id`: its stored text in `*body` (malloc'd,
+ * the caller frees it) and what its succeeded refunds add up to in
+ * `*refunded`. IDEM_ENOTFOUND when there is none; a store error
+ * otherwise. */
+int idemd_payment_get(idem_store_t *store, int64_t tenant_id, const char *id, char **body,
+                      int64_t *refunded);
 
 /* Inside a reservation's transaction: takes `want` (0: all that is left)
  * from what is left to refund of the tenant's payment `payment_id`, which
@@ -43,9 +59,10 @@ typedef struct idemd_refund_update {
 
 /* An effect's function with `arg` an idemd_refund_update_t, run with the
  * completion: a refund completed as "succeeded" adds its amount to the
- * payment's amount_refunded (its column and its body); one completed
- * otherwise (declined) or failed gives the amount back to what is left;
- * a pending one leaves the payment as it is. IDEM_ESTORE on failure. */
+ * payment's refunded amount; one completed otherwise (declined) or failed
+ * gives the amount back to what is left; a pending one leaves the payment
+ * as it is. IDEM_ESTORE on failure, or when the payment does not hold
+ * what the reservation took. */
 int idemd_refund_settled(void *arg, idem_tx_t *tx);
 
 #endif

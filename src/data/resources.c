@@ -12,7 +12,7 @@
 
 static const char insert_resource[] =
     "INSERT INTO resources (id, tenant_id, kind, status, body, provider_ref, "
-    "created_at, updated_at, refundable) VALUES ($1, $2, $3, $4, $5, $6, $7, $7, $8)";
+    "created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $7)";
 static const char insert_outbox[] =
     "INSERT INTO outbox (resource_id, tenant_id, operation, key, created_at, "
     "attempts, next_attempt_at) VALUES ($1, $2, $3, $4, $5, 0, $6)";
@@ -55,10 +55,10 @@ static const char claim_pg[] = CLAIM_SQL(" FOR UPDATE SKIP LOCKED");
 int idemd_resource_insert(void *arg, idem_tx_t *tx) {
   const idemd_resource_t *res = arg;
   int64_t now = idem_tx_now_ms(tx);
-  idemd_sql_param_t p[8] = {
+  idemd_sql_param_t p[7] = {
       TEXT(res->id),   NUM(res->tenant_id),     TEXT(res->kind), TEXT(res->status),
-      TEXT(res->body), TEXT(res->provider_ref), NUM(now),        NUM(res->refundable)};
-  int rc = idemd_sql_run(tx, IDEMD_SQL_INSERT_RESOURCE, insert_resource, p, 8, NULL, NULL,
+      TEXT(res->body), TEXT(res->provider_ref), NUM(now)};
+  int rc = idemd_sql_run(tx, IDEMD_SQL_INSERT_RESOURCE, insert_resource, p, 7, NULL, NULL,
                          NULL);
 
   if (rc != IDEM_OK || res->operation == NULL)

@@ -22,7 +22,6 @@ typedef struct idemd_resource {
   const char *status;       /* "pending", "created", ... */
   const char *body;         /* the resource as a JSON object */
   const char *provider_ref; /* may be NULL */
-  int64_t refundable;       /* a payment's: its amount (data/refunds.h); 0 otherwise */
   /* A payment's or refund's outbox row, when `operation` is set: the record's scope
    * (operation, key) whose charge it orders, first due `due_after_ms`
    * after the write (the record's lease: before that its owner is at

@@ -134,16 +134,13 @@ static const char *const sqlite_versions[] = {
     " created_at, updated_at FROM resources WHERE kind = 'order';",
     /* 4: refunds (docs/idempotency.md, section 4.5). A refund is a
      * resource of kind "refund" with an outbox row, as a payment is. A
-     * payment keeps what is left to refund (its amount less its succeeded
-     * and pending refunds: the balance the refunds' reservations check and
-     * take from) and what its succeeded refunds add up to; its body gains
-     * "amount_refunded" after "amount". `,"currency":` occurs once in a
-     * payment's text, outside its strings (their quotes are escaped). */
-    "ALTER TABLE resources ADD COLUMN refundable INTEGER NOT NULL DEFAULT 0;"
+     * payment keeps what its refunds have taken of it (succeeded and
+     * pending: what the refunds' reservations check and add to) and what
+     * its succeeded refunds add up to. Both start at 0, which is right
+     * for every payment, whichever idemd wrote it: instances upgraded one
+     * at a time need nothing rewritten. */
+    "ALTER TABLE resources ADD COLUMN refund_taken INTEGER NOT NULL DEFAULT 0;"
     "ALTER TABLE resources ADD COLUMN refunded INTEGER NOT NULL DEFAULT 0;"
-    "UPDATE resources SET refundable = json_extract(body, '$.amount'),"
-    " body = replace(body, ',\"currency\":', ',\"amount_refunded\":0,\"currency\":')"
-    " WHERE kind = 'payment';"
     "CREATE VIEW IF NOT EXISTS refunds AS SELECT id, tenant_id, status,"
     " json_extract(body, '$.payment_id') AS payment_id,"
     " json_extract(body, '$.amount') AS amount,"
@@ -223,12 +220,10 @@ static const char *const pg_versions[] = {
     "ALTER TABLE outbox ADD CONSTRAINT outbox_pkey PRIMARY KEY (tenant_id, resource_id);"
     "ALTER TABLE outbox ADD CONSTRAINT outbox_resource_id_fkey FOREIGN KEY"
     " (tenant_id, resource_id) REFERENCES resources (tenant_id, id);",
-    /* 4: as SQLite's 4. */
-    "ALTER TABLE resources ADD COLUMN refundable BIGINT NOT NULL DEFAULT 0,"
+    /* 4: as SQLite's 4; adding columns with a constant default rewrites
+     * nothing. */
+    "ALTER TABLE resources ADD COLUMN refund_taken BIGINT NOT NULL DEFAULT 0,"
     " ADD COLUMN refunded BIGINT NOT NULL DEFAULT 0;"
-    "UPDATE resources SET refundable = (body::jsonb ->> 'amount')::bigint,"
-    " body = replace(body, ',\"currency\":', ',\"amount_refunded\":0,\"currency\":')"
-    " WHERE kind = 'payment';"
     "DO $$ BEGIN"
     " IF to_regclass('refunds') IS NULL THEN"
     "  CREATE VIEW refunds AS SELECT id, tenant_id, status,"

@@ -32,6 +32,17 @@ int idem_payment_parse(const char *body, idem_payment_t *p) {
   return rc;
 }
 
+char *idem_payment_with_refunded(const char *body, int64_t refunded) {
+  json_t *v = json_loads(body ? body : "", 0, NULL);
+  char *text = NULL;
+
+  if (json_is_object(v) &&
+      json_object_set_new(v, "amount_refunded", json_integer(refunded)) == 0)
+    text = json_dumps(v, JSON_COMPACT | JSON_PRESERVE_ORDER);
+  json_decref(v);
+  return text;
+}
+
 /* Written directly rather than built with jansson: a payment is written
  * two or three times per request, always in this one shape, and building
  * it as a json_t and dumping it was a seventh of a new payment's

@@ -36,10 +36,16 @@ int idem_payment_parse(const char *body, idem_payment_t *p);
 
 /* The payment as a JSON object text in `status` (malloc'd; NULL when out
  * of memory). `error`, when not NULL, adds that field (402 answers).
- * "amount_refunded" follows "amount" and is followed by "currency": the
- * store rewrites it in place as refunds succeed (data/refunds.c). */
+ * "amount_refunded" is 0, as at a payment's creation; a read shows what
+ * its refunds made it since (idem_payment_with_refunded()). */
 char *idem_payment_json(const idem_payment_t *p, const char *status,
                         const char *error);
+
+/* The stored payment `body` as GET answers it: with "amount_refunded"
+ * set to `refunded`, what its succeeded refunds add up to (a payment
+ * written before refunds existed gains the field). Malloc'd; NULL when
+ * `body` is not a JSON object or out of memory. */
+char *idem_payment_with_refunded(const char *body, int64_t refunded);
 
 /* The body of a 503 for a call of which nothing reached the provider. */
 #define IDEM_PROVIDER_UNREACHABLE                                                        \

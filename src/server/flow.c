@@ -391,6 +391,8 @@ static int wrote_first_answer(const struct idemd_async_flow *af) {
  * had decided (replay, pending, mismatch) or was waiting on a duplicate
  * (in flight); OUTCOME_ERROR when its last write failed. */
 static int outcome_so_far(const struct idemd_async_flow *af) {
+  if (af->a.rc == IDEM_EREFUSED && af->e->refused)
+    return OUTCOME_INVALID; /* a rule of the route's: nothing was written */
   if (af->a.rc != IDEM_OK)
     return OUTCOME_ERROR;
   if (wrote_first_answer(af))

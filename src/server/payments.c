@@ -62,8 +62,7 @@ static int prepare(void *ctx) {
     return IDEM_ENOMEM;
   pc->row = (idemd_resource_t){.tenant_id = pc->row.tenant_id, .kind = "payment",
                                .id = p->id, .status = "pending",
-                               .body = pc->pending_body, .refundable = p->amount,
-                               .operation = OPERATION,
+                               .body = pc->pending_body, .operation = OPERATION,
                                .key = pc->key, .due_after_ms = pc->srv->cfg.lease_ms};
   return IDEM_OK;
 }

@@ -66,6 +66,14 @@ static int prepare(void *ctx) {
   char token[25];
   int64_t now = idem_now_ms();
 
+  /* An unknown or unsucceeded payment is refused before the write: on
+   * SQLite a refused write makes the writer run its batch again, write by
+   * write (docs/idempotency.md, section 4.5). Neither can become true of
+   * a payment a replay's refund was made of, so no replay is refused. */
+  int err = idemd_refund_precheck(rc->srv->store, rc->row.tenant_id, f->payment_id,
+                                  &rc->refusal);
+  if (err != IDEM_OK)
+    return err;
   if (idem_sortable_token(token, 24, now) != IDEM_OK)
     return IDEM_ECRYPTO;
   _Static_assert(sizeof f->id >= 3 + sizeof token, "a refund id holds re_ and a token");

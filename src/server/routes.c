@@ -9,10 +9,12 @@
 #include <string.h>
 #include <strings.h>
 
+#include "data/refunds.h"
 #include "data/resources.h"
 #include "idem/clock.h"
 #include "idem/engine.h"
 #include "idem/key.h"
+#include "provider/payment.h"
 #include "server/auth.h"
 #include "server/log.h"
 #include "server/replay_cache.h"
@@ -173,8 +175,7 @@ static enum MHD_Result serve_metrics(idemd_request_t *r) {
   return ret;
 }
 
-/* GET /payments/{id}, /orders/{id}, /refunds/{id}: the tenant's own
- * resource. */
+/* GET /orders/{id}, /refunds/{id}: the tenant's own resource. */
 static enum MHD_Result serve_resource(idemd_request_t *r, const char *kind,
                                       const char *not_found) {
   char *body = NULL;
@@ -186,6 +187,29 @@ static enum MHD_Result serve_resource(idemd_request_t *r, const char *kind,
   }
   if (rc != IDEM_OK)
     return idemd_reply_store_error(r, rc);
+  r->outcome = OUTCOME_READ;
+  ret = idemd_reply(r, 200, body, strlen(body), NULL);
+  free(body);
+  return ret;
+}
+
+/* GET /payments/{id}: the payment with what its refunds made of it. */
+static enum MHD_Result serve_payment(idemd_request_t *r) {
+  char *stored = NULL, *body;
+  int64_t refunded = 0;
+  enum MHD_Result ret;
+  int rc = idemd_payment_get(r->srv->store, r->tenant.id, r->resource_id, &stored, &refunded);
+
+  if (rc == IDEM_ENOTFOUND) {
+    r->outcome = OUTCOME_INVALID;
+    return idemd_reply_error(r, 404, "payment not found", NULL);
+  }
+  if (rc != IDEM_OK)
+    return idemd_reply_store_error(r, rc);
+  body = idem_payment_with_refunded(stored, refunded);
+  free(stored);
+  if (body == NULL)
+    return idemd_reply_error(r, 500, "internal error", NULL);
   r->outcome = OUTCOME_READ;
   ret = idemd_reply(r, 200, body, strlen(body), NULL);
   free(body);
@@ -281,7 +305,7 @@ enum MHD_Result idemd_dispatch(idemd_request_t *r) {
   case ROUTE_READYZ:
     return serve_readyz(r);
   case ROUTE_PAYMENT:
-    return serve_resource(r, "payment", "payment not found");
+    return serve_payment(r);
   case ROUTE_ORDER:
     return serve_resource(r, "order", "order not found");
   case ROUTE_REFUND:

@@ -99,11 +99,14 @@ static void on_reconcile_event(void *ctx, idem_reconcile_event_t ev,
     atomic_fetch_add_explicit(&srv->metrics.reconcile_settled, 1, memory_order_relaxed);
   if (ev == IDEM_RECONCILE_ERROR)
     atomic_fetch_add_explicit(&srv->metrics.store_errors, 1, memory_order_relaxed);
+  int refund = strcmp(rec->operation, "create_refund") == 0;
   idemd_log_event(ev == IDEM_RECONCILE_ERROR ? "error" : "info",
-                  ev == IDEM_RECONCILE_SETTLED     ? "payment settled"
-                  : ev == IDEM_RECONCILE_UNRESOLVED ? "payment still pending"
-                                                    : "reconcile failed",
-                  "payment", rec->resource_id, "operation", rec->operation,
+                  ev == IDEM_RECONCILE_SETTLED
+                      ? (refund ? "refund settled" : "payment settled")
+                  : ev == IDEM_RECONCILE_UNRESOLVED
+                      ? (refund ? "refund still pending" : "payment still pending")
+                      : "reconcile failed",
+                  refund ? "refund" : "payment", rec->resource_id, "operation", rec->operation,
                   "status", num, "detail",
                   ev == IDEM_RECONCILE_ERROR ? idem_store_last_error() : NULL, NULL);
 }

@@ -371,11 +371,36 @@ static void test_refundable_amount_race(void **state) {
   assert_int_equal(refused, N - 10);
   h_assert_db(a, 10, REFUND_ROWS);
   h_assert_db(a, 10000, "SELECT sum(amount) FROM refunds");
-  h_assert_db(a, 0, "SELECT refundable FROM resources WHERE kind = 'payment'");
+  h_assert_db(a, 10000, "SELECT refund_taken FROM resources WHERE kind = 'payment'");
   assert_int_equal(refunded(a, tok, pid), 10000);
   assert_int_equal(refunded(b, tok, pid), 10000);
   for (int i = 0; i < N; i++)
     h_resp_free(&out[i]);
+  free(pid);
+
+  /* N refunds of all that is left, under N keys: one gets it all. */
+  pid = pay(a, tok, "p2", 7000);
+  snprintf(path, sizeof path, "/payments/%s/refunds", pid);
+  for (int i = 0; i < N; i++) {
+    snprintf(keys[i], sizeof keys[i], "all-%d", i);
+    reqs[i] = (h_req_t){.method = "POST", .path = path, .token = tok, .key = keys[i],
+                        .body = "{}"};
+  }
+  h_together_on(to, reqs, N, out);
+  made = 0;
+  for (int i = 0; i < N; i++) {
+    h_context("refund of all %d", i);
+    if (out[i].status == 201) {
+      made++;
+      assert_int_equal(num(&out[i], "amount"), 7000);
+    } else {
+      h_assert_error(&out[i], 409, "refund exceeds the refundable amount");
+    }
+    h_resp_free(&out[i]);
+  }
+  h_context_clear();
+  assert_int_equal(made, 1);
+  assert_int_equal(refunded(a, tok, pid), 7000);
   free(pid);
   if (b != a)
     h_server_stop(b);

@@ -93,11 +93,32 @@ static void test_settle_round_trip(void **state) {
   idem_settlement_free(&s);
 }
 
+/* A read sets amount_refunded in place, and gives it to a payment written
+ * before refunds existed. */
+static void test_with_refunded(void **state) {
+  idem_payment_t p = {.id = "pay_z", .amount = 900, .currency = "BRL", .created_at = "t"};
+  char *body = idem_payment_json(&p, "succeeded", NULL), *read;
+  (void)state;
+
+  read = idem_payment_with_refunded(body, 300);
+  p.amount_refunded = 300;
+  free(body);
+  body = idem_payment_json(&p, "succeeded", NULL);
+  assert_string_equal(read, body);
+  free(read);
+  free(body);
+  read = idem_payment_with_refunded("{\"id\":\"pay_old\",\"amount\":5}", 0);
+  assert_string_equal(read, "{\"id\":\"pay_old\",\"amount\":5,\"amount_refunded\":0}");
+  free(read);
+  assert_null(idem_payment_with_refunded("[1]", 0));
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_json_matches_jansson),
       cmocka_unit_test(test_json_escapes_control_characters),
       cmocka_unit_test(test_settle_round_trip),
+      cmocka_unit_test(test_with_refunded),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }

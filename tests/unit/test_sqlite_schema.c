@@ -338,9 +338,10 @@ static void test_from_released_version(void **state) {
                               "integrity_check <> 'ok'"),
                    0);
   assert_int_equal(number(db, "SELECT amount FROM payments WHERE id = 'pay_3'"), 1003);
-  /* idemd's version 4: what is left to refund of a payment is its amount. */
-  assert_int_equal(number(db, "SELECT refundable FROM resources WHERE id = 'pay_3'"), 1003);
-  assert_int_equal(number(db, "SELECT refundable FROM resources WHERE id = 'ord_4'"), 0);
+  /* idemd's version 4: no refund has taken anything of a payment yet. */
+  assert_int_equal(number(db, "SELECT refund_taken + refunded FROM resources WHERE id = "
+                              "'pay_3'"),
+                   0);
   assert_int_equal(number(db, "SELECT total FROM orders WHERE id = 'ord_4'"), 1004);
   for (size_t i = 0; i < ARRAY_LEN(unsettled_queries); i++) {
     char plan[512];
@@ -593,12 +594,12 @@ static void test_idemd_v3_refuses_foreign_objects(void **state) {
   assert_int_equal(number(db, "SELECT count(*) FROM orders WHERE id = 'ord_1' AND "
                               "tenant_id = 1"),
                    1);
-  /* Version 4: the payment's balance is its amount, and its body gains
-   * amount_refunded before the field "currency" only. */
-  assert_int_equal(number(db, "SELECT refundable FROM resources WHERE id = 'pay_1'"), 500);
+  /* Version 4: nothing is taken of the payment yet, and its text is
+   * left as it was. */
+  assert_int_equal(number(db, "SELECT refund_taken FROM resources WHERE id = 'pay_1'"), 0);
   {
     char *body = text(db, "SELECT body FROM resources WHERE id = 'pay_1'");
-    assert_string_equal(body, "{\"id\":\"pay_1\",\"amount\":500,\"amount_refunded\":0,"
+    assert_string_equal(body, "{\"id\":\"pay_1\",\"amount\":500,"
                               "\"currency\":\"BRL\",\"order_id\":\"a,\\\"currency\\\":\","
                               "\"status\":\"succeeded\",\"created_at\":\"t\"}");
     free(body);
