@@ -159,8 +159,20 @@ typedef struct idem_records_query {
 } idem_records_query_t;
 
 typedef struct idem_store_options {
-  int pool_size;       /* connections kept for concurrent callers; 0: default */
+  int pool_size;       /* connections kept for concurrent callers; 0: default
+                        * (PostgreSQL: at most this many open at once, 64) */
   int busy_timeout_ms; /* wait for another process's lock; 0: default */
+  /* PostgreSQL: the bound on a database that hangs (0: 5000 ms; SQLite
+   * ignores it). Each statement and each lock wait (statement_timeout,
+   * lock_timeout), a connect (connect_timeout, at least libpq's 2 s) and
+   * a wait for a free pooled connection are each bounded by it, and a
+   * call whose connection has been out for twice it (a server that
+   * stopped answering: it enforces its own timeouts no more) has its
+   * socket shut down, so the call fails with IDEM_ESTORE and the
+   * connection is replaced. TCP keepalives and tcp_user_timeout follow
+   * it. Parameters in the URL win over these (docs/operations.md, "When
+   * PostgreSQL hangs"). */
+  int db_timeout_ms;
 } idem_store_options_t;
 
 /* The table of functions a backend provides. Wrappers document them. */
