@@ -366,9 +366,11 @@ IDEM_WARN_UNUSED int idem_store_records_list(idem_store_t *store,
                                              const idem_records_query_t *q,
                                              idem_record_t *out, int *n);
 
-/* Fills `out` with how the writes made through this handle are doing:
- * every reservation, completion and write, asynchronous ones until their
- * callback. Never blocks. */
+/* Fills `out` with how the writes of records made through this handle
+ * are doing: every reservation, completion and probe, asynchronous ones
+ * until their callback. A caller's own write (idem_store_write()) counts
+ * only when it fails in the store: it may touch only the caller's tables,
+ * which a lock on the records table leaves writable. Never blocks. */
 void idem_store_health(idem_store_t *store, idem_store_health_t *out);
 
 /* A write of the store's own that changes a row, so that it needs the

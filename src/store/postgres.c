@@ -846,10 +846,20 @@ static int pg_records_list(idem_store_t *base, const idem_records_query_t *q,
   return IDEM_OK;
 }
 
+/* The probe takes the lock every write of a record takes (ROW EXCLUSIVE
+ * on the records table, held to its commit: it writes no record) before
+ * its own row, so that a session holding a lock that stops the writes
+ * (LOCK TABLE, a migration of another instance) fails it within
+ * lock_timeout, and /readyz says so while no request writes. */
+static int probe_fn(struct conn *c, void *arg) {
+  const char *p[1] = {arg};
+  int rc = simple(c, "LOCK TABLE idempotency_records IN ROW EXCLUSIVE MODE");
+  return rc == IDEM_OK ? run_cmd(c, ST_PROBE, 1, p, NULL) : rc;
+}
+
 static int pg_probe(idem_store_t *base) {
   char now[24];
-  const char *p[1] = {num(now, sizeof now, idem_now_ms())};
-  return pooled_cmd((pg_store_t *)base, ST_PROBE, 1, p, NULL);
+  return in_tx((pg_store_t *)base, probe_fn, (void *)num(now, sizeof now, idem_now_ms()));
 }
 
 static int pg_meta_get_or_put(idem_store_t *base, const char *name,
