@@ -251,6 +251,7 @@ typedef struct pg_store {
   char pg_options[96];
   pthread_mutex_t pool_lock;
   pthread_cond_t conn_freed; /* a connection went back, or was dropped */
+  pthread_cond_t stop_cond;  /* `stopping` set: the watchdog's sleep ends */
   struct conn *free_conns;
   struct conn *busy; /* checked out, watched */
   int open_conns;    /* free and busy; at most max_conns */
@@ -397,13 +398,7 @@ static int conn_get(pg_store_t *s, struct conn **out) {
       return IDEM_ESTORE;
     }
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    ts.tv_sec += left / 1000;
-    ts.tv_nsec += (left % 1000) * 1000000L;
-    if (ts.tv_nsec >= 1000000000L) {
-      ts.tv_sec++;
-      ts.tv_nsec -= 1000000000L;
-    }
+    idem__deadline_after(left, &ts);
     (void)pthread_cond_timedwait(&s->conn_freed, &s->pool_lock, &ts);
   }
   pthread_mutex_lock(&s->pool_lock);
@@ -442,20 +437,21 @@ static void conn_put(pg_store_t *s, struct conn *c) {
 static void *watchdog_loop(void *arg) {
   pg_store_t *s = arg;
   long step_ms = s->timeout_ms / 10 < 10 ? 10 : s->timeout_ms / 10 > 250 ? 250 : s->timeout_ms / 10;
-  struct timespec ts = {step_ms / 1000, (step_ms % 1000) * 1000000L};
 
+  pthread_mutex_lock(&s->pool_lock);
   while (!atomic_load(&s->stopping)) {
-    nanosleep(&ts, NULL);
+    struct timespec ts;
+    idem__deadline_after(step_ms, &ts);
+    (void)pthread_cond_timedwait(&s->stop_cond, &s->pool_lock, &ts);
     int64_t now = idem_mono_ms();
-    pthread_mutex_lock(&s->pool_lock);
     for (struct conn *c = s->busy; c; c = c->busy_next)
       if (c->deadline_ms <= now && c->fd >= 0 &&
           !atomic_load_explicit(&c->cut, memory_order_relaxed)) {
         atomic_store_explicit(&c->cut, 1, memory_order_relaxed);
         (void)shutdown(c->fd, SHUT_RDWR);
       }
-    pthread_mutex_unlock(&s->pool_lock);
   }
+  pthread_mutex_unlock(&s->pool_lock);
   return NULL;
 }
 
@@ -1071,7 +1067,10 @@ static void pg_close(idem_store_t *base) {
   pg_store_t *s = (pg_store_t *)base;
   struct conn *c;
 
+  pthread_mutex_lock(&s->pool_lock);
   atomic_store(&s->stopping, 1);
+  pthread_cond_broadcast(&s->stop_cond);
+  pthread_mutex_unlock(&s->pool_lock);
   if (s->listener_started)
     pthread_join(s->listener, NULL);
   if (s->watchdog_started)
@@ -1083,6 +1082,7 @@ static void pg_close(idem_store_t *base) {
     c = next;
   }
   pthread_cond_destroy(&s->conn_freed);
+  pthread_cond_destroy(&s->stop_cond);
   pthread_mutex_destroy(&s->pool_lock);
   free(s->url);
   free(s);
@@ -1145,6 +1145,7 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&s->conn_freed, &ca);
+    pthread_cond_init(&s->stop_cond, &ca);
     pthread_condattr_destroy(&ca);
   }
   if (pthread_create(&s->watchdog, NULL, watchdog_loop, s) != 0) {

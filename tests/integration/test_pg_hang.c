@@ -100,6 +100,35 @@ static char *retry_until_201(h_server_t *s, const char *tok, const char *key) {
   return id;
 }
 
+/* New payments under prefix-0.. while the database hangs: each 503 (see
+ * expect_503()). Returns the seconds from `since` to the first answer. */
+static double all_503(h_server_t *s, const char *tok, const char *prefix, double since) {
+  double first = 0;
+  for (int i = 0; i < KEYS; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "%s-%d", prefix, i);
+    (void)expect_503(s, tok, key);
+    if (i == 0)
+      first = h_now() - since;
+  }
+  return first;
+}
+
+/* Each of those retried until 201; ids[i] gets its payment. Returns the
+ * seconds from `since` to the first 201. */
+static double retry_all(h_server_t *s, const char *tok, const char *prefix, char **ids,
+                        double since) {
+  double first = 0;
+  for (int i = 0; i < KEYS; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "%s-%d", prefix, i);
+    ids[i] = retry_until_201(s, tok, key);
+    if (i == 0)
+      first = h_now() - since;
+  }
+  return first;
+}
+
 /* Payments acknowledged before: each still its key's replay, same id. */
 static void assert_replays(h_server_t *s, const char *tok, char **ids, const char *prefix) {
   for (int i = 0; i < KEYS; i++) {
@@ -167,14 +196,7 @@ static void test_records_table_locked(void **state) {
   PQclear(res);
   t_lock = h_now();
 
-  for (int i = 0; i < KEYS; i++) {
-    char key[32];
-    snprintf(key, sizeof key, "locked-%d", i);
-    double took = expect_503(s, tok, key);
-    if (i == 0)
-      first_503 = h_now() - t_lock;
-    (void)took;
-  }
+  first_503 = all_503(s, tok, "locked", t_lock);
   /* /readyz: the probe (each second without a write) takes the lock a
    * write of a record takes, and fails at lock_timeout. /healthz, the
    * liveness check, asks the store a SELECT 1, which the lock does not
@@ -192,13 +214,7 @@ static void test_records_table_locked(void **state) {
   PQfinish(locker);
   locker = NULL;
   t_release = h_now();
-  for (int i = 0; i < KEYS; i++) {
-    char key[32];
-    snprintf(key, sizeof key, "locked-%d", i);
-    cut[i] = retry_until_201(s, tok, key);
-    if (i == 0)
-      recovered = h_now() - t_release;
-  }
+  recovered = retry_all(s, tok, "locked", cut, t_release);
   await_status(s, "/readyz", 200);
   assert_replays(s, tok, before, "before");
   assert_replays(s, tok, cut, "locked");
@@ -292,13 +308,7 @@ static void test_server_stopped(void **state) {
   pay_all(s, tok, "before", before);
   t_stop = h_now();
   stop_cluster();
-  for (int i = 0; i < KEYS; i++) {
-    char key[32];
-    snprintf(key, sizeof key, "stopped-%d", i);
-    (void)expect_503(s, tok, key);
-    if (i == 0)
-      first_503 = h_now() - t_stop;
-  }
+  first_503 = all_503(s, tok, "stopped", t_stop);
   health_503 = await_status(s, "/healthz", 503);
   assert_start_is_bounded(s);
 
@@ -306,13 +316,7 @@ static void test_server_stopped(void **state) {
   t_cont = h_now();
   resume_all();
   health_200 = await_status(s, "/healthz", 200);
-  for (int i = 0; i < KEYS; i++) {
-    char key[32];
-    snprintf(key, sizeof key, "stopped-%d", i);
-    cut[i] = retry_until_201(s, tok, key);
-    if (i == 0)
-      recovered = h_now() - t_cont;
-  }
+  recovered = retry_all(s, tok, "stopped", cut, t_cont);
   pay_all(s, tok, "after", after);
   assert_replays(s, tok, before, "before");
   assert_replays(s, tok, cut, "stopped");
