@@ -161,8 +161,20 @@ typedef struct idem_records_query {
 } idem_records_query_t;
 
 typedef struct idem_store_options {
-  int pool_size;       /* connections kept for concurrent callers; 0: default */
+  int pool_size;       /* connections kept for concurrent callers; 0: default
+                        * (PostgreSQL: at most this many open at once, 64) */
   int busy_timeout_ms; /* wait for another process's lock; 0: default */
+  /* PostgreSQL: the bound on a database that hangs (0: 5000 ms; SQLite
+   * ignores it). Each statement and each lock wait (statement_timeout,
+   * lock_timeout), a connect (connect_timeout, at least libpq's 2 s) and
+   * a wait for a free pooled connection are each bounded by it, and a
+   * call whose connection has been out for twice it (a server that
+   * stopped answering: it enforces its own timeouts no more) has its
+   * socket shut down, so the call fails with IDEM_ESTORE and the
+   * connection is replaced. TCP keepalives and tcp_user_timeout follow
+   * it. Parameters in the URL win over these (docs/operations.md, "When
+   * PostgreSQL hangs"). */
+  int db_timeout_ms;
 } idem_store_options_t;
 
 /* The table of functions a backend provides. Wrappers document them. */
@@ -356,9 +368,11 @@ IDEM_WARN_UNUSED int idem_store_records_list(idem_store_t *store,
                                              const idem_records_query_t *q,
                                              idem_record_t *out, int *n);
 
-/* Fills `out` with how the writes made through this handle are doing:
- * every reservation, completion and write, asynchronous ones until their
- * callback. Never blocks. */
+/* Fills `out` with how the writes of records made through this handle
+ * are doing: every reservation, completion and probe, asynchronous ones
+ * until their callback. A caller's own write (idem_store_write()) counts
+ * only when it fails in the store: it may touch only the caller's tables,
+ * which a lock on the records table leaves writable. Never blocks. */
 void idem_store_health(idem_store_t *store, idem_store_health_t *out);
 
 /* A write of the store's own that changes a row, so that it needs the

@@ -9,6 +9,16 @@
 
 #include "idem/error.h"
 
+void idem__deadline_after(int64_t ms, struct timespec *out) {
+  clock_gettime(CLOCK_MONOTONIC, out);
+  out->tv_sec += ms / 1000;
+  out->tv_nsec += (ms % 1000) * 1000000L;
+  if (out->tv_nsec >= 1000000000L) {
+    out->tv_sec++;
+    out->tv_nsec -= 1000000000L;
+  }
+}
+
 #define STRIPES 64
 
 struct stripe {
@@ -88,13 +98,7 @@ int idem__waitset_wait(idem__waitset_t *ws, const idem_scope_t *scope,
 
   if (timeout_ms < 0)
     timeout_ms = 0;
-  clock_gettime(CLOCK_MONOTONIC, &deadline);
-  deadline.tv_sec += timeout_ms / 1000;
-  deadline.tv_nsec += (timeout_ms % 1000) * 1000000L;
-  if (deadline.tv_nsec >= 1000000000L) {
-    deadline.tv_sec++;
-    deadline.tv_nsec -= 1000000000L;
-  }
+  idem__deadline_after(timeout_ms, &deadline);
   pthread_mutex_lock(&st->lock);
   while (st->gen == ticket && rc != ETIMEDOUT)
     rc = pthread_cond_timedwait(&st->cond, &st->lock, &deadline);

@@ -8,6 +8,7 @@
 #define IDEM_LIB_WAITSET_H
 
 #include <stdint.h>
+#include <time.h>
 
 #include "idem/record.h"
 #include "idem/store.h"
@@ -44,5 +45,9 @@ void idem__waitset_wake(idem__waitset_t *ws, const idem_scope_t *scope);
 
 /* Wakes every waiter of every stripe (after lost notifications). */
 void idem__waitset_wake_all(idem__waitset_t *ws);
+
+/* `*out` = `ms` from now on CLOCK_MONOTONIC, for pthread_cond_timedwait()
+ * on a condition made with that clock. */
+void idem__deadline_after(int64_t ms, struct timespec *out);
 
 #endif

@@ -67,6 +67,9 @@ static const struct option options[] = {
      "how long completed and failed keys are remembered"},
     {"--lease", "IDEMD_LEASE", K_DURATION, OFF(lease_ms), 100, 86400000, "30s",
      "how long a worker owns a processing record"},
+    {"--db-timeout", "IDEMD_DB_TIMEOUT", K_DURATION, OFF(db_timeout_ms), 100, 600000,
+     "5s", "PostgreSQL: bound on each statement, lock wait, connect and pool wait; "
+     "a call with no answer in twice it fails (503)"},
     {"--ready-timeout", "IDEMD_READY_TIMEOUT", K_DURATION, OFF(ready_timeout_ms), 100,
      600000, "2s", "/readyz: how long a write may go unfinished before 503"},
     {"--shutdown-timeout", "IDEMD_SHUTDOWN_TIMEOUT", K_DURATION,

@@ -29,6 +29,7 @@ typedef struct idemd_config {
   int64_t key_ttl_ms;       /* lifetime of completed and failed records */
   int64_t lease_ms;         /* how long a processing owner holds its record */
   int64_t ready_timeout_ms; /* /readyz: how long writes may hang */
+  int64_t db_timeout_ms;    /* PostgreSQL: bound on a database that hangs */
   int64_t provider_connect_timeout_ms;
   int64_t provider_timeout_ms; /* total deadline of one provider call */
   int64_t reconcile_interval_ms;

@@ -21,8 +21,11 @@ const char *idemd_not_ready(idemd_server_t *srv) {
   return NULL;
 }
 
-/* Each second without a write ending: one of the store's own. A write
- * under way already tells (it ends, or it does not). */
+/* Each second without a write of records ending: one of the store's own
+ * (idem_store_health() does not count the reconciler's writes, which a
+ * lock on the records table lets through: docs/operations.md, "When
+ * PostgreSQL hangs"). A write under way already tells (it ends, or it
+ * does not). */
 static void probe(void *arg) {
   idemd_server_t *srv = arg;
   idem_store_health_t h;

@@ -3,6 +3,11 @@
  * concurrent caller, re-opened after the server restarts), and a listener
  * connection that turns NOTIFY from any instance into in-process wake-ups,
  * so a duplicate waiting on another instance's key wakes when it finishes.
+ * A database that hangs does not hang the caller: every statement, lock
+ * wait, connect and wait for a pooled connection is bounded, and a
+ * watchdog cuts the socket of a call that outlives twice the bound (a
+ * stopped server enforces no timeout of its own): docs/operations.md,
+ * "When PostgreSQL hangs".
  *
  * The semantics are those of the SQLite store: the same atomic reservation
  * (INSERT ... ON CONFLICT), completion conditional on the owner token, and
@@ -17,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 
 #include "idem/clock.h"
@@ -223,6 +229,13 @@ struct conn {
   const char *caller_sql[IDEM_TX_STATEMENTS];
   char caller_name[IDEM_TX_STATEMENTS][16];
   struct conn *next;
+  /* While checked out (or the listener's, while it waits on a command):
+   * on the store's `busy` list, under pool_lock, with the socket and the
+   * time past which the watchdog cuts it. `cut` is set once it has. */
+  int fd;
+  int64_t deadline_ms;
+  atomic_int cut;
+  struct conn *busy_prev, *busy_next;
 };
 _Static_assert(ST_COUNT_ <= 32, "`prepared` has a bit per statement");
 _Static_assert(IDEM_TX_STATEMENTS <= 32, "`caller_prepared` has a bit per slot");
@@ -230,10 +243,21 @@ _Static_assert(IDEM_TX_STATEMENTS <= 32, "`caller_prepared` has a bit per slot")
 typedef struct pg_store {
   struct idem_store base;
   char *url;
+  int timeout_ms; /* idem_store_options_t.db_timeout_ms */
+  /* libpq's parameters, before the URL's (which win): NULL-terminated. */
+  const char *keywords[10];
+  const char *values[10];
+  char param_text[5][24];
+  char pg_options[96];
   pthread_mutex_t pool_lock;
+  pthread_cond_t conn_freed; /* a connection went back, or was dropped */
+  pthread_cond_t stop_cond;  /* `stopping` set: the watchdog's sleep ends */
   struct conn *free_conns;
-  pthread_t listener;
-  int listener_started;
+  struct conn *busy; /* checked out, watched */
+  int open_conns;    /* free and busy; at most max_conns */
+  int max_conns;
+  pthread_t listener, watchdog;
+  int listener_started, watchdog_started;
   atomic_int stopping;
 } pg_store_t;
 
@@ -242,6 +266,12 @@ static const idem_store_methods_t pg_methods;
 /* Maps a failed result to an idem error, keeping libpq's text for logs. */
 static int fail(struct conn *c, PGresult *res, const char *what) {
   const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+  if (atomic_load_explicit(&c->cut, memory_order_relaxed)) {
+    idem__store_set_error("postgres %s: no answer within the bound "
+                          "(--db-timeout, twice over): the connection was cut",
+                          what);
+    return IDEM_ESTORE;
+  }
   idem__store_set_error("postgres %s: %s", what,
                         res && PQresultErrorMessage(res)[0]
                             ? PQresultErrorMessage(res)
@@ -265,12 +295,19 @@ static void quiet(void *arg, const char *message) {
   (void)message;
 }
 
+/* libpq's connection, with the bounds of s->timeout_ms (connect_timeout,
+ * keepalives, tcp_user_timeout, statement_timeout and lock_timeout in
+ * `options`) put before the URL, so that its own parameters win. */
+static PGconn *pg_connect(pg_store_t *s) {
+  return PQconnectdbParams(s->keywords, s->values, 1);
+}
+
 static int conn_new(pg_store_t *s, struct conn **out) {
   struct conn *c = calloc(1, sizeof *c);
   *out = NULL;
   if (c == NULL)
     return IDEM_ENOMEM;
-  c->pg = PQconnectdb(s->url);
+  c->pg = pg_connect(s);
   if (c->pg == NULL || PQstatus(c->pg) != CONNECTION_OK) {
     idem__store_set_error("postgres connect: %s",
                           c->pg ? PQerrorMessage(c->pg) : "out of memory");
@@ -292,36 +329,130 @@ static int idle_conn_readable(PGconn *pg) {
   return p.fd < 0 || poll(&p, 1, 0) > 0;
 }
 
-/* Takes a pooled connection, or opens one. A server that restarted closed
- * our idle connections: a connection with anything to read (that close,
- * or the message before it) is dropped instead of failing a request. */
-static int conn_get(pg_store_t *s, struct conn **out) {
-  for (;;) {
-    pthread_mutex_lock(&s->pool_lock);
-    *out = s->free_conns;
-    if (*out)
-      s->free_conns = (*out)->next;
-    pthread_mutex_unlock(&s->pool_lock);
-    if (*out == NULL)
-      return conn_new(s, out);
-    if (PQstatus((*out)->pg) == CONNECTION_OK && !idle_conn_readable((*out)->pg))
-      return IDEM_OK;
-    conn_free(*out);
-  }
+/* Puts `c` on the watched list with the watchdog's deadline (twice the
+ * bound: the server's own statement_timeout, which keeps the connection,
+ * fires first while it runs). Under pool_lock. */
+static void watch_locked(pg_store_t *s, struct conn *c) {
+  c->fd = PQsocket(c->pg);
+  c->deadline_ms = idem_mono_ms() + 2 * (int64_t)s->timeout_ms;
+  c->busy_prev = NULL;
+  c->busy_next = s->busy;
+  if (s->busy)
+    s->busy->busy_prev = c;
+  s->busy = c;
 }
 
-/* Returns a connection to the pool, or drops it if it broke (the next
- * caller then opens a fresh one: that is how we survive a restart). */
-static void conn_put(pg_store_t *s, struct conn *c) {
-  if (PQstatus(c->pg) != CONNECTION_OK ||
-      PQtransactionStatus(c->pg) != PQTRANS_IDLE) {
-    conn_free(c);
-    return;
+/* Takes `c` off the watched list; from here the watchdog never touches
+ * its socket, which PQfinish() may close and the kernel give to another
+ * file. Under pool_lock. */
+static void unwatch_locked(pg_store_t *s, struct conn *c) {
+  if (c->busy_prev)
+    c->busy_prev->busy_next = c->busy_next;
+  else
+    s->busy = c->busy_next;
+  if (c->busy_next)
+    c->busy_next->busy_prev = c->busy_prev;
+  c->busy_prev = c->busy_next = NULL;
+}
+
+/* Takes a pooled connection, or opens one while fewer than max_conns are
+ * open, or waits (at most the bound) for one to come back: past it,
+ * IDEM_ESTORE, never an unbounded wait. A server that restarted closed
+ * our idle connections: a connection with anything to read (that close,
+ * or the message before it) is dropped instead of failing a request. The
+ * connection is watched until conn_put(). */
+static int conn_get(pg_store_t *s, struct conn **out) {
+  int64_t deadline = idem_mono_ms() + s->timeout_ms;
+  struct conn *c;
+  int rc;
+
+  pthread_mutex_lock(&s->pool_lock);
+  for (;;) {
+    if ((c = s->free_conns) != NULL) {
+      s->free_conns = c->next;
+      pthread_mutex_unlock(&s->pool_lock);
+      if (PQstatus(c->pg) == CONNECTION_OK && !idle_conn_readable(c->pg))
+        break;
+      conn_free(c);
+      pthread_mutex_lock(&s->pool_lock);
+      s->open_conns--;
+      continue;
+    }
+    if (s->open_conns < s->max_conns) {
+      s->open_conns++;
+      pthread_mutex_unlock(&s->pool_lock);
+      if ((rc = conn_new(s, &c)) == IDEM_OK)
+        break;
+      pthread_mutex_lock(&s->pool_lock);
+      s->open_conns--;
+      pthread_cond_signal(&s->conn_freed);
+      pthread_mutex_unlock(&s->pool_lock);
+      return rc;
+    }
+    int64_t left = deadline - idem_mono_ms();
+    if (left <= 0) {
+      pthread_mutex_unlock(&s->pool_lock);
+      idem__store_set_error("postgres: no connection of the pool (%d) came free "
+                            "within %d ms",
+                            s->max_conns, s->timeout_ms);
+      return IDEM_ESTORE;
+    }
+    struct timespec ts;
+    idem__deadline_after(left, &ts);
+    (void)pthread_cond_timedwait(&s->conn_freed, &s->pool_lock, &ts);
   }
   pthread_mutex_lock(&s->pool_lock);
-  c->next = s->free_conns;
-  s->free_conns = c;
+  watch_locked(s, c);
   pthread_mutex_unlock(&s->pool_lock);
+  *out = c;
+  return IDEM_OK;
+}
+
+/* Returns a connection to the pool, or drops it if it broke or the
+ * watchdog cut it (the next caller then opens a fresh one: that is how we
+ * survive a restart, or a server that hung). */
+static void conn_put(pg_store_t *s, struct conn *c) {
+  int keep = !atomic_load_explicit(&c->cut, memory_order_relaxed) &&
+             PQstatus(c->pg) == CONNECTION_OK &&
+             PQtransactionStatus(c->pg) == PQTRANS_IDLE;
+  pthread_mutex_lock(&s->pool_lock);
+  unwatch_locked(s, c);
+  if (keep) {
+    c->next = s->free_conns;
+    s->free_conns = c;
+  } else {
+    s->open_conns--;
+  }
+  pthread_cond_signal(&s->conn_freed);
+  pthread_mutex_unlock(&s->pool_lock);
+  if (!keep)
+    conn_free(c);
+}
+
+/* The watchdog: a connection watched past its deadline waits on a server
+ * that no longer answers (stopped, or its host gone with no RST); its
+ * socket is shut down, which makes the call blocked on it fail at once.
+ * Only while the connection is still on the list, under pool_lock, so
+ * the descriptor is still that connection's. */
+static void *watchdog_loop(void *arg) {
+  pg_store_t *s = arg;
+  long step_ms = s->timeout_ms / 10 < 10 ? 10 : s->timeout_ms / 10 > 250 ? 250 : s->timeout_ms / 10;
+
+  pthread_mutex_lock(&s->pool_lock);
+  while (!atomic_load(&s->stopping)) {
+    struct timespec ts;
+    idem__deadline_after(step_ms, &ts);
+    (void)pthread_cond_timedwait(&s->stop_cond, &s->pool_lock, &ts);
+    int64_t now = idem_mono_ms();
+    for (struct conn *c = s->busy; c; c = c->busy_next)
+      if (c->deadline_ms <= now && c->fd >= 0 &&
+          !atomic_load_explicit(&c->cut, memory_order_relaxed)) {
+        atomic_store_explicit(&c->cut, 1, memory_order_relaxed);
+        (void)shutdown(c->fd, SHUT_RDWR);
+      }
+  }
+  pthread_mutex_unlock(&s->pool_lock);
+  return NULL;
 }
 
 /* Runs prepared statement `id` (preparing it on first use on this
@@ -711,10 +842,20 @@ static int pg_records_list(idem_store_t *base, const idem_records_query_t *q,
   return IDEM_OK;
 }
 
+/* The probe takes the lock every write of a record takes (ROW EXCLUSIVE
+ * on the records table, held to its commit: it writes no record) before
+ * its own row, so that a session holding a lock that stops the writes
+ * (LOCK TABLE, a migration of another instance) fails it within
+ * lock_timeout, and /readyz says so while no request writes. */
+static int probe_fn(struct conn *c, void *arg) {
+  const char *p[1] = {arg};
+  int rc = simple(c, "LOCK TABLE idempotency_records IN ROW EXCLUSIVE MODE");
+  return rc == IDEM_OK ? run_cmd(c, ST_PROBE, 1, p, NULL) : rc;
+}
+
 static int pg_probe(idem_store_t *base) {
   char now[24];
-  const char *p[1] = {num(now, sizeof now, idem_now_ms())};
-  return pooled_cmd((pg_store_t *)base, ST_PROBE, 1, p, NULL);
+  return in_tx((pg_store_t *)base, probe_fn, (void *)num(now, sizeof now, idem_now_ms()));
 }
 
 static int pg_meta_get_or_put(idem_store_t *base, const char *name,
@@ -874,7 +1015,8 @@ static void *listen_loop(void *arg) {
   int backoff_ms = 100;
 
   while (!atomic_load(&s->stopping)) {
-    PGconn *pg = PQconnectdb(s->url);
+    PGconn *pg = pg_connect(s);
+    struct conn lc = {.pg = pg};
     PGresult *res;
     if (PQstatus(pg) != CONNECTION_OK) {
       listen_retry_later(s, pg, &backoff_ms);
@@ -883,7 +1025,16 @@ static void *listen_loop(void *arg) {
     /* The server's messages (a FATAL at its shutdown) stay off stderr,
      * which is the request log, as for the pool's connections. */
     PQsetNoticeProcessor(pg, quiet, NULL);
+    /* LISTEN waits for the server's answer: watched like a pooled call,
+     * so that a server that hangs does not hang the listener (nor
+     * pg_close(), which joins it). Between notifications it only polls. */
+    pthread_mutex_lock(&s->pool_lock);
+    watch_locked(s, &lc);
+    pthread_mutex_unlock(&s->pool_lock);
     res = PQexec(pg, "LISTEN " NOTIFY_CHANNEL);
+    pthread_mutex_lock(&s->pool_lock);
+    unwatch_locked(s, &lc);
+    pthread_mutex_unlock(&s->pool_lock);
     if (PQresultStatus(res) != PGRES_COMMAND_OK) { /* no wake-ups: try again */
       PQclear(res);
       listen_retry_later(s, pg, &backoff_ms);
@@ -916,16 +1067,22 @@ static void pg_close(idem_store_t *base) {
   pg_store_t *s = (pg_store_t *)base;
   struct conn *c;
 
-  if (s->listener_started) {
-    atomic_store(&s->stopping, 1);
+  pthread_mutex_lock(&s->pool_lock);
+  atomic_store(&s->stopping, 1);
+  pthread_cond_broadcast(&s->stop_cond);
+  pthread_mutex_unlock(&s->pool_lock);
+  if (s->listener_started)
     pthread_join(s->listener, NULL);
-  }
+  if (s->watchdog_started)
+    pthread_join(s->watchdog, NULL);
   c = s->free_conns;
   while (c) {
     struct conn *next = c->next;
     conn_free(c);
     c = next;
   }
+  pthread_cond_destroy(&s->conn_freed);
+  pthread_cond_destroy(&s->stop_cond);
   pthread_mutex_destroy(&s->pool_lock);
   free(s->url);
   free(s);
@@ -941,22 +1098,63 @@ static int pg_start(idem_store_t *base) {
   return IDEM_OK;
 }
 
+/* libpq's parameters from s->timeout_ms (T): statement_timeout and
+ * lock_timeout T; connect_timeout T in whole seconds (libpq takes no less
+ * than 2); keepalives after T idle, every T/3, 3 lost; tcp_user_timeout
+ * 2T for data sent and not acknowledged. All before "dbname", the URL,
+ * which PQconnectdbParams() expands and whose parameters win. */
+static void set_params(pg_store_t *s) {
+  int t = s->timeout_ms, t_s = (t + 999) / 1000, i = 0;
+  char(*v)[24] = s->param_text;
+
+  snprintf(v[0], sizeof v[0], "%d", t_s < 2 ? 2 : t_s);
+  snprintf(v[1], sizeof v[1], "%d", t_s);
+  snprintf(v[2], sizeof v[2], "%d", t_s / 3 < 1 ? 1 : t_s / 3);
+  snprintf(v[3], sizeof v[3], "%d", 2 * t);
+  snprintf(s->pg_options, sizeof s->pg_options,
+           "-c statement_timeout=%d -c lock_timeout=%d", t, t);
+  s->keywords[i] = "connect_timeout", s->values[i++] = v[0];
+  s->keywords[i] = "keepalives", s->values[i++] = "1";
+  s->keywords[i] = "keepalives_idle", s->values[i++] = v[1];
+  s->keywords[i] = "keepalives_interval", s->values[i++] = v[2];
+  s->keywords[i] = "keepalives_count", s->values[i++] = "3";
+  s->keywords[i] = "tcp_user_timeout", s->values[i++] = v[3];
+  s->keywords[i] = "options", s->values[i++] = s->pg_options;
+  s->keywords[i] = "dbname", s->values[i++] = s->url;
+  s->keywords[i] = NULL, s->values[i] = NULL;
+}
+
 int idem__postgres_open(const char *url, const idem_store_options_t *opts,
                         idem_store_t **out) {
   pg_store_t *s = calloc(1, sizeof *s);
   struct conn *c;
   int rc;
 
-  (void)opts;
   *out = NULL;
   if (s == NULL || (s->url = strdup(url)) == NULL) {
     free(s);
     return IDEM_ENOMEM;
   }
   s->base.methods = &pg_methods;
+  s->timeout_ms = opts->db_timeout_ms > 0 ? opts->db_timeout_ms : 5000;
+  s->max_conns = opts->pool_size > 0 ? opts->pool_size : 64;
+  set_params(s);
   pthread_mutex_init(&s->pool_lock, NULL);
+  {
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->conn_freed, &ca);
+    pthread_cond_init(&s->stop_cond, &ca);
+    pthread_condattr_destroy(&ca);
+  }
+  if (pthread_create(&s->watchdog, NULL, watchdog_loop, s) != 0) {
+    pg_close(&s->base);
+    return IDEM_ENOMEM;
+  }
+  s->watchdog_started = 1;
   /* Connect once now so a wrong URL or a stopped server fails here. */
-  if ((rc = conn_new(s, &c)) != IDEM_OK) {
+  if ((rc = conn_get(s, &c)) != IDEM_OK) {
     pg_close(&s->base);
     return rc;
   }

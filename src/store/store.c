@@ -167,6 +167,19 @@ static int write_ended(idem_store_t *s, int rc) {
   return rc;
 }
 
+/* A caller's own write (idem_store_write()) is health only when it fails
+ * in the store: it may touch only the caller's tables, which a lock on
+ * the records table leaves writable (PostgreSQL locks by table), and its
+ * successes, frequent (the reconciler's claims), would hide that the
+ * records cannot be written and keep the probe from running. */
+static int caller_write_ended(idem_store_t *s, int rc) {
+  if (rc == IDEM_ESTORE || rc == IDEM_ETIMEDOUT) {
+    atomic_store_explicit(&s->last_failed_ms, idem_mono_ms(), memory_order_relaxed);
+    atomic_store_explicit(&s->failing, 1, memory_order_relaxed);
+  }
+  return rc;
+}
+
 void idem_store_health(idem_store_t *store, idem_store_health_t *out) {
   out->writing = atomic_load_explicit(&store->writing, memory_order_acquire);
   out->last_ok_ms = atomic_load_explicit(&store->last_ok_ms, memory_order_relaxed);
@@ -335,10 +348,9 @@ int idem__effect_run(const idem_effect_t *e, idem_tx_t *tx) {
 int idem_store_write(idem_store_t *store, const idem_effect_t *e) {
   if (e == NULL || e->fn == NULL)
     return IDEM_EINVAL;
-  write_began(store);
   if (faulty())
-    return write_ended(store, IDEM_ESTORE);
-  return write_ended(store, store->methods->write(store, e));
+    return caller_write_ended(store, IDEM_ESTORE);
+  return caller_write_ended(store, store->methods->write(store, e));
 }
 
 int idem_store_read(idem_store_t *store, const idem_effect_t *e) {

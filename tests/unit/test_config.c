@@ -12,7 +12,7 @@ static const char *const env_names[] = {
     "IDEMD_INFLIGHT_WAIT", "IDEMD_KEY_TTL", "IDEMD_LEASE", "IDEMD_SANDBOX_DELAY",
     "IDEMD_SANDBOX_DECLINE_AMOUNT", "IDEMD_SANDBOX_UNCERTAIN_AMOUNT",
     "IDEMD_SANDBOX_UNAVAILABLE_AMOUNT", "IDEMD_METRICS_LISTEN", "IDEMD_TLS_CERT",
-    "IDEMD_TLS_KEY",
+    "IDEMD_TLS_KEY", "IDEMD_DB_TIMEOUT",
 };
 
 /* Each test starts and ends with no IDEMD_* variable set. */
@@ -132,6 +132,7 @@ static void test_defaults(void **state) {
   assert_int_equal(cfg.provider_connect_timeout_ms, 2000);
   assert_int_equal(cfg.provider_timeout_ms, 10000);
   assert_int_equal(cfg.reconcile_interval_ms, 2000);
+  assert_int_equal(cfg.db_timeout_ms, 5000);
   assert_int_equal(cfg.sandbox_delay_ms, 0);
   assert_int_equal(cfg.sandbox_decline_amount, 0);
   assert_int_equal(cfg.sandbox_uncertain_amount, 0);
@@ -158,6 +159,7 @@ static void test_environment_then_flags(void **state) {
   setenv("IDEMD_METRICS_LISTEN", "10.0.0.5:9100", 1);
   setenv("IDEMD_TLS_CERT", "/etc/idem/cert.pem", 1);
   setenv("IDEMD_TLS_KEY", "/etc/idem/key.pem", 1);
+  setenv("IDEMD_DB_TIMEOUT", "2m", 1);
   assert_int_equal(parse_args(&cfg, argv, &err), 3);
   assert_string_equal(err, "");
   free(err);
@@ -174,6 +176,7 @@ static void test_environment_then_flags(void **state) {
   assert_int_equal(cfg.metrics_listen.port, 9100);
   assert_string_equal(cfg.tls_cert, "/etc/idem/cert.pem");
   assert_string_equal(cfg.tls_key, "/etc/idem/key.pem");
+  assert_int_equal(cfg.db_timeout_ms, 120000);
 }
 
 static void test_flag_forms(void **state) {
@@ -184,7 +187,7 @@ static void test_flag_forms(void **state) {
       "--sandbox-delay", "15", "--sandbox-decline-amount=666",
       "--sandbox-uncertain-amount", "777", "--sandbox-unavailable-amount=888",
       "--db=postgresql://u@h/db?sslmode=disable", "--metrics-listen=[::1]:0",
-      "--tls-cert", "c.pem", "--tls-key=k.pem", NULL};
+      "--tls-cert", "c.pem", "--tls-key=k.pem", "--db-timeout", "250ms", NULL};
   idemd_config_t cfg;
   char *err;
   (void)state;
@@ -209,6 +212,7 @@ static void test_flag_forms(void **state) {
   assert_int_equal(cfg.metrics_listen.port, 0);
   assert_string_equal(cfg.tls_cert, "c.pem");
   assert_string_equal(cfg.tls_key, "k.pem");
+  assert_int_equal(cfg.db_timeout_ms, 250);
 }
 
 /* A positional argument ends the flags; the count says where. */
@@ -268,6 +272,14 @@ static const struct bad_case bad_cases[] = {
     /* The lease must outlast a provider call (default 10s). */
     {{"--lease", "10s"}, "must be longer than --provider-timeout"},
     {{"--provider-timeout=30s", NULL}, "must be longer than --provider-timeout"},
+    /* --db-timeout: 100ms to 10m, a duration. */
+    {{"--db-timeout", "0"}, "invalid value for --db-timeout: '0'"},
+    {{"--db-timeout", "99ms"}, "invalid value for --db-timeout: '99ms'"},
+    {{"--db-timeout", "11m"}, "invalid value for --db-timeout: '11m'"},
+    {{"--db-timeout", "-1s"}, "invalid value for --db-timeout: '-1s'"},
+    {{"--db-timeout", "5 s"}, "invalid value for --db-timeout: '5 s'"},
+    {{"--db-timeout=", NULL}, "invalid value for --db-timeout"},
+    {{"--db-timeout", NULL}, "--db-timeout needs a value"},
     {{"--sandbox-decline-amount", "-1"}, "invalid value for --sandbox-decline-amount"},
     {{"--sandbox-decline-amount", "9007199254740992"},
      "invalid value for --sandbox-decline-amount"},
@@ -298,6 +310,8 @@ static const struct bad_env_case bad_env_cases[] = {
     {"IDEMD_DB", ""},
     {"IDEMD_METRICS_LISTEN", "9100"},
     {"IDEMD_TLS_KEY", ""},
+    {"IDEMD_DB_TIMEOUT", "soon"},
+    {"IDEMD_DB_TIMEOUT", "50ms"},
 };
 
 static void test_bad_environment(void **state) {
