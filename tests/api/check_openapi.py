@@ -754,6 +754,93 @@ def drive(d, tok, other, server):
     d.call('GET', '/orders/' + ord_id, 401, 'no credentials', 'idem_bad')
     d.call('HEAD', '/orders/' + ord_id, 401, 'head, no credentials')
 
+    # --- POST /payments/{id}/refunds and GET /refunds/{id}
+    paid = body_json(d.call('POST', P, 201, 'a payment to refund', tok, 'pay-refunds',
+                            {'amount': 20000}))['id']
+    R = '/payments/' + paid + '/refunds'
+    r1 = d.call('POST', R, 201, 'refund', tok, 're-1', {'amount': 1000, 'reason': 'returned'})
+    if not (r1['headers'].get('location') or '').startswith('/refunds/re_'):
+        raise Failure('refund answered Location %r' % r1['headers'].get('location'))
+    d.call('POST', R, 201, 'refund replay (other spelling)', tok, 're-1',
+           {'reason': 'returned', 'amount': '1000'})
+    d.call('POST', R, 201, 'refund, reason of 200 characters (400 bytes)', tok, 're-2',
+           {'amount': 1, 'reason': '\u00e9' * 200})
+    d.call('POST', R, 201, 'refund, reason null', tok, 're-3', {'amount': 2, 'reason': None})
+    rd = d.call('POST', R, 402, 'refund declined', tok, 're-declined', {'amount': DECLINE})
+    d.call('POST', R, 402, 'refund declined, replay', tok, 're-declined', {'amount': DECLINE})
+    rp = d.call('POST', R, 202, 'refund outcome unknown', tok, 're-pending',
+                {'amount': UNCERTAIN})
+    d.call('POST', R, 202, 'refund outcome unknown, replay', tok, 're-pending',
+           {'amount': UNCERTAIN})
+    d.call('POST', R, 503, 'refund, provider unreachable', tok, 're-unavailable',
+           {'amount': UNAVAILABLE})
+    d.call('POST', R, 503, 'refund, provider unreachable, runs again', tok, 're-unavailable',
+           {'amount': UNAVAILABLE})
+    d.call('POST', R, 422, 'refund key reused with another amount', tok, 're-1',
+           {'amount': 500, 'reason': 'returned'})
+    d.call('POST', '/payments/' + pay_id + '/refunds', 422,
+           'refund key reused for another payment', tok, 're-1',
+           {'amount': 1000, 'reason': 'returned'})
+    for label, bad in [
+        ('refund amount 0', {'amount': 0}),
+        ('refund amount -5', {'amount': -5}),
+        ('refund amount 1.5', {'amount': 1.5}),
+        ('refund amount a bool', {'amount': True}),
+        ('refund reason a number', {'reason': 7}),
+        ('refund reason of 201 characters', {'reason': 'r' * 201}),
+        ('refund unknown field', {'amount': 1, 'currency': 'BRL'}),
+    ]:
+        d.call('POST', R, 422, label, tok, 're-invalid', bad, reject=True)
+    d.call('POST', R, 409, 'refund exceeds', tok, 're-exceeds', {'amount': 20000})
+    d.call('POST', R, 409, 'refund exceeds, key still free', tok, 're-exceeds',
+           {'amount': 20000})
+    d.call('POST', '/payments/' + body_json(declined)['id'] + '/refunds', 409,
+           'refund of a declined payment', tok, 're-not-refundable', {})
+    d.call('POST', '/payments/pay_doesnotexist/refunds', 404, 'refund of no such payment',
+           tok, 're-404', {'amount': 1})
+    d.call('POST', R, 404, "refund of another tenant's payment", other, 're-404',
+           {'amount': 1})
+    d.call('POST', R, 201, 'refund of all that is left', tok, 're-invalid', {})
+    d.call('POST', R, 409, 'refund of a fully refunded payment', tok, 're-after', {})
+    d.call('POST', R, 401, 'refund, no credentials', None, 're-x', {'amount': 1})
+    d.call('POST', R, 413, 'refund, over 64 KiB', tok, 're-big', big)
+    d.call('POST', R, 415, 'refund, no JSON type', tok, 're-x', {'amount': 1},
+           ctype='text/plain')
+    d.call('POST', R, 400, 'refund, no key', tok, None, {'amount': 1})
+    d.call('POST', R, 400, 'refund, body not an object', tok, 're-x', b'[]')
+    d.call('GET', '/payments/' + paid, 200, 'read a refunded payment', tok)
+    ref_id = body_json(r1)['id']
+    for ex in (r1, rd, rp):
+        d.call('GET', '/refunds/' + body_json(ex)['id'], 200, 'read a refund', tok)
+    d.call('HEAD', '/refunds/' + ref_id, 200, 'head a refund', tok)
+    d.call('GET', '/refunds/re_doesnotexist', 404, 'no such refund', tok)
+    d.call('GET', '/refunds/' + ref_id, 404, "another tenant's refund", other)
+    d.call('HEAD', '/refunds/' + ref_id, 404, "head another tenant's refund", other)
+    d.call('GET', '/refunds/' + ref_id, 401, 'no credentials')
+    d.call('HEAD', '/refunds/' + ref_id, 401, 'head, no credentials')
+
+    # 409: a duplicate refund while the first (slow provider) is processing.
+    pay2 = body_json(d.call('POST', P, 201, 'a payment to refund slowly', tok, 'pay-refund-slow',
+                            {'amount': 5000}))['id']
+    t = threading.Thread(target=lambda: slow.update(
+        ex=d.call('POST', '/payments/' + pay2 + '/refunds', 201, 'slow refund', tok,
+                  're-slow', {'amount': 777})))
+    t.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        rows = server.sql("SELECT count(*) FROM idempotency_records WHERE key = 're-slow' "
+                          "AND state = 'processing'")
+        if rows[0][0] >= 1:
+            break
+        time.sleep(0.01)
+    else:
+        raise Failure('the slow refund never showed up as processing')
+    d.call('POST', '/payments/' + pay2 + '/refunds', 409, 'refund duplicate while processing',
+           tok, 're-slow', {'amount': 777})
+    t.join(30)
+    if t.is_alive():
+        raise Failure('the slow refund never answered')
+
     # --- PUT /orders/{id} and POST /orders/{id}/cancel: no key, by design
     U = '/orders/ord_client-1_A'
     C = U + '/cancel'
@@ -810,20 +897,23 @@ def drive(d, tok, other, server):
     d.call('HEAD', '/metrics', 200, 'head metrics')
     text = m['body'].decode('utf-8', 'replace')
     for name in ('idem_requests_total{operation="create_payment",outcome="new"}',
-                 'idem_records_pending 1', 'idem_request_duration_seconds_bucket'):
+                 'idem_records_pending 2', 'idem_request_duration_seconds_bucket'):
         if name not in text:
             raise Failure('/metrics lacks %r' % name)
 
     # --- unmatched: unknown paths (before credentials) and methods
     for path in ('/nowhere', '/payments/', '/payments/has-dash', '/orders/a/b', '/Payments',
                  '/payments/' + 'x' * 64, '/orders/x/cancel/y', '/orders/' + 'x' * 96,
-                 '/orders//cancel'):
+                 '/orders//cancel', '/refunds/', '/refunds/re-x', '/payments/x/refunds/y',
+                 '/payments//refunds'):
         d.call('GET', path, 404, 'unknown path')
     d.call('POST', '/nowhere', 404, 'unknown path, POST', tok, 'k', {'amount': 1})
     for method, path in (('GET', P), ('HEAD', P), ('PUT', O), ('DELETE', '/payments/' + pay_id),
                          ('POST', '/payments/' + pay_id), ('POST', '/healthz'),
                          ('PATCH', '/metrics'), ('OPTIONS', O), ('DELETE', '/orders/x'),
-                         ('GET', '/orders/x/cancel'), ('PUT', '/orders/x/cancel')):
+                         ('GET', '/orders/x/cancel'), ('PUT', '/orders/x/cancel'),
+                         ('GET', '/payments/x/refunds'), ('POST', '/refunds/x'),
+                         ('DELETE', '/refunds/x')):
         d.call(method, path, 405, 'method not allowed')
 
     # --- request line and headers over --max-header-bytes: 431, any route
@@ -831,6 +921,8 @@ def drive(d, tok, other, server):
     for method, path, t in (('POST', P, tok), ('POST', O, tok), ('GET', '/payments/' + pay_id, tok),
                             ('HEAD', '/payments/' + pay_id, tok),
                             ('GET', '/orders/' + ord_id, tok), ('HEAD', '/orders/' + ord_id, tok),
+                            ('POST', R, tok), ('GET', '/refunds/' + ref_id, tok),
+                            ('HEAD', '/refunds/' + ref_id, tok),
                             ('GET', '/healthz', None), ('HEAD', '/healthz', None),
                             ('GET', '/readyz', None), ('HEAD', '/readyz', None),
                             ('GET', '/metrics', None), ('HEAD', '/metrics', None),
@@ -850,6 +942,9 @@ def drive(d, tok, other, server):
         d.call('GET', '/orders/' + ord_id, 503, 'store failure', tok)
         d.call('HEAD', '/orders/' + ord_id, 503, 'store failure', tok)
         d.call('PUT', '/orders/ord_store', 503, 'store failure', tok, None, order)
+        d.call('POST', R, 503, 'store failure', tok, 're-store', {'amount': 1})
+        d.call('GET', '/refunds/' + ref_id, 503, 'store failure', tok)
+        d.call('HEAD', '/refunds/' + ref_id, 503, 'store failure', tok)
         d.call('POST', '/orders/' + ord_id + '/cancel', 503, 'store failure', tok, None, b'')
         d.call('GET', '/healthz', 503, 'store unreachable')
         d.call('HEAD', '/healthz', 503, 'store unreachable')
@@ -875,6 +970,8 @@ def drive_connection_cap(d, tok):
                 ('POST', '/orders', tok, {'customer_id': 'c'}),
                 ('GET', '/payments/pay_x', tok, None), ('HEAD', '/payments/pay_x', tok, None),
                 ('GET', '/orders/ord_x', tok, None), ('HEAD', '/orders/ord_x', tok, None),
+                ('POST', '/payments/pay_x/refunds', tok, {'amount': 1}),
+                ('GET', '/refunds/re_x', tok, None), ('HEAD', '/refunds/re_x', tok, None),
                 ('GET', '/healthz', None, None), ('HEAD', '/healthz', None, None),
                 ('GET', '/readyz', None, None), ('HEAD', '/readyz', None, None),
                 ('GET', '/metrics', None, None), ('HEAD', '/metrics', None, None),
@@ -956,6 +1053,33 @@ def mutations(doc):
         m('GET documented for /payments',
           lambda c: paths(c)['/payments'].update({'get': copy.deepcopy(
               paths(c)['/payments/{id}']['get'])})),
+        m('path /payments/{id}/refunds removed',
+          lambda c: paths(c).pop('/payments/{id}/refunds')),
+        m('path /refunds/{id} removed', lambda c: paths(c).pop('/refunds/{id}')),
+        m('402 removed from POST /payments/{id}/refunds',
+          lambda c: paths(c)['/payments/{id}/refunds']['post']['responses'].pop('402')),
+        m('409 removed from POST /payments/{id}/refunds',
+          lambda c: paths(c)['/payments/{id}/refunds']['post']['responses'].pop('409')),
+        m('404 removed from POST /payments/{id}/refunds',
+          lambda c: paths(c)['/payments/{id}/refunds']['post']['responses'].pop('404')),
+        m('refund without payment_id',
+          lambda c: schemas(c)['Refund']['properties'].pop('payment_id')),
+        m('refund reason documented as a string, never null',
+          lambda c: schemas(c)['Refund']['properties'].update(
+              {'reason': {'type': 'string'}})),
+        m('declined refund documented with the payment\'s error',
+          lambda c: schemas(c)['RefundDeclined']['allOf'][1]['properties'].update(
+              {'error': {'const': 'the payment was declined'}})),
+        m('refund reason allowed 300 characters',
+          lambda c: schemas(c)['RefundRequest']['properties']['reason'].update(
+              {'maxLength': 300})),
+        m('refund request accepts unknown fields',
+          lambda c: schemas(c)['RefundRequest'].update({'additionalProperties': True})),
+        m('payment without amount_refunded',
+          lambda c: schemas(c)['Payment']['properties'].pop('amount_refunded')),
+        m('refund Location pattern changed',
+          lambda c: c['components']['headers']['RefundLocation']['schema'].update(
+              {'pattern': '^/payments/'})),
         m('payment id pattern narrowed',
           lambda c: c['components']['parameters']['PaymentId']['schema'].update(
               {'pattern': '^pay_[0-9]+$'})),
