@@ -404,6 +404,13 @@ static enum MHD_Result on_metrics_request(void *cls, struct MHD_Connection *conn
                 con_cls);
 }
 
+void idemd_request_own(idemd_request_t *r, void *call, void (*free_fn)(void *call)) {
+  if (r->call_free)
+    r->call_free(r->call);
+  r->call = call;
+  r->call_free = free_fn;
+}
+
 static void on_completed(void *cls, struct MHD_Connection *conn, void **con_cls,
                          enum MHD_RequestTerminationCode toe) {
   idemd_server_t *srv = cls;

@@ -83,12 +83,7 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
     json_decref(cmd);
     return idemd_reply_store_error(r, IDEM_ENOMEM);
   }
-  /* Owned by the request from here (a worker's second run replaces the
-   * event thread's first): the flow may go on after this call returns. */
-  if (r->call_free)
-    r->call_free(r->call);
-  r->call = oc;
-  r->call_free = order_call_free;
+  idemd_request_own(r, oc, order_call_free);
   oc->cmd = cmd;
   oc->row.tenant_id = r->tenant.id;
   oc->total = total;

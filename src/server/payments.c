@@ -112,12 +112,7 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   }
   if ((pc = calloc(1, sizeof *pc)) == NULL)
     return idemd_reply_store_error(r, IDEM_ENOMEM);
-  /* Owned by the request from here (a worker's second run replaces the
-   * event thread's first): the flow may go on after this call returns. */
-  if (r->call_free)
-    r->call_free(r->call);
-  r->call = pc;
-  r->call_free = payment_call_free;
+  idemd_request_own(r, pc, payment_call_free);
   pc->srv = r->srv;
   pc->key = r->key;
   pc->row.tenant_id = r->tenant.id;

@@ -27,7 +27,7 @@ int idemd_validate_refund(const json_t *body, json_t **cmd_out, json_t **errors_
   if (reason && !json_is_null(reason)) {
     if (!json_is_string(reason))
       idemd__add_error(errors, "reason", "invalid_type", "must be a string");
-    else if (characters(json_string_value(reason)) > IDEMD_REFUND_REASON_MAX)
+    else if (characters(json_string_value(reason)) > IDEM_REFUND_REASON_MAX)
       idemd__add_error(errors, "reason", "too_long", "must be at most 200 characters");
     else
       json_object_set(cmd, "reason", (json_t *)reason);

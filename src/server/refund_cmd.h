@@ -5,12 +5,11 @@
 
 #include <jansson.h>
 
-/* The longest reason, in characters (UTF-8 code points). */
-#define IDEMD_REFUND_REASON_MAX 200
+#include "provider/refund.h" /* IDEM_REFUND_REASON_MAX */
 
 /* Validates a refund command: `amount` absent or null (all that is left)
  * or a positive integer (as for a payment); `reason` absent or null, or a
- * string of at most IDEMD_REFUND_REASON_MAX characters; nothing else. On
+ * string of at most IDEM_REFUND_REASON_MAX characters; nothing else. On
  * success returns 0 and `*cmd` owns the command with what was given,
  * {"amount": N, "reason": "..."}, the amount as an integer. On failure
  * returns -1, `*cmd` is NULL and `*errors` owns a JSON array of

@@ -171,12 +171,7 @@ enum MHD_Result idemd_refunds_create(idemd_request_t *r, const json_t *body) {
     json_decref(cmd);
     return idemd_reply_store_error(r, IDEM_ENOMEM);
   }
-  /* Owned by the request from here (a worker's second run replaces the
-   * event thread's first): the flow may go on after this call returns. */
-  if (r->call_free)
-    r->call_free(r->call);
-  r->call = rc;
-  r->call_free = refund_call_free;
+  idemd_request_own(r, rc, refund_call_free);
   rc->srv = r->srv;
   rc->key = r->key;
   rc->row.tenant_id = r->tenant.id;

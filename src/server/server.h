@@ -145,6 +145,12 @@ _Static_assert(sizeof(idemd_request_t) <= 1032,
  * is resumed, and returns the result of queueing the answer, or MHD_YES
  * when the request was handed on (suspended). `body` is the
  * validated-as-object request body. */
+/* Gives `r` a creating route's call state `call`, freed with `free_fn`
+ * when `r` is, or when a later run of the route (a worker's, after the
+ * event thread's) gives it another: the flow may go on after the route's
+ * handler returns. */
+void idemd_request_own(idemd_request_t *r, void *call, void (*free_fn)(void *call));
+
 enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body);
 enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body);
 /* POST /payments/{id}/refunds (refunds.c), as idemd_payments_create() with
