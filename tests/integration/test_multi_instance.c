@@ -207,69 +207,81 @@ static void start_original(struct bg *orig) {
   }
 }
 
-/* Liveness of the cross-instance wake-up: with a 10 s wait bound and 1 s at
+/* Liveness of the cross-instance wake-up: with a 30 s wait bound and 2 s at
  * the provider, duplicates on B answer about when A's original finishes,
- * not at the bound. */
+ * not at the bound. The duplicates must be sent while A is at the provider;
+ * when a loaded machine notices the reservation too late for that, the
+ * round is run again under a new key rather than judged. */
 static void test_wakeup_across_instances(void **state) {
-  static const char *const flags[] = {"--sandbox-delay", "1s", "--inflight-wait", "10s",
+  static const char *const flags[] = {"--sandbox-delay", "2s", "--inflight-wait", "30s",
                                       NULL};
-  enum { DUPS = 5 };
+  enum { DUPS = 5, ROUNDS = 3 };
   h_server_t *a = h_server_start(flags);
   h_server_t *b = h_server_start_on(a->db, flags);
-  struct bg orig = {.s = a, .key = "wake-1"};
-  h_server_t *to[DUPS];
-  h_req_t reqs[DUPS];
-  h_resp_t dup[DUPS];
-  double sent, orig_start;
+  const char *tok = h_tenant(a, "acme");
+  int judged = 0, round;
   (void)state;
 
-  orig.tok = h_tenant(a, "acme");
-  start_original(&orig);
-  sent = h_now();
-  for (int i = 0; i < DUPS; i++) {
-    to[i] = b;
-    reqs[i] = (h_req_t){.method = "POST",
-                        .path = "/payments",
-                        .token = orig.tok,
-                        .key = orig.key,
-                        .body = PAYMENT};
-  }
-  h_together_on(to, reqs, DUPS, dup);
-  pthread_join(orig.thread, NULL);
+  for (round = 0; round < ROUNDS && !judged; round++) {
+    char key[32];
+    struct bg orig = {.s = a, .tok = tok, .key = key};
+    h_server_t *to[DUPS];
+    h_req_t reqs[DUPS];
+    h_resp_t dup[DUPS];
+    double sent, orig_start;
 
-  h_assert_first(&orig.resp, 201);
-  orig_start = orig.resp.t_end - orig.resp.seconds;
-  for (int i = 0; i < DUPS; i++) {
-    h_context("duplicate %d on B", i);
-    h_assert_replay_of(&dup[i], &orig.resp);
-    /* sent while A was at the provider (1 s from its start), so the replay
-     * cannot have come before A's provider call ended */
-    if (sent > orig_start + 0.8)
-      fail_msg("premise: the duplicates were sent %.3f s after the original",
-               sent - orig_start);
-    if (dup[i].t_end < orig_start + 1.0)
-      fail_msg("replayed %.3f s after the original was sent, before it can have "
-               "completed",
-               dup[i].t_end - orig_start);
-    /* ...and promptly: woken by A's NOTIFY, not by the 10 s bound */
-    if (dup[i].seconds > 3.0 || dup[i].t_end - orig.resp.t_end > 1.5)
-      fail_msg("answered after %.3f s (%.3f s after the original): not woken by the "
-               "other instance",
-               dup[i].seconds, dup[i].t_end - orig.resp.t_end);
-    h_resp_free(&dup[i]);
+    snprintf(key, sizeof key, "wake-%d", round);
+    start_original(&orig);
+    sent = h_now();
+    for (int i = 0; i < DUPS; i++) {
+      to[i] = b;
+      reqs[i] = (h_req_t){.method = "POST",
+                          .path = "/payments",
+                          .token = tok,
+                          .key = key,
+                          .body = PAYMENT};
+    }
+    h_together_on(to, reqs, DUPS, dup);
+    pthread_join(orig.thread, NULL);
+
+    h_assert_first(&orig.resp, 201);
+    orig_start = orig.resp.t_end - orig.resp.seconds;
+    /* premise: sent while A was at the provider (2 s from its start) */
+    judged = sent < orig_start + 1.5;
+    if (!judged)
+      print_message("round %d: duplicates sent %.3f s after the original; again\n",
+                    round, sent - orig_start);
+    for (int i = 0; i < DUPS; i++) {
+      h_context("round %d, duplicate %d on B", round, i);
+      h_assert_replay_of(&dup[i], &orig.resp);
+      /* the replay cannot have come before A's provider call ended */
+      if (dup[i].t_end < orig_start + 2.0)
+        fail_msg("replayed %.3f s after the original was sent, before it can have "
+                 "completed",
+                 dup[i].t_end - orig_start);
+      /* ...and promptly: woken by A's NOTIFY, not by the 30 s bound */
+      if (judged && dup[i].t_end - orig.resp.t_end > 10.0)
+        fail_msg("answered %.3f s after the original: not woken by the other instance",
+                 dup[i].t_end - orig.resp.t_end);
+      h_resp_free(&dup[i]);
+    }
+    h_context_clear();
+    h_resp_free(&orig.resp);
   }
-  h_context_clear();
-  h_assert_db(a, 1, "SELECT count(*) FROM payments");
-  h_resp_free(&orig.resp);
+  if (!judged)
+    fail_msg("premise never held in %d rounds: the machine is too loaded", ROUNDS);
+  /* one payment per round, however many duplicates */
+  h_assert_db(a, round, "SELECT count(*) FROM payments");
   h_server_stop(b);
   h_server_stop(a);
 }
 
 /* The wait on another instance's key is bounded: B's --inflight-wait
- * 200 ms runs out while A is still at the provider, and B answers 409 with
- * Retry-After; once A finishes, B replays A's answer. */
+ * 200 ms runs out while A is still at the provider (3 s, wide enough for a
+ * loaded machine), and B answers 409 with Retry-After; once A finishes, B
+ * replays A's answer. */
 static void test_wait_bound_across_instances(void **state) {
-  static const char *const a_flags[] = {"--sandbox-delay", "1500ms", NULL};
+  static const char *const a_flags[] = {"--sandbox-delay", "3s", NULL};
   static const char *const b_flags[] = {"--inflight-wait", "200ms", NULL};
   h_server_t *a = h_server_start(a_flags);
   h_server_t *b = h_server_start_on(a->db, b_flags);
@@ -283,7 +295,7 @@ static void test_wait_bound_across_instances(void **state) {
   h_assert_error(&r, 409, NULL);
   assert_true(r.retry_after[0] != '\0');
   assert_true(r.seconds >= 0.15);
-  assert_true(r.seconds < 1.2);
+  assert_true(r.seconds < 2.5);
   h_resp_free(&r);
   pthread_join(orig.thread, NULL);
   h_assert_first(&orig.resp, 201);
