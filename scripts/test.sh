@@ -42,7 +42,7 @@ stage check "$args" -DCMAKE_BUILD_TYPE=RelWithDebInfo
 stage asan "$args" -DCMAKE_BUILD_TYPE=Debug -DIDEM_SANITIZE=ON
 if [ $# -eq 0 ]; then
   stage tsan "-L unit|integration -LE slow|pg" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DIDEM_TSAN=ON
-  # Each fuzz target for 20 s (about a minute in all, plus its clang build).
+  # Each fuzz target for 20 s (under a minute and a half in all, plus its clang build).
   scripts/fuzz.sh 20
 fi
 echo "== all tests passed"
