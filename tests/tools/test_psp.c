@@ -32,6 +32,9 @@
 #include <curl/curl.h>
 #include <jansson.h>
 
+#include "hook_receiver.h"
+#include "provider/webhook.h"
+
 extern char **environ;
 
 #define MAX_PROCS 8
@@ -334,6 +337,10 @@ static void psp_kill9(psp_t *p) {
   p->running = 0;
 }
 
+/* The webhook receiver of the test running, if it started one. */
+static hook_receiver_t receiver;
+static int receiver_running;
+
 static int teardown(void **state) {
   (void)state;
   for (int i = 0; i < MAX_PROCS; i++) {
@@ -347,6 +354,11 @@ static int teardown(void **state) {
       (void)nftw(p->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
     free(p);
   }
+  if (receiver_running) {
+    receiver_running = 0;
+    hook_receiver_stop(&receiver);
+  }
+  memset(&receiver, 0, sizeof receiver);
   return 0;
 }
 
@@ -643,7 +655,7 @@ static int run_cli(const char *const *args, const char *const *env, char **out) 
 
 static void test_usage(void **state) {
   static const struct {
-    const char *args[4];
+    const char *args[5];
     const char *env;
     const char *mention; /* the error names it */
   } bad[] = {
@@ -666,6 +678,21 @@ static void test_usage(void **state) {
       {{NULL}, "IDEM_PSP_FAIL_BEFORE=maybe", "IDEM_PSP_FAIL_BEFORE"},
       {{NULL}, "IDEM_PSP_LATENCY=soon", "IDEM_PSP_LATENCY"},
       {{NULL}, "IDEM_PSP_CHAOS=-0.1", "IDEM_PSP_CHAOS"},
+      {{"--webhook-url", "http://127.0.0.1:9/hook"}, NULL, "--webhook-secret"},
+      {{"--webhook-secret", "s3cret"}, NULL, "--webhook-url"},
+      {{"--webhook-duplicates", "0.5"}, NULL, "--webhook-url"},
+      {{"--webhook-url", "ftp://127.0.0.1/hook", "--webhook-secret", "s"},
+       NULL,
+       "--webhook-url"},
+      {{"--webhook-url", "http://127.0.0.1:9/hook", "--webhook-secret", ""},
+       NULL,
+       "--webhook-secret"},
+      {{"--webhook-url", "http://127.0.0.1:9/hook", "--webhook-duplicates", "1.5"},
+       NULL,
+       "--webhook-duplicates"},
+      {{"--webhook-url", "http://127.0.0.1:9/hook"},
+       "IDEM_PSP_WEBHOOK_DUPLICATES=x",
+       "IDEM_PSP_WEBHOOK_DUPLICATES"},
   };
   const char *help[] = {"--help", NULL};
   char *out;
@@ -677,6 +704,7 @@ static void test_usage(void **state) {
   assert_non_null(strstr(out, "IDEM_PSP_LISTEN"));
   assert_non_null(strstr(out, "POST /refunds"));
   assert_non_null(strstr(out, "GET /refunds/{key}"));
+  assert_non_null(strstr(out, "--webhook-duplicates"));
   free(out);
 
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -2087,6 +2115,244 @@ static void test_restart_keeps_refunds(void **state) {
   assert_int_equal(refund_stat(p, "r-p1", "requests"), 2);
 }
 
+/* ---- webhooks ------------------------------------------------------------------ */
+
+#define HOOK_SECRET "whsec_test_0123"
+#define HOOK_WAIT_S 30.0
+
+/* Starts the receiver, then idem-psp sending to it with `extra` flags. */
+static psp_t *psp_start_hooked(const char *const *extra) {
+  static char url[64];
+  const char *flags[MAX_ARGS];
+  int n = 0;
+
+  assert_int_equal(hook_receiver_start(&receiver), 0);
+  receiver_running = 1;
+  snprintf(url, sizeof url, "http://127.0.0.1:%d/hook", receiver.port);
+  flags[n++] = "--webhook-url";
+  flags[n++] = url;
+  flags[n++] = "--webhook-secret";
+  flags[n++] = HOOK_SECRET;
+  for (int i = 0; extra && extra[i]; i++)
+    flags[n++] = extra[i];
+  flags[n] = NULL;
+  return psp_start(flags);
+}
+
+/* Waits for `n` deliveries, failing unless they all came. */
+static void wait_deliveries(int n) {
+  int got = hook_receiver_wait(&receiver, n, HOOK_WAIT_S);
+  if (got < n)
+    fail_msg("%d webhook deliveries after %.0f s, expected %d", got, HOOK_WAIT_S, n);
+}
+
+/* Delivery `i`, checked as idemd checks it: the signature verifies under
+ * the shared secret (and not under another), the body is an event idemd
+ * reads, with exactly the fields of docs/payments.md. */
+static void delivery_event(int i, idem_webhook_event_t *ev, hook_delivery_t *out) {
+  hook_delivery_t d = hook_receiver_get(&receiver, i);
+  idem_hmac_t *good = idem_hmac_new(HOOK_SECRET, strlen(HOOK_SECRET));
+  idem_hmac_t *bad = idem_hmac_new("another secret", 14);
+  const char *why = NULL;
+  json_t *j = json_loads(d.body, 0, NULL), *data = json_object_get(j, "data");
+  int64_t now = (int64_t)time(NULL);
+
+  assert_non_null(good);
+  assert_non_null(bad);
+  assert_non_null(strstr(d.path, "POST /hook "));
+  if (idem_webhook_verify(good, d.signature, d.body, strlen(d.body), now) !=
+      IDEM_WEBHOOK_OK)
+    fail_msg("delivery %d: signature '%s' does not verify for %s", i, d.signature, d.body);
+  assert_int_equal(idem_webhook_verify(bad, d.signature, d.body, strlen(d.body), now),
+                   IDEM_WEBHOOK_FORGED);
+  if (idem_webhook_parse(d.body, strlen(d.body), ev, &why) != 0)
+    fail_msg("delivery %d: %s: %s", i, why, d.body);
+  assert_int_equal(json_object_size(j), 4);
+  assert_int_equal(json_object_size(data), 3);
+  idem_hmac_free(good);
+  idem_hmac_free(bad);
+  json_decref(j);
+  if (out)
+    *out = d;
+  else
+    free(d.body);
+}
+
+/* The id of what a POST made (malloc'd). */
+static char *made_id(const psp_t *p, const char *path, const char *key, const char *fault,
+                     const char *body, long status) {
+  req_t q = {.path = path, .key = key, .fault = fault, .body = body};
+  resp_t r;
+  char *id;
+  http(p, &q, &r);
+  assert_status(&r, status);
+  id = strdup(str_field(&r, "id"));
+  resp_free(&r);
+  return id;
+}
+
+static void test_webhook_events(void **state) {
+  psp_t *p = psp_start_hooked(NULL);
+  char body[128];
+  struct {
+    const char *key;
+    int refund, succeeded;
+    long long amount;
+    char *id;
+  } made[] = {
+      {"pay_wh1", 0, 1, 1000, NULL},
+      {"pay_wh2", 0, 0, 500, NULL},
+      {"re_wh1", 1, 1, 400, NULL},
+      {"re_wh2", 1, 0, 100, NULL},
+      {"pay_wh3", 0, 1, 700, NULL},
+  };
+  const size_t nmade = sizeof made / sizeof *made;
+  char ids[8][65];
+  resp_t r;
+  (void)state;
+
+  made[0].id = made_id(p, "/charges", "pay_wh1", NULL, "{\"amount\": 1000}", 201);
+  made[1].id = made_id(p, "/charges", "pay_wh2", "decline", "{\"amount\": 500}", 402);
+  made[2].id = made_id(p, "/refunds", "re_wh1", NULL,
+                       refund_body(body, sizeof body, "pay_wh1", 400), 201);
+  /* Declined: the charge refunded was declined. */
+  made[3].id = made_id(p, "/refunds", "re_wh2", NULL,
+                       refund_body(body, sizeof body, "pay_wh2", 100), 402);
+  wait_deliveries(4);
+  /* Replays make no event: the next charge's event comes next. */
+  post(p, "pay_wh1", NULL, "{\"amount\": 1000}", &r);
+  assert_status(&r, 201);
+  assert_true(r.replayed);
+  resp_free(&r);
+  post_refund(p, "re_wh1", NULL, refund_body(body, sizeof body, "pay_wh1", 400), &r);
+  assert_status(&r, 201);
+  resp_free(&r);
+  made[4].id = made_id(p, "/charges", "pay_wh3", NULL, "{\"amount\": 700}", 201);
+  wait_deliveries(5);
+
+  /* In order, once each: no chaos, no failures. */
+  for (size_t i = 0; i < nmade; i++) {
+    idem_webhook_event_t ev;
+    delivery_event((int)i, &ev, NULL);
+    assert_string_equal(ev.key, made[i].key);
+    assert_int_equal(ev.refund, made[i].refund);
+    assert_int_equal(ev.succeeded, made[i].succeeded);
+    assert_string_equal(ev.provider_ref, made[i].id);
+    assert_int_equal(ev.amount, made[i].amount);
+    assert_true(ev.created > 0);
+    snprintf(ids[i], sizeof ids[i], "%s", ev.id);
+    for (size_t k = 0; k < i; k++)
+      assert_string_not_equal(ids[k], ids[i]);
+  }
+  assert_int_equal(hook_receiver_wait(&receiver, 6, 0), 5);
+  for (size_t i = 0; i < nmade; i++)
+    free(made[i].id);
+}
+
+static void test_webhook_retries(void **state) {
+  psp_t *p;
+  hook_delivery_t first, d;
+  idem_webhook_event_t ev;
+  (void)state;
+
+  receiver.fail_first = 3;
+  p = psp_start_hooked(NULL);
+  make_charge(p, "pay_retry1", 1200, NULL);
+  wait_deliveries(4);
+  delivery_event(0, &ev, &first);
+  assert_string_equal(ev.key, "pay_retry1");
+  for (int i = 0; i < 4; i++) {
+    delivery_event(i, &ev, &d);
+    /* The same event each time, signed again. */
+    assert_string_equal(d.body, first.body);
+    assert_int_equal(d.status, i < 3 ? 500 : 200);
+    free(d.body);
+  }
+  free(first.body);
+  /* Answered 2xx: never sent again; the next event is the next charge's. */
+  make_charge(p, "pay_retry2", 1300, NULL);
+  wait_deliveries(5);
+  delivery_event(4, &ev, NULL);
+  assert_string_equal(ev.key, "pay_retry2");
+  assert_int_equal(hook_receiver_wait(&receiver, 6, 0), 5);
+}
+
+static void test_webhook_duplicates(void **state) {
+  const char *flags[] = {"--webhook-duplicates", "1", NULL};
+  psp_t *p = psp_start_hooked(flags);
+  const char *keys[] = {"pay_dup1", "pay_dup2", "pay_dup3"};
+  (void)state;
+
+  for (int k = 0; k < 3; k++)
+    make_charge(p, keys[k], 100 + k, NULL);
+  wait_deliveries(6);
+  /* Each event twice, the copies alike, one event per charge. */
+  for (int k = 0; k < 3; k++) {
+    hook_delivery_t a, b;
+    idem_webhook_event_t ea, eb;
+    delivery_event(2 * k, &ea, &a);
+    delivery_event(2 * k + 1, &eb, &b);
+    assert_string_equal(ea.key, keys[k]);
+    assert_string_equal(ea.id, eb.id);
+    assert_string_equal(a.body, b.body);
+    free(a.body);
+    free(b.body);
+  }
+  make_charge(p, "pay_dup4", 104, NULL);
+  wait_deliveries(8);
+  assert_int_equal(hook_receiver_wait(&receiver, 9, 0), 8);
+}
+
+/* --chaos delays deliveries at random: all arrive, in another order. */
+static void test_webhook_chaos(void **state) {
+  const char *flags[] = {"--chaos", "1", "--seed", "42", NULL};
+  enum { N = 12 };
+  psp_t *p = psp_start_hooked(flags);
+  int seen[N] = {0}, inversions = 0, prev = -1;
+  char key[32];
+  (void)state;
+
+  for (int i = 0; i < N; i++) {
+    snprintf(key, sizeof key, "pay_chaos%02d", i);
+    /* The header keeps --chaos off the charge itself, not off its event. */
+    make_charge(p, key, 100 + i, "none");
+  }
+  wait_deliveries(N);
+  for (int i = 0; i < N; i++) {
+    idem_webhook_event_t ev;
+    int k;
+    delivery_event(i, &ev, NULL);
+    assert_int_equal(sscanf(ev.key, "pay_chaos%d", &k), 1);
+    assert_true(k >= 0 && k < N);
+    seen[k]++;
+    inversions += k < prev;
+    prev = k;
+  }
+  for (int k = 0; k < N; k++)
+    assert_int_equal(seen[k], 1);
+  if (inversions == 0)
+    fail_msg("%d events under --chaos 1 arrived in the order they were made", N);
+}
+
+/* A receiver that never answers: SIGTERM still stops idem-psp at once and
+ * cleanly, the delivery in flight counted unsent. */
+static void test_webhook_stop(void **state) {
+  psp_t *p;
+  char *text;
+  (void)state;
+
+  receiver.hang = 1;
+  p = psp_start_hooked(NULL);
+  make_charge(p, "pay_hang1", 100, NULL);
+  wait_deliveries(1);
+  psp_stop(p);
+  text = read_file(p->log);
+  assert_non_null(text);
+  assert_non_null(strstr(text, "{\"event\":\"webhooks_stopped\",\"unsent\":1}"));
+  assert_null(strstr(text, HOOK_SECRET));
+  free(text);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_usage, teardown),
@@ -2120,6 +2386,11 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_refund_faults, teardown),
       cmocka_unit_test_teardown(test_refund_fault_flags, teardown),
       cmocka_unit_test_teardown(test_restart_keeps_refunds, teardown),
+      cmocka_unit_test_teardown(test_webhook_events, teardown),
+      cmocka_unit_test_teardown(test_webhook_retries, teardown),
+      cmocka_unit_test_teardown(test_webhook_duplicates, teardown),
+      cmocka_unit_test_teardown(test_webhook_chaos, teardown),
+      cmocka_unit_test_teardown(test_webhook_stop, teardown),
   };
 
   psp_bin = getenv("IDEM_TEST_PSP");

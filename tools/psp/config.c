@@ -15,7 +15,10 @@ enum opt_kind {
   OPT_BOOL,
   OPT_DECLINE,
   OPT_CHAOS,
-  OPT_SEED
+  OPT_SEED,
+  OPT_URL,
+  OPT_SECRET,
+  OPT_DUPLICATES
 };
 
 struct option_def {
@@ -48,6 +51,12 @@ static const struct option_def options[] = {
      "positive integers (comma-separated in the environment), at most 64"},
     {"--chaos", "IDEM_PSP_CHAOS", OPT_CHAOS, 0, "a probability from 0 to 1"},
     {"--seed", "IDEM_PSP_SEED", OPT_SEED, 0, "an unsigned 64-bit integer"},
+    {"--webhook-url", "IDEM_PSP_WEBHOOK_URL", OPT_URL, 0,
+     "an http:// or https:// URL of at most 1023 characters"},
+    {"--webhook-secret", "IDEM_PSP_WEBHOOK_SECRET", OPT_SECRET, 0,
+     "1 to 255 visible ASCII characters"},
+    {"--webhook-duplicates", "IDEM_PSP_WEBHOOK_DUPLICATES", OPT_DUPLICATES, 0,
+     "a probability from 0 to 1"},
 };
 
 void psp_usage(FILE *out) {
@@ -72,6 +81,12 @@ void psp_usage(FILE *out) {
         "                            repeatable\n"
         "  --chaos P                 with probability P, a random fault per request\n"
         "  --seed S                  seed of --chaos (default: random, logged)\n"
+        "  --webhook-url URL         send each charge's and refund's outcome as a\n"
+        "                            signed event to URL, retried until a 2xx\n"
+        "  --webhook-secret S        the shared secret that signs the events\n"
+        "                            (required with --webhook-url)\n"
+        "  --webhook-duplicates P    send each event a second time with\n"
+        "                            probability P\n"
         "  --help                    this text\n"
         "  --version                 the version, as idemd --version prints it\n"
         "\n"
@@ -79,7 +94,10 @@ void psp_usage(FILE *out) {
         "set by its environment variable: IDEM_PSP_LISTEN, IDEM_PSP_DB,\n"
         "IDEM_PSP_LATENCY, IDEM_PSP_DELAY_AFTER_CHARGE, IDEM_PSP_FAIL_BEFORE,\n"
         "IDEM_PSP_FAIL_AFTER, IDEM_PSP_DROP_AFTER, IDEM_PSP_CRASH_AFTER (true or\n"
-        "false), IDEM_PSP_DECLINE_AMOUNT (N,N,...), IDEM_PSP_CHAOS, IDEM_PSP_SEED.\n"
+        "false), IDEM_PSP_DECLINE_AMOUNT (N,N,...), IDEM_PSP_CHAOS, IDEM_PSP_SEED,\n"
+        "IDEM_PSP_WEBHOOK_URL, IDEM_PSP_WEBHOOK_SECRET, IDEM_PSP_WEBHOOK_DUPLICATES.\n"
+        "With --chaos P, each webhook delivery is also delayed (up to 2 s) with\n"
+        "probability P, which reorders them.\n"
         "\n"
         "Per request, the header X-Psp-Fault replaces all of the above faults\n"
         "(and --chaos): a comma-separated list of latency=DUR,\n"
@@ -139,6 +157,26 @@ static int parse_bool(const char *v, int *out) {
   return -1;
 }
 
+/* A probability: a number from 0 to 1. */
+static int parse_probability(const char *v, double *out) {
+  char *end;
+  errno = 0;
+  *out = strtod(v, &end);
+  return v[0] == '\0' || *end != '\0' || errno || !(*out >= 0 && *out <= 1) ? -1 : 0;
+}
+
+/* 1 to `cap` visible ASCII characters into `out`. */
+static int parse_visible(const char *v, char *out, size_t cap) {
+  size_t n = strlen(v);
+  if (n == 0 || n > cap)
+    return -1;
+  for (size_t i = 0; i < n; i++)
+    if ((unsigned char)v[i] < 0x21 || (unsigned char)v[i] > 0x7e)
+      return -1;
+  memcpy(out, v, n + 1);
+  return 0;
+}
+
 /* Positive JSON-safe integers, separated by commas. */
 static int parse_declines(const char *v, psp_config_t *cfg) {
   for (const char *p = v;;) {
@@ -177,11 +215,15 @@ static int set_option(psp_config_t *cfg, const struct option_def *o, const char 
   case OPT_DECLINE:
     return parse_declines(v, cfg);
   case OPT_CHAOS:
-    errno = 0;
-    cfg->chaos = strtod(v, &end);
-    return v[0] == '\0' || *end != '\0' || errno || !(cfg->chaos >= 0 && cfg->chaos <= 1)
-               ? -1
-               : 0;
+    return parse_probability(v, &cfg->chaos);
+  case OPT_DUPLICATES:
+    return parse_probability(v, &cfg->webhook_duplicates);
+  case OPT_URL:
+    if (strncmp(v, "http://", 7) != 0 && strncmp(v, "https://", 8) != 0)
+      return -1;
+    return parse_visible(v, cfg->webhook_url, PSP_URL_MAX);
+  case OPT_SECRET:
+    return parse_visible(v, cfg->webhook_secret, PSP_SECRET_MAX);
   case OPT_SEED:
     errno = 0;
     cfg->seed = strtoull(v, &end, 10);
@@ -243,6 +285,17 @@ int psp_config_load(psp_config_t *cfg, int argc, char **argv, char *err, size_t 
     }
     if (set_or_explain(cfg, o, v, err, errlen) != 0)
       return PSP_BAD_USAGE;
+  }
+  /* Webhooks go nowhere without a URL, and unsigned events would be
+   * refused: each of these flags needs the other. */
+  if ((cfg->webhook_url[0] != '\0') != (cfg->webhook_secret[0] != '\0') ||
+      (cfg->webhook_duplicates > 0 && cfg->webhook_url[0] == '\0')) {
+    snprintf(err, errlen, "%s",
+             cfg->webhook_url[0] ? "--webhook-url needs --webhook-secret (or "
+                                   "IDEM_PSP_WEBHOOK_SECRET)"
+                                 : "--webhook-secret and --webhook-duplicates need "
+                                   "--webhook-url (or IDEM_PSP_WEBHOOK_URL)");
+    return PSP_BAD_USAGE;
   }
   return PSP_RUN;
 }

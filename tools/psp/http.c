@@ -28,6 +28,7 @@ struct psp_server {
   struct MHD_Daemon *daemon;
   const psp_config_t *cfg;
   psp_store_t *store;
+  psp_webhooks_t *webhooks; /* NULL: none */
   pthread_mutex_t sleep_lock;
   pthread_cond_t wake; /* on CLOCK_MONOTONIC */
   int stopping;
@@ -363,6 +364,8 @@ static enum MHD_Result serve_create(struct request *r) {
     return reply_error(r, 500, kinds[r->route->kind].fail_before);
   if (charge_or_reply(r, &want, f.decline, &got, &created) != 0)
     return r->ret;
+  if (created)
+    psp_webhooks_emit(srv->webhooks, r->route->kind, &got);
   /* The charge (or refund) is committed: from here on it exists whatever
    * we answer. */
   if (f.delay_ms > 0)
@@ -568,8 +571,9 @@ static void mhd_logger(void *cls, const char *fmt, va_list ap) {
   psp_log(json_pack("{s:s, s:s}", "event", "httpd", "message", msg));
 }
 
-int psp_server_start(const psp_config_t *cfg, psp_store_t *store, psp_server_t **out,
-                     char *err, size_t errlen) {
+int psp_server_start(const psp_config_t *cfg, psp_store_t *store,
+                     psp_webhooks_t *webhooks, psp_server_t **out, char *err,
+                     size_t errlen) {
   struct addrinfo hints = {0}, *ai = NULL;
   psp_server_t *srv;
   pthread_condattr_t attr;
@@ -591,6 +595,7 @@ int psp_server_start(const psp_config_t *cfg, psp_store_t *store, psp_server_t *
   }
   srv->cfg = cfg;
   srv->store = store;
+  srv->webhooks = webhooks;
   pthread_mutex_init(&srv->sleep_lock, NULL);
   pthread_condattr_init(&attr);
   pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);

@@ -4,6 +4,7 @@
  *
  * Exit status: 0 after a signal, 1 when the database or the socket cannot
  * be opened, 2 for bad usage, 3 for a simulated crash (--crash-after). */
+#include <curl/curl.h>
 #include <openssl/rand.h>
 #include <pthread.h>
 #include <signal.h>
@@ -33,15 +34,19 @@ static void log_start(const psp_config_t *cfg) {
   snprintf(seed, sizeof seed, "%llu", (unsigned long long)cfg->seed);
   for (int i = 0; i < cfg->ndecline; i++)
     json_array_append_new(declines, json_integer(cfg->decline_amounts[i]));
-  psp_log(json_pack("{s:s, s:s, s:s, s:s, s:o, s:f, s:s}", "event", "listening", "listen",
-                    listen, "db", cfg->db, "faults", faults, "decline_amounts", declines,
-                    "chaos", cfg->chaos, "seed", seed));
+  /* The webhook secret is never logged. */
+  psp_log(json_pack("{s:s, s:s, s:s, s:s, s:o, s:f, s:s, s:s?, s:f}", "event",
+                    "listening", "listen", listen, "db", cfg->db, "faults", faults,
+                    "decline_amounts", declines, "chaos", cfg->chaos, "seed", seed,
+                    "webhook_url", cfg->webhook_url[0] ? cfg->webhook_url : NULL,
+                    "webhook_duplicates", cfg->webhook_duplicates));
 }
 
 int main(int argc, char **argv) {
   psp_config_t cfg;
   psp_store_t *store;
   psp_server_t *srv = NULL;
+  psp_webhooks_t *webhooks = NULL;
   sigset_t stop_signals;
   char err[512];
   int rc, sig;
@@ -71,14 +76,25 @@ int main(int argc, char **argv) {
   sigaddset(&stop_signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
 
+  if (curl_global_init(CURL_GLOBAL_DEFAULT) != CURLE_OK) {
+    fprintf(stderr, "idem-psp: cannot initialise libcurl\n");
+    return 1;
+  }
   store = psp_store_open(cfg.db, err, sizeof err);
   if (store == NULL) {
     fprintf(stderr, "idem-psp: %s\n", err);
     return 1;
   }
-  rc = psp_server_start(&cfg, store, &srv, err, sizeof err);
+  if (cfg.webhook_url[0] &&
+      (webhooks = psp_webhooks_start(&cfg, err, sizeof err)) == NULL) {
+    fprintf(stderr, "idem-psp: %s\n", err);
+    psp_store_close(store);
+    return 1;
+  }
+  rc = psp_server_start(&cfg, store, webhooks, &srv, err, sizeof err);
   if (rc != 0) {
     fprintf(stderr, "idem-psp: %s\n", err);
+    psp_webhooks_stop(webhooks);
     psp_store_close(store);
     return rc == PSP_START_BAD_ADDRESS ? 2 : 1;
   }
@@ -87,7 +103,10 @@ int main(int argc, char **argv) {
     ;
   psp_log(json_pack("{s:s, s:s}", "event", "stopping", "signal",
                     sig == SIGTERM ? "SIGTERM" : "SIGINT"));
+  /* The server first: no charge is made, so no event queued, after it. */
   psp_server_stop(srv);
+  psp_webhooks_stop(webhooks);
   psp_store_close(store);
+  curl_global_cleanup();
   return 0;
 }

@@ -14,6 +14,16 @@
 #define PSP_MAX_BODY (64 * 1024)
 #define PSP_MAX_DECLINES 64
 #define PSP_MAX_DURATION_MS ((int64_t)3600 * 1000)
+#define PSP_URL_MAX 1023
+#define PSP_SECRET_MAX 255
+/* Webhooks (webhooks.c): an attempt's time limit, the backoff's cap, the
+ * attempts of one delivery, the events held at once, and the most a
+ * --chaos delay adds. */
+#define PSP_WEBHOOK_TIMEOUT_MS 5000L
+#define PSP_WEBHOOK_BACKOFF_MAX_MS 5000
+#define PSP_WEBHOOK_MAX_ATTEMPTS 100
+#define PSP_WEBHOOK_QUEUE_MAX 100000
+#define PSP_WEBHOOK_CHAOS_DELAY_MS 2000
 
 /* The faults applied to one POST /charges or POST /refunds, in the order
  * they act: latency, fail-before, (the charge or refund, declined when
@@ -39,6 +49,9 @@ typedef struct psp_config {
   double chaos; /* 0..1 */
   uint64_t seed;
   int seed_set;
+  char webhook_url[PSP_URL_MAX + 1];       /* "" for no webhooks */
+  char webhook_secret[PSP_SECRET_MAX + 1]; /* set whenever webhook_url is */
+  double webhook_duplicates;               /* 0..1 */
 } psp_config_t;
 
 /* ---- config.c ---- */
@@ -119,17 +132,38 @@ int psp_store_get(psp_store_t *s, psp_kind_t kind, const char *key, psp_charge_t
 /* The body of GET /stats (caller owns it), or NULL on a store error. */
 json_t *psp_store_stats(psp_store_t *s);
 
+/* ---- webhooks.c ---- */
+
+typedef struct psp_webhooks psp_webhooks_t;
+
+/* Starts the sender thread of cfg->webhook_url (set), which must outlive
+ * it. Returns the sender (stop with psp_webhooks_stop), or NULL with a
+ * reason in `err`. */
+psp_webhooks_t *psp_webhooks_start(const psp_config_t *cfg, char *err, size_t errlen);
+/* Queues the event of `c`, a charge or refund just made (`kind`): sent
+ * once, and a second time with probability cfg->webhook_duplicates, each
+ * copy delayed up to PSP_WEBHOOK_CHAOS_DELAY_MS with probability
+ * cfg->chaos. Never blocks on the network. Does nothing when `wh` is NULL;
+ * an event that cannot be queued (out of memory, PSP_WEBHOOK_QUEUE_MAX
+ * queued) is logged as dropped. Thread-safe. */
+void psp_webhooks_emit(psp_webhooks_t *wh, psp_kind_t kind, const psp_charge_t *c);
+/* Stops the sender (a transfer in flight is cut short), logs how many
+ * deliveries were left unsent and frees it all. NULL does nothing. */
+void psp_webhooks_stop(psp_webhooks_t *wh);
+
 /* ---- http.c ---- */
 
 typedef struct psp_server psp_server_t;
 
 enum { PSP_START_BAD_ADDRESS = -2, PSP_START_FAILED = -1 };
 
-/* Starts serving on cfg's address (thread per connection). `cfg` and
- * `store` must outlive the server. Returns 0 and sets *out, or
+/* Starts serving on cfg's address (thread per connection); each charge and
+ * refund made goes to `webhooks` (NULL: none). `cfg`, `store` and
+ * `webhooks` must outlive the server. Returns 0 and sets *out, or
  * PSP_START_BAD_ADDRESS / PSP_START_FAILED with a reason in `err`. */
-int psp_server_start(const psp_config_t *cfg, psp_store_t *store, psp_server_t **out,
-                     char *err, size_t errlen);
+int psp_server_start(const psp_config_t *cfg, psp_store_t *store,
+                     psp_webhooks_t *webhooks, psp_server_t **out, char *err,
+                     size_t errlen);
 /* Wakes requests sleeping in a fault, waits for requests in flight and
  * frees the server. */
 void psp_server_stop(psp_server_t *srv);
