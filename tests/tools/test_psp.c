@@ -678,6 +678,7 @@ static void test_usage(void **state) {
       {{NULL}, "IDEM_PSP_FAIL_BEFORE=maybe", "IDEM_PSP_FAIL_BEFORE"},
       {{NULL}, "IDEM_PSP_LATENCY=soon", "IDEM_PSP_LATENCY"},
       {{NULL}, "IDEM_PSP_CHAOS=-0.1", "IDEM_PSP_CHAOS"},
+      {{"--ignore-idempotency-key=sometimes"}, NULL, "--ignore-idempotency-key"},
       {{"--webhook-url", "http://127.0.0.1:9/hook"}, NULL, "--webhook-secret"},
       {{"--webhook-secret", "s3cret"}, NULL, "--webhook-url"},
       {{"--webhook-duplicates", "0.5"}, NULL, "--webhook-url"},
@@ -705,6 +706,8 @@ static void test_usage(void **state) {
   assert_non_null(strstr(out, "POST /refunds"));
   assert_non_null(strstr(out, "GET /refunds/{key}"));
   assert_non_null(strstr(out, "--webhook-duplicates"));
+  assert_non_null(strstr(out, "--ignore-idempotency-key"));
+  assert_non_null(strstr(out, "GET /charges?reference=R"));
   free(out);
 
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -726,6 +729,7 @@ static void test_routes(void **state) {
   req_t put = {.method = "PUT", .path = "/charges", .body = "{}"};
   req_t post_stats = {.method = "POST", .path = "/stats", .body = "{}"};
   req_t head = {.method = "HEAD", .path = "/healthz"};
+  req_t del_refunds = {.method = "DELETE", .path = "/refunds"};
   resp_t r;
   (void)state;
 
@@ -741,20 +745,25 @@ static void test_routes(void **state) {
 
   http(p, &put, &r);
   assert_error(&r, 405);
-  assert_string_equal(r.allow, "POST");
+  assert_string_equal(r.allow, "GET, HEAD, POST");
   resp_free(&r);
 
   http(p, &post_stats, &r);
   assert_error(&r, 405);
   resp_free(&r);
 
-  get(p, "/charges", &r);
+  http(p, &del_refunds, &r);
   assert_error(&r, 405);
+  assert_string_equal(r.allow, "GET, HEAD, POST");
+  resp_free(&r);
+
+  /* GET /charges and /refunds list by ?reference=, which they need. */
+  get(p, "/charges", &r);
+  assert_error(&r, 400);
   resp_free(&r);
 
   get(p, "/refunds", &r);
-  assert_error(&r, 405);
-  assert_string_equal(r.allow, "POST");
+  assert_error(&r, 400);
   resp_free(&r);
 
   http(p, &head, &r);
@@ -2353,6 +2362,147 @@ static void test_webhook_stop(void **state) {
   free(text);
 }
 
+/* ---- merchant references and --ignore-idempotency-key ----------------------------- */
+
+/* GET /charges?reference=R (or /refunds): the array, failing unless 200. */
+static json_t *listed(const psp_t *p, const char *what, const char *reference) {
+  char path[600];
+  resp_t r;
+  json_t *list;
+  snprintf(path, sizeof path, "/%s?reference=%s", what, reference);
+  get(p, path, &r);
+  assert_status(&r, 200);
+  assert_int_equal(json_object_size(r.json), 1);
+  list = json_incref(json_object_get(r.json, what));
+  resp_free(&r);
+  assert_true(json_is_array(list));
+  return list;
+}
+
+static const char *item_str(json_t *list, size_t i, const char *name) {
+  const char *v = json_string_value(json_object_get(json_array_get(list, i), name));
+  if (v == NULL)
+    fail_msg("no string \"%s\" in item %zu of the list", name, i);
+  return v;
+}
+
+static void test_reference(void **state) {
+  psp_t *p = psp_start(NULL);
+  const char *bad_bodies[] = {
+      "{\"amount\": 100, \"reference\": 5}",
+      "{\"amount\": 100, \"reference\": \"\"}",
+      "{\"amount\": 100, \"reference\": \"a b\"}",
+      "{\"amount\": 100, \"reference\": \"a\\u0000b\"}",
+  };
+  const char *bad_queries[] = {"/charges?reference=", "/charges?other=x",
+                               "/refunds?reference=", "/charges?reference=%01"};
+  char *id;
+  json_t *list;
+  resp_t r;
+  (void)state;
+
+  id = made_id(p, "/charges", "pay_ref1", NULL,
+               "{\"amount\": 1000, \"reference\": \"pay_ref1\"}", 201);
+  post(p, "pay_ref1", NULL, "{\"amount\": 1000, \"reference\": \"pay_ref1\"}", &r);
+  assert_status(&r, 201);
+  assert_true(r.replayed);
+  assert_string_equal(str_field(&r, "reference"), "pay_ref1");
+  assert_string_equal(str_field(&r, "key"), "pay_ref1");
+  resp_free(&r);
+  list = listed(p, "charges", "pay_ref1");
+  assert_int_equal(json_array_size(list), 1);
+  assert_string_equal(item_str(list, 0, "id"), id);
+  assert_string_equal(item_str(list, 0, "status"), "succeeded");
+  json_decref(list);
+  free(id);
+
+  id = made_id(p, "/refunds", "re_ref1", NULL,
+               "{\"charge\": \"pay_ref1\", \"amount\": 300, \"reference\": \"re_ref1\"}",
+               201);
+  list = listed(p, "refunds", "re_ref1");
+  assert_int_equal(json_array_size(list), 1);
+  assert_string_equal(item_str(list, 0, "id"), id);
+  assert_string_equal(item_str(list, 0, "charge"), "pay_ref1");
+  json_decref(list);
+  free(id);
+
+  /* Nothing under another reference, and a charge's is not a refund's. */
+  list = listed(p, "charges", "pay_nothing");
+  assert_int_equal(json_array_size(list), 0);
+  json_decref(list);
+  list = listed(p, "refunds", "pay_ref1");
+  assert_int_equal(json_array_size(list), 0);
+  json_decref(list);
+
+  for (size_t i = 0; i < sizeof bad_bodies / sizeof *bad_bodies; i++) {
+    post(p, "pay_ref_bad", NULL, bad_bodies[i], &r);
+    assert_error(&r, 422);
+    resp_free(&r);
+  }
+  for (size_t i = 0; i < sizeof bad_queries / sizeof *bad_queries; i++) {
+    get(p, bad_queries[i], &r);
+    assert_error(&r, 400);
+    resp_free(&r);
+  }
+  assert_int_equal(stat_of(p, NULL, "charges"), 1);
+}
+
+/* A provider that ignores keys: every POST makes a new charge or refund,
+ * found only by its reference. */
+static void test_ignore_idempotency_key(void **state) {
+  const char *flags[] = {"--ignore-idempotency-key", NULL};
+  psp_t *p = psp_start(flags);
+  const char *charge = "{\"amount\": 1000, \"reference\": \"pay_ign1\"}";
+  const char *refund =
+      "{\"charge\": \"pay_ign1\", \"amount\": 300, \"reference\": \"re_ign1\"}";
+  char *first, *second;
+  json_t *list;
+  resp_t r;
+  (void)state;
+
+  first = made_id(p, "/charges", "pay_ign1", NULL, charge, 201);
+  post(p, "pay_ign1", NULL, charge, &r);
+  assert_status(&r, 201);
+  assert_false(r.replayed);
+  assert_true(json_is_null(json_object_get(r.json, "key")));
+  assert_string_equal(str_field(&r, "reference"), "pay_ign1");
+  second = strdup(str_field(&r, "id"));
+  resp_free(&r);
+  assert_string_not_equal(first, second);
+  /* No key needed, and a lost answer still charged. */
+  post(p, NULL, NULL, charge, &r);
+  assert_status(&r, 201);
+  resp_free(&r);
+  post(p, "pay_ign1", "drop-after", charge, &r);
+  assert_no_answer(&r);
+  resp_free(&r);
+
+  list = listed(p, "charges", "pay_ign1");
+  assert_int_equal(json_array_size(list), 4);
+  assert_string_equal(item_str(list, 0, "id"), first);
+  assert_string_equal(item_str(list, 1, "id"), second);
+  json_decref(list);
+  get_charge(p, "pay_ign1", &r);
+  assert_error(&r, 404);
+  resp_free(&r);
+  assert_int_equal(stat_of(p, NULL, "charges"), 4);
+
+  /* Refunds of the charge named by its reference, each a new one, never
+   * more than the charge refunded. */
+  for (int i = 0; i < 4; i++) {
+    post_refund(p, "re_ign1", NULL, refund, &r);
+    assert_status(&r, i < 3 ? 201 : 402);
+    assert_string_equal(str_field(&r, "charge"), "pay_ign1");
+    resp_free(&r);
+  }
+  list = listed(p, "refunds", "re_ign1");
+  assert_int_equal(json_array_size(list), 4);
+  assert_string_equal(item_str(list, 3, "status"), "declined");
+  json_decref(list);
+  free(first);
+  free(second);
+}
+
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_usage, teardown),
@@ -2391,6 +2541,8 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_webhook_duplicates, teardown),
       cmocka_unit_test_teardown(test_webhook_chaos, teardown),
       cmocka_unit_test_teardown(test_webhook_stop, teardown),
+      cmocka_unit_test_teardown(test_reference, teardown),
+      cmocka_unit_test_teardown(test_ignore_idempotency_key, teardown),
   };
 
   psp_bin = getenv("IDEM_TEST_PSP");

@@ -51,6 +51,8 @@ static const struct option_def options[] = {
      "positive integers (comma-separated in the environment), at most 64"},
     {"--chaos", "IDEM_PSP_CHAOS", OPT_CHAOS, 0, "a probability from 0 to 1"},
     {"--seed", "IDEM_PSP_SEED", OPT_SEED, 0, "an unsigned 64-bit integer"},
+    {"--ignore-idempotency-key", "IDEM_PSP_IGNORE_IDEMPOTENCY_KEY", OPT_BOOL,
+     offsetof(psp_config_t, ignore_key), "true or false"},
     {"--webhook-url", "IDEM_PSP_WEBHOOK_URL", OPT_URL, 0,
      "an http:// or https:// URL of at most 1023 characters"},
     {"--webhook-secret", "IDEM_PSP_WEBHOOK_SECRET", OPT_SECRET, 0,
@@ -81,6 +83,8 @@ void psp_usage(FILE *out) {
         "                            repeatable\n"
         "  --chaos P                 with probability P, a random fault per request\n"
         "  --seed S                  seed of --chaos (default: random, logged)\n"
+        "  --ignore-idempotency-key  make a new charge (or refund) for every POST,\n"
+        "                            as a provider that ignores keys would\n"
         "  --webhook-url URL         send each charge's and refund's outcome as a\n"
         "                            signed event to URL, retried until a 2xx\n"
         "  --webhook-secret S        the shared secret that signs the events\n"
@@ -95,7 +99,7 @@ void psp_usage(FILE *out) {
         "IDEM_PSP_LATENCY, IDEM_PSP_DELAY_AFTER_CHARGE, IDEM_PSP_FAIL_BEFORE,\n"
         "IDEM_PSP_FAIL_AFTER, IDEM_PSP_DROP_AFTER, IDEM_PSP_CRASH_AFTER (true or\n"
         "false), IDEM_PSP_DECLINE_AMOUNT (N,N,...), IDEM_PSP_CHAOS, IDEM_PSP_SEED,\n"
-        "IDEM_PSP_WEBHOOK_URL, IDEM_PSP_WEBHOOK_SECRET, IDEM_PSP_WEBHOOK_DUPLICATES.\n"
+        "IDEM_PSP_IGNORE_IDEMPOTENCY_KEY, IDEM_PSP_WEBHOOK_URL, IDEM_PSP_WEBHOOK_SECRET, IDEM_PSP_WEBHOOK_DUPLICATES.\n"
         "With --chaos P, each webhook delivery is also delayed (up to 2 s) with\n"
         "probability P, which reorders them.\n"
         "\n"
@@ -104,10 +108,12 @@ void psp_usage(FILE *out) {
         "delay-after-charge=DUR, fail-before, fail-after, drop-after,\n"
         "crash-after, decline, or none.\n"
         "\n"
-        "Routes: POST /charges (Idempotency-Key), GET /charges/{key},\n"
-        "POST /refunds (Idempotency-Key; {\"charge\": KEY, \"amount\": N}),\n"
-        "GET /refunds/{key}, GET /stats, GET /healthz. The faults act on\n"
-        "POST /charges and POST /refunds alike. SIGTERM or SIGINT: clean exit 0.\n",
+        "Routes: POST /charges (Idempotency-Key; {\"amount\": N, \"reference\": R}),\n"
+        "GET /charges/{key}, GET /charges?reference=R,\n"
+        "POST /refunds (Idempotency-Key; {\"charge\": KEY, \"amount\": N,\n"
+        "\"reference\": R}), GET /refunds/{key}, GET /refunds?reference=R,\n"
+        "GET /stats, GET /healthz. The faults act on POST /charges and\n"
+        "POST /refunds alike. SIGTERM or SIGINT: clean exit 0.\n",
         out);
 }
 

@@ -34,7 +34,7 @@ struct psp_server {
   int stopping;
 };
 
-enum route { R_NONE, R_CREATE, R_GET, R_STATS, R_HEALTHZ };
+enum route { R_NONE, R_CREATE, R_GET, R_LIST, R_STATS, R_HEALTHZ };
 
 struct route_def {
   const char *path;
@@ -46,9 +46,11 @@ struct route_def {
 };
 
 static const struct route_def routes[] = {
-    {"/charges", 0, "POST", "POST", R_CREATE, PSP_KIND_CHARGE},
+    {"/charges", 0, "POST", "GET, HEAD, POST", R_CREATE, PSP_KIND_CHARGE},
+    {"/charges", 0, "GET", "GET, HEAD, POST", R_LIST, PSP_KIND_CHARGE},
     {"/charges/", 1, "GET", "GET, HEAD", R_GET, PSP_KIND_CHARGE},
-    {"/refunds", 0, "POST", "POST", R_CREATE, PSP_KIND_REFUND},
+    {"/refunds", 0, "POST", "GET, HEAD, POST", R_CREATE, PSP_KIND_REFUND},
+    {"/refunds", 0, "GET", "GET, HEAD, POST", R_LIST, PSP_KIND_REFUND},
     {"/refunds/", 1, "GET", "GET, HEAD", R_GET, PSP_KIND_REFUND},
     {"/stats", 0, "GET", "GET, HEAD", R_STATS, PSP_KIND_CHARGE},
     {"/healthz", 0, "GET", "GET, HEAD", R_HEALTHZ, PSP_KIND_CHARGE},
@@ -197,12 +199,18 @@ static enum MHD_Result reply_error(struct request *r, int status, const char *me
                status == 405 ? r->route->allow : NULL);
 }
 
-/* A charge's JSON; a refund's has "charge" too, after "key". */
+/* A charge's JSON; a refund's has "charge" too, after "key". "key" is
+ * null for one made with the key ignored (stored under its own id), and
+ * "reference" is there when one was sent. */
 static json_t *charge_json(psp_kind_t kind, const psp_charge_t *c) {
-  return json_pack("{s:s, s:s, s:s*, s:I, s:s, s:s, s:s}", "id", c->id, "key", c->key,
-                   "charge", kind == PSP_KIND_REFUND ? c->charge : NULL, "amount",
-                   (json_int_t)c->amount, "currency", c->currency, "status", c->status,
-                   "created_at", c->created_at);
+  json_t *j = json_pack("{s:s, s:o, s:s*, s:I, s:s, s:s, s:s}", "id", c->id, "key",
+                        strcmp(c->key, c->id) == 0 ? json_null() : json_string(c->key),
+                        "charge", kind == PSP_KIND_REFUND ? c->charge : NULL, "amount",
+                        (json_int_t)c->amount, "currency", c->currency, "status",
+                        c->status, "created_at", c->created_at);
+  if (j && c->reference[0])
+    json_object_set_new(j, "reference", json_string(c->reference));
+  return j;
 }
 
 static enum MHD_Result reply_charge(struct request *r, int status, const psp_charge_t *c,
@@ -242,13 +250,19 @@ static int faults_or_reply(struct request *r, psp_faults_t *f) {
 }
 
 static int key_or_reply(struct request *r) {
-  if (r->key_ok)
+  if (r->key_ok || r->srv->cfg->ignore_key)
     return 0;
   r->ret = reply_error(r, 400,
                        r->key[0] ? "Idempotency-Key must be 1 to 255 visible "
                                    "ASCII characters"
                                  : "Idempotency-Key header is required");
   return -1;
+}
+
+/* A JSON string of 1 to 255 visible ASCII characters (no NUL inside). */
+static int string_valid(json_t *v) {
+  return json_is_string(v) && key_valid(json_string_value(v)) &&
+         strlen(json_string_value(v)) == json_string_length(v);
 }
 
 /* Three upper-case letters (NULL: not a string). */
@@ -263,7 +277,7 @@ static int is_currency(const char *s) {
  * want->charge. */
 static int body_or_reply(struct request *r, psp_charge_t *want) {
   int refund = r->route->kind == PSP_KIND_REFUND;
-  json_t *body = NULL, *amount, *currency, *charge;
+  json_t *body = NULL, *amount, *currency, *charge, *reference;
   const char *msg = NULL;
 
   if (r->too_large) {
@@ -275,23 +289,27 @@ static int body_or_reply(struct request *r, psp_charge_t *want) {
   amount = json_object_get(body, "amount"); /* NULL when body is not an object */
   currency = json_object_get(body, "currency");
   charge = json_object_get(body, "charge");
+  reference = json_object_get(body, "reference");
   if (!json_is_object(body))
     msg = "the body must be a JSON object";
   else if (!json_is_integer(amount) || json_integer_value(amount) < 1 ||
            json_integer_value(amount) > MAX_SAFE_INTEGER)
     msg = "amount must be a positive integer (minor units)";
-  else if (refund && !(json_is_string(charge) && key_valid(json_string_value(charge)) &&
-                       strlen(json_string_value(charge)) == json_string_length(charge)))
+  else if (refund && !string_valid(charge))
     msg = "charge must be the Idempotency-Key of a charge (1 to 255 visible "
           "ASCII characters)";
   else if (currency && !is_currency(json_string_value(currency)))
     msg = "currency must be three upper-case letters";
+  else if (reference && !string_valid(reference))
+    msg = "reference must be 1 to 255 visible ASCII characters";
   if (msg == NULL) {
     want->amount = json_integer_value(amount);
     snprintf(want->currency, sizeof want->currency, "%s",
              currency ? json_string_value(currency) : refund ? "" : "BRL");
     snprintf(want->charge, sizeof want->charge, "%s",
              refund ? json_string_value(charge) : "");
+    snprintf(want->reference, sizeof want->reference, "%s",
+             reference ? json_string_value(reference) : "");
   }
   json_decref(body);
   if (msg) {
@@ -325,8 +343,8 @@ static int charge_or_reply(struct request *r, psp_charge_t *want, int decline,
   strftime(want->created_at, sizeof want->created_at, "%Y-%m-%dT%H:%M:%SZ", &tm);
 
   rc = r->route->kind == PSP_KIND_REFUND
-           ? psp_store_refund(r->srv->store, want, decline, got)
-           : psp_store_charge(r->srv->store, want, got);
+           ? psp_store_refund(r->srv->store, want, decline, r->srv->cfg->ignore_key, got)
+           : psp_store_charge(r->srv->store, want, r->srv->cfg->ignore_key, got);
   if (rc == PSP_STORE_ERROR) {
     r->ret = reply_error(r, 500, "internal error");
     return -1;
@@ -399,6 +417,32 @@ static enum MHD_Result serve_get(struct request *r) {
   return reply_charge(r, 200, &c, 0);
 }
 
+/* GET /charges?reference=R and GET /refunds?reference=R: what was made
+ * under the merchant's reference R, oldest first. */
+static enum MHD_Result serve_list(struct request *r) {
+  const char *ref =
+      MHD_lookup_connection_value(r->conn, MHD_GET_ARGUMENT_KIND, "reference");
+  int refund = r->route->kind == PSP_KIND_REFUND, n = 0;
+  psp_charge_t *found;
+  json_t *list;
+
+  if (ref == NULL || !key_valid(ref))
+    return reply_error(r, 400,
+                       "the query must be ?reference= 1 to 255 visible ASCII characters");
+  copy_visible(r->key, sizeof r->key, ref);
+  if ((found = calloc(PSP_LIST_MAX, sizeof *found)) == NULL)
+    return reply_error(r, 500, "internal error");
+  if (psp_store_list(r->srv->store, r->route->kind, ref, found, PSP_LIST_MAX, &n) != 0) {
+    free(found);
+    return reply_error(r, 500, "internal error");
+  }
+  list = json_array();
+  for (int i = 0; i < n; i++)
+    json_array_append_new(list, charge_json(r->route->kind, &found[i]));
+  free(found);
+  return reply(r, 200, json_pack("{s:o}", refund ? "refunds" : "charges", list), 0, NULL);
+}
+
 static enum MHD_Result serve_stats(struct request *r) {
   json_t *stats = psp_store_stats(r->srv->store);
   if (stats == NULL)
@@ -415,6 +459,8 @@ static enum MHD_Result dispatch(struct request *r) {
     return serve_create(r);
   case R_GET:
     return serve_get(r);
+  case R_LIST:
+    return serve_list(r);
   case R_STATS:
     return serve_stats(r);
   case R_HEALTHZ:
@@ -442,14 +488,23 @@ static void crash(struct request *r) {
   _exit(3);
 }
 
-static const struct route_def *match_route(const char *url) {
+/* The route of the path and method (HEAD as GET); else the first of the
+ * path, whose method then answers 405; NULL for an unknown path. */
+static const struct route_def *match_route(const char *url, const char *method) {
+  const struct route_def *first = NULL;
+  if (strcmp(method, "HEAD") == 0)
+    method = "GET";
   for (size_t i = 0; i < sizeof routes / sizeof *routes; i++) {
     const struct route_def *d = &routes[i];
-    if (d->is_prefix ? strncmp(url, d->path, strlen(d->path)) == 0
-                     : strcmp(url, d->path) == 0)
+    if (!(d->is_prefix ? strncmp(url, d->path, strlen(d->path)) == 0
+                       : strcmp(url, d->path) == 0))
+      continue;
+    if (strcmp(method, d->method) == 0)
       return d;
+    if (first == NULL)
+      first = d;
   }
-  return NULL;
+  return first;
 }
 
 /* First call: headers only. Answers at once for an unknown path or a
@@ -458,7 +513,7 @@ static enum MHD_Result on_headers(struct request *r) {
   const char *key;
 
   copy_visible(r->path, sizeof r->path, r->url);
-  r->route = match_route(r->url);
+  r->route = match_route(r->url, r->method);
   if (r->route == NULL)
     return reply_error(r, 404, "not found");
   if (strcmp(r->method, r->route->method) != 0 &&

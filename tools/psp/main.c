@@ -35,9 +35,10 @@ static void log_start(const psp_config_t *cfg) {
   for (int i = 0; i < cfg->ndecline; i++)
     json_array_append_new(declines, json_integer(cfg->decline_amounts[i]));
   /* The webhook secret is never logged. */
-  psp_log(json_pack("{s:s, s:s, s:s, s:s, s:o, s:f, s:s, s:s?, s:f}", "event",
+  psp_log(json_pack("{s:s, s:s, s:s, s:s, s:o, s:f, s:s, s:b, s:s?, s:f}", "event",
                     "listening", "listen", listen, "db", cfg->db, "faults", faults,
                     "decline_amounts", declines, "chaos", cfg->chaos, "seed", seed,
+                    "ignore_idempotency_key", cfg->ignore_key,
                     "webhook_url", cfg->webhook_url[0] ? cfg->webhook_url : NULL,
                     "webhook_duplicates", cfg->webhook_duplicates));
 }

@@ -16,6 +16,7 @@
 #define PSP_MAX_DURATION_MS ((int64_t)3600 * 1000)
 #define PSP_URL_MAX 1023
 #define PSP_SECRET_MAX 255
+#define PSP_LIST_MAX 100 /* charges or refunds in one GET ?reference= */
 /* Webhooks (webhooks.c): an attempt's time limit, the backoff's cap, the
  * attempts of one delivery, the events held at once, and the most a
  * --chaos delay adds. */
@@ -52,6 +53,7 @@ typedef struct psp_config {
   char webhook_url[PSP_URL_MAX + 1];       /* "" for no webhooks */
   char webhook_secret[PSP_SECRET_MAX + 1]; /* set whenever webhook_url is */
   double webhook_duplicates;               /* 0..1 */
+  int ignore_key; /* every POST makes a new charge or refund */
 } psp_config_t;
 
 /* ---- config.c ---- */
@@ -89,12 +91,14 @@ int psp_chaos_pick(double p, psp_faults_t *f);
  * stored and answered alike. */
 typedef struct psp_charge {
   char id[40];               /* ch_... or re_... */
-  char key[PSP_KEY_MAX + 1]; /* the Idempotency-Key it was made under */
+  char key[PSP_KEY_MAX + 1]; /* the Idempotency-Key it was made under (its
+                                own id when the key was ignored) */
   char charge[PSP_KEY_MAX + 1]; /* a refund's: the key of the charge refunded */
   int64_t amount;
   char currency[4];
   char status[16]; /* "succeeded" or "declined" */
   char created_at[32];
+  char reference[PSP_KEY_MAX + 1]; /* the merchant's, "" when none was sent */
 } psp_charge_t;
 
 typedef struct psp_store psp_store_t;
@@ -114,10 +118,16 @@ void psp_store_close(psp_store_t *s);
 int psp_store_count_request(psp_store_t *s, psp_kind_t kind, const char *key);
 /* Inserts `want` unless its key already has a charge, then reads the
  * charge of that key into `out`. Returns PSP_CREATED, PSP_FOUND (a charge
- * made earlier, which may differ from `want`) or PSP_STORE_ERROR. */
-int psp_store_charge(psp_store_t *s, const psp_charge_t *want, psp_charge_t *out);
-/* In one transaction: unless want->key already has a refund, inserts
- * `want` as a refund of the charge under want->charge, "succeeded" or
+ * made earlier, which may differ from `want`) or PSP_STORE_ERROR. With
+ * `ignore_key` the charge is stored under its own id (want->id) as its
+ * key: always a new one. */
+int psp_store_charge(psp_store_t *s, const psp_charge_t *want, int ignore_key,
+                     psp_charge_t *out);
+/* In one transaction: unless want->key already has a refund (with
+ * `ignore_key`: always; the refund is stored under its own id as its
+ * key), inserts `want` as a refund of the charge under want->charge (or,
+ * when no charge has that key, the charge of that reference, a succeeded
+ * one first), "succeeded" or
  * "declined" (want->status is not read): declined when `decline`, when
  * that charge is unknown or not succeeded, when want->currency is given
  * ("" takes the charge's) and is not the charge's, or when the charge's
@@ -125,7 +135,11 @@ int psp_store_charge(psp_store_t *s, const psp_charge_t *want, psp_charge_t *out
  * refund of that key into `out`. Returns PSP_CREATED, PSP_FOUND (a refund
  * made earlier, which may differ from `want`) or PSP_STORE_ERROR. */
 int psp_store_refund(psp_store_t *s, const psp_charge_t *want, int decline,
-                     psp_charge_t *out);
+                     int ignore_key, psp_charge_t *out);
+/* Reads into out[0..max) the charges (or refunds) made under `reference`,
+ * oldest first, and sets *n. Returns 0 or PSP_STORE_ERROR. */
+int psp_store_list(psp_store_t *s, psp_kind_t kind, const char *reference,
+                   psp_charge_t *out, int max, int *n);
 /* Reads the charge (or refund) made under `key`: PSP_FOUND, PSP_NOT_FOUND
  * or PSP_STORE_ERROR. */
 int psp_store_get(psp_store_t *s, psp_kind_t kind, const char *key, psp_charge_t *out);

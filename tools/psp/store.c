@@ -33,6 +33,9 @@ enum stmt_id {
   ST_TOTALS,
   ST_KEYS,
   ST_REFUND_KEYS,
+  ST_LIST,
+  ST_LIST_REFUNDS,
+  ST_GET_BY_REFERENCE,
   ST_COUNT_
 };
 
@@ -47,15 +50,25 @@ static const char *const stmt_sql[ST_COUNT_] = {
     [ST_COUNT_REFUND_KEY] = "INSERT INTO refund_key_requests (key, requests) "
                             "VALUES (?1, 1) "
                             "ON CONFLICT (key) DO UPDATE SET requests = requests + 1",
-    [ST_INSERT] = "INSERT INTO charges (key, id, amount, currency, status, created_at) "
-                  "VALUES (?1, ?2, ?3, ?4, ?5, ?6) ON CONFLICT (key) DO NOTHING",
-    [ST_GET] = "SELECT id, key, amount, currency, status, created_at, '' FROM charges "
-               "WHERE key = ?1",
+    [ST_INSERT] = "INSERT INTO charges "
+                  "(key, id, amount, currency, status, created_at, reference) "
+                  "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7) ON CONFLICT (key) DO NOTHING",
+    [ST_GET] = "SELECT id, key, amount, currency, status, created_at, '', reference "
+               "FROM charges WHERE key = ?1",
     [ST_INSERT_REFUND] = "INSERT INTO refunds "
-                         "(key, id, charge, amount, currency, status, created_at) "
-                         "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-    [ST_GET_REFUND] = "SELECT id, key, amount, currency, status, created_at, charge "
-                      "FROM refunds WHERE key = ?1",
+                         "(key, id, charge, amount, currency, status, created_at, "
+                         "reference) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+    [ST_GET_REFUND] = "SELECT id, key, amount, currency, status, created_at, charge, "
+                      "reference FROM refunds WHERE key = ?1",
+    [ST_LIST] = "SELECT id, key, amount, currency, status, created_at, '', reference "
+                "FROM charges WHERE reference = ?1 ORDER BY rowid LIMIT ?2",
+    [ST_LIST_REFUNDS] = "SELECT id, key, amount, currency, status, created_at, charge, "
+                        "reference FROM refunds WHERE reference = ?1 "
+                        "ORDER BY rowid LIMIT ?2",
+    /* A charge named by its reference, as a refund may name it. */
+    [ST_GET_BY_REFERENCE] = "SELECT id, key, amount, currency, status, created_at, '', "
+                            "reference FROM charges WHERE reference = ?1 "
+                            "ORDER BY status <> 'succeeded', rowid LIMIT 1",
     [ST_REFUNDED] = "SELECT coalesce(sum(amount), 0) FROM refunds "
                     "WHERE charge = ?1 AND status = 'succeeded'",
     [ST_TOTALS] = "SELECT (SELECT count(*) FROM charges WHERE status = 'succeeded'), "
@@ -80,7 +93,8 @@ static const char schema[] =
     " amount INTEGER NOT NULL,"
     " currency TEXT NOT NULL,"
     " status TEXT NOT NULL CHECK (status IN ('succeeded', 'declined')),"
-    " created_at TEXT NOT NULL);"
+    " created_at TEXT NOT NULL,"
+    " reference TEXT);"
     "CREATE TABLE IF NOT EXISTS key_requests ("
     " key TEXT PRIMARY KEY, requests INTEGER NOT NULL) WITHOUT ROWID;"
     "CREATE TABLE IF NOT EXISTS refunds ("
@@ -90,12 +104,38 @@ static const char schema[] =
     " amount INTEGER NOT NULL,"
     " currency TEXT NOT NULL,"
     " status TEXT NOT NULL CHECK (status IN ('succeeded', 'declined')),"
-    " created_at TEXT NOT NULL);"
+    " created_at TEXT NOT NULL,"
+    " reference TEXT);"
     "CREATE INDEX IF NOT EXISTS refunds_charge ON refunds (charge, status);"
     "CREATE TABLE IF NOT EXISTS refund_key_requests ("
     " key TEXT PRIMARY KEY, requests INTEGER NOT NULL) WITHOUT ROWID;"
     "CREATE TABLE IF NOT EXISTS counters ("
     " name TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;";
+
+/* The merchant's reference of a charge or refund (NULL when none was
+ * sent): a column that a database of an earlier idem-psp gains on open. */
+static const char *const reference_tables[] = {"charges", "refunds"};
+static const char reference_indexes[] =
+    "CREATE INDEX IF NOT EXISTS charges_reference ON charges (reference);"
+    "CREATE INDEX IF NOT EXISTS refunds_reference ON refunds (reference);";
+
+/* Adds the reference column where it is missing; 0 or -1. */
+static int add_reference_columns(sqlite3 *db) {
+  char sql[96];
+  for (size_t i = 0; i < sizeof reference_tables / sizeof *reference_tables; i++) {
+    sqlite3_stmt *probe = NULL;
+    snprintf(sql, sizeof sql, "SELECT reference FROM %s LIMIT 0", reference_tables[i]);
+    if (sqlite3_prepare_v2(db, sql, -1, &probe, NULL) == SQLITE_OK) {
+      sqlite3_finalize(probe);
+      continue;
+    }
+    snprintf(sql, sizeof sql, "ALTER TABLE %s ADD COLUMN reference TEXT",
+             reference_tables[i]);
+    if (sqlite3_exec(db, sql, NULL, NULL, NULL) != SQLITE_OK)
+      return -1;
+  }
+  return sqlite3_exec(db, reference_indexes, NULL, NULL, NULL) == SQLITE_OK ? 0 : -1;
+}
 
 struct psp_store {
   sqlite3 *db;
@@ -130,7 +170,8 @@ psp_store_t *psp_store_open(const char *path, char *err, size_t errlen) {
       sqlite3_stricmp((const char *)sqlite3_column_text(st, 0), "wal") != 0)
     goto out;
   if (sqlite3_exec(s->db, "PRAGMA synchronous=FULL", NULL, NULL, NULL) != SQLITE_OK ||
-      sqlite3_exec(s->db, schema, NULL, NULL, NULL) != SQLITE_OK)
+      sqlite3_exec(s->db, schema, NULL, NULL, NULL) != SQLITE_OK ||
+      add_reference_columns(s->db) != 0)
     goto out;
   for (int i = 0; i < ST_COUNT_; i++)
     if (sqlite3_prepare_v3(s->db, stmt_sql[i], -1, SQLITE_PREPARE_PERSISTENT, &s->st[i],
@@ -196,22 +237,29 @@ static void copy_column(sqlite3_stmt *st, int col, char *out, size_t outlen) {
   snprintf(out, outlen, "%s", v ? v : "");
 }
 
-/* Reads the charge (or refund) of `key`; the caller holds the lock. */
-static int get_locked(psp_store_t *s, psp_kind_t kind, const char *key,
-                      psp_charge_t *out) {
-  sqlite3_stmt *st = s->st[kind == PSP_KIND_REFUND ? ST_GET_REFUND : ST_GET];
+/* Reads a row of (id, key, amount, currency, status, created_at, charge,
+ * reference) into `out`. */
+static void read_row(sqlite3_stmt *st, psp_charge_t *out) {
+  copy_column(st, 0, out->id, sizeof out->id);
+  copy_column(st, 1, out->key, sizeof out->key);
+  out->amount = sqlite3_column_int64(st, 2);
+  copy_column(st, 3, out->currency, sizeof out->currency);
+  copy_column(st, 4, out->status, sizeof out->status);
+  copy_column(st, 5, out->created_at, sizeof out->created_at);
+  copy_column(st, 6, out->charge, sizeof out->charge);
+  copy_column(st, 7, out->reference, sizeof out->reference);
+}
+
+/* Reads the charge (or refund) of `key` (with ST_GET_BY_REFERENCE, the
+ * charge of that reference); the caller holds the lock. */
+static int get_with(psp_store_t *s, enum stmt_id id, const char *key, psp_charge_t *out) {
+  sqlite3_stmt *st = s->st[id];
   int rc;
 
   sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
   rc = sqlite3_step(st);
   if (rc == SQLITE_ROW) {
-    copy_column(st, 0, out->id, sizeof out->id);
-    copy_column(st, 1, out->key, sizeof out->key);
-    out->amount = sqlite3_column_int64(st, 2);
-    copy_column(st, 3, out->currency, sizeof out->currency);
-    copy_column(st, 4, out->status, sizeof out->status);
-    copy_column(st, 5, out->created_at, sizeof out->created_at);
-    copy_column(st, 6, out->charge, sizeof out->charge);
+    read_row(st, out);
   } else if (rc != SQLITE_DONE) {
     log_db_error(s, "get");
   }
@@ -222,24 +270,41 @@ static int get_locked(psp_store_t *s, psp_kind_t kind, const char *key,
                              : PSP_STORE_ERROR;
 }
 
-int psp_store_charge(psp_store_t *s, const psp_charge_t *want, psp_charge_t *out) {
+static int get_locked(psp_store_t *s, psp_kind_t kind, const char *key,
+                      psp_charge_t *out) {
+  return get_with(s, kind == PSP_KIND_REFUND ? ST_GET_REFUND : ST_GET, key, out);
+}
+
+/* Binds `v` at `col`, or NULL when it is "". */
+static void bind_optional(sqlite3_stmt *st, int col, const char *v) {
+  if (v[0])
+    sqlite3_bind_text(st, col, v, -1, SQLITE_STATIC);
+  else
+    sqlite3_bind_null(st, col);
+}
+
+int psp_store_charge(psp_store_t *s, const psp_charge_t *want, int ignore_key,
+                     psp_charge_t *out) {
   sqlite3_stmt *st = s->st[ST_INSERT];
+  /* A charge whose key is ignored is stored under its own id: a new row. */
+  const char *key = ignore_key ? want->id : want->key;
   int rc, created;
 
   pthread_mutex_lock(&s->lock);
-  sqlite3_bind_text(st, 1, want->key, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
   sqlite3_bind_text(st, 2, want->id, -1, SQLITE_STATIC);
   sqlite3_bind_int64(st, 3, want->amount);
   sqlite3_bind_text(st, 4, want->currency, -1, SQLITE_STATIC);
   sqlite3_bind_text(st, 5, want->status, -1, SQLITE_STATIC);
   sqlite3_bind_text(st, 6, want->created_at, -1, SQLITE_STATIC);
+  bind_optional(st, 7, want->reference);
   rc = exec_stmt(s, ST_INSERT);
   created = rc == 0 && sqlite3_changes(s->db) == 1;
   if (rc != 0) {
     log_db_error(s, "charge");
     rc = PSP_STORE_ERROR;
   } else {
-    rc = get_locked(s, PSP_KIND_CHARGE, want->key, out);
+    rc = get_locked(s, PSP_KIND_CHARGE, key, out);
     /* The insert committed or found a row: not finding one now is a fault. */
     if (rc == PSP_NOT_FOUND)
       rc = PSP_STORE_ERROR;
@@ -268,7 +333,8 @@ static int refunded_locked(psp_store_t *s, const char *charge, int64_t *refunded
 /* Decides the refund `want` against its charge and inserts it; 0 or -1.
  * The caller holds the lock and the write transaction, so no other
  * refund of the charge comes between the sum and the insert. */
-static int insert_refund_locked(psp_store_t *s, const psp_charge_t *want, int decline) {
+static int insert_refund_locked(psp_store_t *s, const psp_charge_t *want, const char *key,
+                                int decline) {
   sqlite3_stmt *st = s->st[ST_INSERT_REFUND];
   const char *currency = want->currency[0] ? want->currency : "BRL";
   psp_charge_t charge;
@@ -276,6 +342,8 @@ static int insert_refund_locked(psp_store_t *s, const psp_charge_t *want, int de
   int found, ok;
 
   found = get_locked(s, PSP_KIND_CHARGE, want->charge, &charge);
+  if (found == PSP_NOT_FOUND)
+    found = get_with(s, ST_GET_BY_REFERENCE, want->charge, &charge);
   if (found == PSP_STORE_ERROR)
     return -1;
   if (found == PSP_FOUND) {
@@ -287,18 +355,20 @@ static int insert_refund_locked(psp_store_t *s, const psp_charge_t *want, int de
   /* refunded <= charge.amount, so the difference cannot overflow. */
   ok = !decline && found == PSP_FOUND && strcmp(charge.status, "succeeded") == 0 &&
        strcmp(currency, charge.currency) == 0 && want->amount <= charge.amount - refunded;
-  sqlite3_bind_text(st, 1, want->key, -1, SQLITE_STATIC);
+  sqlite3_bind_text(st, 1, key, -1, SQLITE_STATIC);
   sqlite3_bind_text(st, 2, want->id, -1, SQLITE_STATIC);
   sqlite3_bind_text(st, 3, want->charge, -1, SQLITE_STATIC);
   sqlite3_bind_int64(st, 4, want->amount);
   sqlite3_bind_text(st, 5, currency, -1, SQLITE_STATIC);
   sqlite3_bind_text(st, 6, ok ? "succeeded" : "declined", -1, SQLITE_STATIC);
   sqlite3_bind_text(st, 7, want->created_at, -1, SQLITE_STATIC);
+  bind_optional(st, 8, want->reference);
   return exec_stmt(s, ST_INSERT_REFUND);
 }
 
 int psp_store_refund(psp_store_t *s, const psp_charge_t *want, int decline,
-                     psp_charge_t *out) {
+                     int ignore_key, psp_charge_t *out) {
+  const char *key = ignore_key ? want->id : want->key;
   int rc;
 
   pthread_mutex_lock(&s->lock);
@@ -307,10 +377,10 @@ int psp_store_refund(psp_store_t *s, const psp_charge_t *want, int decline,
     pthread_mutex_unlock(&s->lock);
     return PSP_STORE_ERROR;
   }
-  rc = get_locked(s, PSP_KIND_REFUND, want->key, out);
+  rc = get_locked(s, PSP_KIND_REFUND, key, out);
   if (rc == PSP_NOT_FOUND) {
-    rc = insert_refund_locked(s, want, decline) == 0
-             ? get_locked(s, PSP_KIND_REFUND, want->key, out)
+    rc = insert_refund_locked(s, want, key, decline) == 0
+             ? get_locked(s, PSP_KIND_REFUND, key, out)
              : PSP_STORE_ERROR;
     /* Inserted in this transaction: not finding it now is a fault. */
     rc = rc == PSP_FOUND ? PSP_CREATED : PSP_STORE_ERROR;
@@ -331,6 +401,25 @@ int psp_store_get(psp_store_t *s, psp_kind_t kind, const char *key, psp_charge_t
   rc = get_locked(s, kind, key, out);
   pthread_mutex_unlock(&s->lock);
   return rc;
+}
+
+int psp_store_list(psp_store_t *s, psp_kind_t kind, const char *reference,
+                   psp_charge_t *out, int max, int *n) {
+  sqlite3_stmt *st = s->st[kind == PSP_KIND_REFUND ? ST_LIST_REFUNDS : ST_LIST];
+  int rc;
+
+  *n = 0;
+  pthread_mutex_lock(&s->lock);
+  sqlite3_bind_text(st, 1, reference, -1, SQLITE_STATIC);
+  sqlite3_bind_int(st, 2, max);
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW && *n < max)
+    read_row(st, &out[(*n)++]);
+  if (rc != SQLITE_ROW && rc != SQLITE_DONE)
+    log_db_error(s, "list");
+  sqlite3_reset(st);
+  sqlite3_clear_bindings(st);
+  pthread_mutex_unlock(&s->lock);
+  return rc == SQLITE_ROW || rc == SQLITE_DONE ? 0 : PSP_STORE_ERROR;
 }
 
 /* Sets stats[field] to {"<key>": {"requests", made: 0|1, "declines": 0|1}}
