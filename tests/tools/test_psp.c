@@ -2445,6 +2445,9 @@ static void test_reference(void **state) {
     resp_free(&r);
   }
   assert_int_equal(stat_of(p, NULL, "charges"), 1);
+  assert_int_equal(stat_in(p, "references", "pay_ref1", "charges"), 1);
+  assert_int_equal(stat_in(p, "references", "pay_nothing", "charges"), -1);
+  assert_int_equal(stat_in(p, "refund_references", "re_ref1", "refunds"), 1);
 }
 
 /* A provider that ignores keys: every POST makes a new charge or refund,
@@ -2486,6 +2489,8 @@ static void test_ignore_idempotency_key(void **state) {
   assert_error(&r, 404);
   resp_free(&r);
   assert_int_equal(stat_of(p, NULL, "charges"), 4);
+  assert_int_equal(stat_in(p, "references", "pay_ign1", "charges"), 4);
+  assert_int_equal(stat_in(p, "references", "pay_ign1", "declines"), 0);
 
   /* Refunds of the charge named by its reference, each a new one, never
    * more than the charge refunded. */
@@ -2499,6 +2504,8 @@ static void test_ignore_idempotency_key(void **state) {
   assert_int_equal(json_array_size(list), 4);
   assert_string_equal(item_str(list, 3, "status"), "declined");
   json_decref(list);
+  assert_int_equal(stat_in(p, "refund_references", "re_ign1", "refunds"), 3);
+  assert_int_equal(stat_in(p, "refund_references", "re_ign1", "declines"), 1);
   free(first);
   free(second);
 }

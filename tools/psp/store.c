@@ -36,6 +36,8 @@ enum stmt_id {
   ST_LIST,
   ST_LIST_REFUNDS,
   ST_GET_BY_REFERENCE,
+  ST_REFERENCES,
+  ST_REFUND_REFERENCES,
   ST_COUNT_
 };
 
@@ -65,6 +67,12 @@ static const char *const stmt_sql[ST_COUNT_] = {
     [ST_LIST_REFUNDS] = "SELECT id, key, amount, currency, status, created_at, charge, "
                         "reference FROM refunds WHERE reference = ?1 "
                         "ORDER BY rowid LIMIT ?2",
+    [ST_REFERENCES] = "SELECT reference, count(*), sum(status = 'succeeded') "
+                      "FROM charges WHERE reference IS NOT NULL GROUP BY reference "
+                      "ORDER BY reference",
+    [ST_REFUND_REFERENCES] = "SELECT reference, count(*), sum(status = 'succeeded') "
+                             "FROM refunds WHERE reference IS NOT NULL "
+                             "GROUP BY reference ORDER BY reference",
     /* A charge named by its reference, as a refund may name it. */
     [ST_GET_BY_REFERENCE] = "SELECT id, key, amount, currency, status, created_at, '', "
                             "reference FROM charges WHERE reference = ?1 "
@@ -444,6 +452,27 @@ static int keys_locked(psp_store_t *s, enum stmt_id id, const char *made, json_t
   return rc == SQLITE_DONE ? 0 : -1;
 }
 
+/* Sets stats[field] to {"<reference>": {made: n, "declines": n}} from the
+ * rows of `id` (reference, all, succeeded): what was made under each
+ * merchant reference, several when the key was ignored. The caller holds
+ * the lock. 0 or -1. */
+static int references_locked(psp_store_t *s, enum stmt_id id, const char *made,
+                             json_t *stats, const char *field) {
+  sqlite3_stmt *st = s->st[id];
+  json_t *refs = json_object();
+  int rc;
+
+  while ((rc = sqlite3_step(st)) == SQLITE_ROW) {
+    int64_t all = sqlite3_column_int64(st, 1), ok = sqlite3_column_int64(st, 2);
+    json_object_set_new(refs, (const char *)sqlite3_column_text(st, 0),
+                        json_pack("{s:I, s:I}", made, (json_int_t)ok, "declines",
+                                  (json_int_t)(all - ok)));
+  }
+  sqlite3_reset(st);
+  json_object_set_new(stats, field, refs);
+  return rc == SQLITE_DONE ? 0 : -1;
+}
+
 /* Fills the stats object; the caller holds the lock. */
 static int stats_locked(psp_store_t *s, json_t *stats) {
   static const char *const totals[] = {"charges", "declines", "requests",
@@ -457,9 +486,12 @@ static int stats_locked(psp_store_t *s, json_t *stats) {
   for (int i = 0; i < (int)(sizeof totals / sizeof *totals); i++)
     json_object_set_new(stats, totals[i], json_integer(sqlite3_column_int64(st, i)));
   sqlite3_reset(st);
-  if (keys_locked(s, ST_KEYS, "charges", stats, "keys") != 0)
+  if (keys_locked(s, ST_KEYS, "charges", stats, "keys") != 0 ||
+      keys_locked(s, ST_REFUND_KEYS, "refunds", stats, "refund_keys") != 0 ||
+      references_locked(s, ST_REFERENCES, "charges", stats, "references") != 0)
     return -1;
-  return keys_locked(s, ST_REFUND_KEYS, "refunds", stats, "refund_keys");
+  return references_locked(s, ST_REFUND_REFERENCES, "refunds", stats,
+                           "refund_references");
 }
 
 json_t *psp_store_stats(psp_store_t *s) {
