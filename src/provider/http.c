@@ -1,7 +1,10 @@
 /* The HTTP provider client on libcurl: POST /charges and POST /refunds
  * under the provider idempotency key, GET /charges/{key} and GET
  * /refunds/{key} for the reconciler, charges and refunds through the same
- * two calls. The mapping from transport events to outcomes is the point of
+ * two calls. Each POST also names the payment or refund as its merchant
+ * reference; for a provider that ignores keys the lookups go by it, GET
+ * /charges?reference= and GET /refunds?reference= (docs/payments.md,
+ * "Providers that ignore idempotency keys"). The mapping from transport events to outcomes is the point of
  * this file: only a failure that certainly happened before the request
  * left us is NOT_SENT; anything after that (timeout, 5xx, a dropped
  * connection) is UNKNOWN, because the provider may have charged (or
@@ -22,6 +25,7 @@ typedef struct http_provider {
   char *base_url;
   long connect_timeout_ms;
   long timeout_ms;
+  int idempotent; /* 0: the provider ignores keys; look up by reference */
   pthread_key_t handle_key; /* one CURL handle per thread, kept alive */
 } http_provider_t;
 
@@ -137,11 +141,52 @@ static void post_keyed(http_provider_t *p, const char *path, const char *key,
   free(a);
 }
 
+/* Reads {"<list>": [charge, ...]}, what was made under one reference:
+ * none is NOT_FOUND; a succeeded one (the first, should a provider have
+ * made two) SUCCEEDED; else, all declined, DECLINED (the last one's
+ * reference); anything else UNKNOWN. */
+static void read_list(const struct answer *a, const char *list,
+                      idem_charge_result_t *out) {
+  json_t *v = json_loadb(a->buf, a->len, 0, NULL);
+  json_t *items = json_object_get(v, list), *item;
+  idem_charge_result_t one;
+  size_t i;
+
+  out->outcome = IDEM_CHARGE_UNKNOWN;
+  if (json_is_array(items)) {
+    out->outcome = IDEM_CHARGE_NOT_FOUND;
+    json_array_foreach(items, i, item) {
+      struct answer *each = calloc(1, sizeof *each);
+      char *text = json_dumps(item, JSON_COMPACT);
+      size_t n = text ? strlen(text) : 0;
+      memset(&one, 0, sizeof one);
+      one.outcome = IDEM_CHARGE_UNKNOWN;
+      if (each && text && n <= MAX_ANSWER) {
+        memcpy(each->buf, text, n + 1);
+        each->len = n;
+        read_charge(each, &one);
+      }
+      free(each);
+      free(text);
+      if (one.outcome == IDEM_CHARGE_UNKNOWN) {
+        out->outcome = IDEM_CHARGE_UNKNOWN; /* one we cannot read: cannot tell */
+        break;
+      }
+      if (out->outcome != IDEM_CHARGE_SUCCEEDED)
+        *out = one;
+    }
+  }
+  if (out->outcome == IDEM_CHARGE_UNKNOWN || out->outcome == IDEM_CHARGE_NOT_FOUND)
+    out->reference[0] = '\0';
+  json_decref(v);
+}
+
 /* GETs base_url + `prefix` + the escaped `key` and fills `out`: 200 with a
  * charge's (or refund's) body is its outcome, 404 NOT_FOUND, anything else
- * UNKNOWN. */
+ * UNKNOWN. With `list` (the prefix is then "/charges?reference=" or the
+ * like), the 200's body is that list, read by read_list(). */
 static void get_keyed(http_provider_t *p, const char *prefix, const char *key,
-                      idem_charge_result_t *out) {
+                      const char *list, idem_charge_result_t *out) {
   struct answer *a = calloc(1, sizeof *a);
   char url[1024];
   CURL *c = handle(p);
@@ -162,34 +207,44 @@ static void get_keyed(http_provider_t *p, const char *prefix, const char *key,
   curl_easy_setopt(c, CURLOPT_WRITEDATA, a);
   if (curl_easy_perform(c) == CURLE_OK) {
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
-    if (code == 200)
+    if (code == 200 && list)
+      read_list(a, list, out);
+    else if (code == 200)
       read_charge(a, out);
-    else if (code == 404)
+    else if (code == 404 && list == NULL)
       out->outcome = IDEM_CHARGE_NOT_FOUND;
   }
   free(a);
 }
 
+/* The merchant reference is the provider key: the payment's id. */
 static void http_charge(idem_provider_t *base, const idem_charge_t *ch,
                         idem_charge_result_t *out) {
-  char body[128];
+  json_t *v = json_pack("{s:I, s:s, s:s}", "amount", (json_int_t)ch->amount, "currency",
+                        ch->currency, "reference", ch->provider_key);
+  char *body = v ? json_dumps(v, JSON_COMPACT) : NULL;
 
-  snprintf(body, sizeof body, "{\"amount\":%lld,\"currency\":\"%s\"}",
-           (long long)ch->amount, ch->currency);
+  json_decref(v);
+  /* Out of memory before anything was sent: NOT_SENT. */
   post_keyed((http_provider_t *)base, "/charges", ch->provider_key, body, out);
+  free(body);
 }
 
 static void http_lookup(idem_provider_t *base, const idem_charge_t *ch,
                         idem_charge_result_t *out) {
-  get_keyed((http_provider_t *)base, "/charges/", ch->provider_key, out);
+  http_provider_t *p = (http_provider_t *)base;
+  if (p->idempotent)
+    get_keyed(p, "/charges/", ch->provider_key, NULL, out);
+  else
+    get_keyed(p, "/charges?reference=", ch->provider_key, "charges", out);
 }
 
 /* The refund's currency is not sent: a provider refunds in the charge's
  * currency (tools/psp/README.md, POST /refunds). */
 static void http_refund(idem_provider_t *base, const idem_refund_req_t *r,
                         idem_charge_result_t *out) {
-  json_t *v = json_pack("{s:s, s:I}", "charge", r->charge_key, "amount",
-                        (json_int_t)r->amount);
+  json_t *v = json_pack("{s:s, s:I, s:s}", "charge", r->charge_key, "amount",
+                        (json_int_t)r->amount, "reference", r->provider_key);
   char *body = v ? json_dumps(v, JSON_COMPACT) : NULL;
 
   json_decref(v);
@@ -200,7 +255,11 @@ static void http_refund(idem_provider_t *base, const idem_refund_req_t *r,
 
 static void http_refund_lookup(idem_provider_t *base, const idem_refund_req_t *r,
                                idem_charge_result_t *out) {
-  get_keyed((http_provider_t *)base, "/refunds/", r->provider_key, out);
+  http_provider_t *p = (http_provider_t *)base;
+  if (p->idempotent)
+    get_keyed(p, "/refunds/", r->provider_key, NULL, out);
+  else
+    get_keyed(p, "/refunds?reference=", r->provider_key, "refunds", out);
 }
 
 static void http_close(idem_provider_t *base) {
@@ -218,7 +277,7 @@ static void http_close(idem_provider_t *base) {
 
 idem_provider_t *idem_http_provider_new(const char *base_url,
                                         int64_t connect_timeout_ms,
-                                        int64_t timeout_ms) {
+                                        int64_t timeout_ms, int idempotent) {
   http_provider_t *p;
   size_t len;
 
@@ -243,5 +302,6 @@ idem_provider_t *idem_http_provider_new(const char *base_url,
   p->base.close = http_close;
   p->connect_timeout_ms = (long)connect_timeout_ms;
   p->timeout_ms = (long)timeout_ms;
+  p->idempotent = idempotent;
   return &p->base;
 }

@@ -50,9 +50,10 @@ struct idem_provider {
    * otherwise: a transport problem is an outcome. */
   void (*charge)(idem_provider_t *, const idem_charge_t *c,
                  idem_charge_result_t *out);
-  /* Asks what became of the charge under c->provider_key: SUCCEEDED or
-   * DECLINED (with its reference), NOT_FOUND, or UNKNOWN when the provider
-   * could not tell (unreachable, 5xx). Never charges. */
+  /* Asks what became of the charge under c->provider_key (by that key,
+   * or by it as the merchant reference for a provider that ignores keys):
+   * SUCCEEDED or DECLINED (with its reference), NOT_FOUND, or UNKNOWN when
+   * the provider could not tell (unreachable, 5xx). Never charges. */
   void (*lookup)(idem_provider_t *, const idem_charge_t *c,
                  idem_charge_result_t *out);
   /* Refunds r->amount of the charge under r->charge_key once per
@@ -87,7 +88,11 @@ idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts);
 /* Creates a provider that talks HTTP to `base_url` ("http://host:port"):
  * POST /charges with an Idempotency-Key, GET /charges/{key}, and for
  * refunds POST /refunds ({"charge": charge_key, "amount": N}) and GET
- * /refunds/{key}. Each call
+ * /refunds/{key}. Each POST also sends the provider key as its
+ * "reference". With `idempotent` 0 (a provider that ignores keys, where
+ * every POST charges anew), lookups ask GET /charges?reference={key} and
+ * GET /refunds?reference={key} instead: none listed is NOT_FOUND, one
+ * succeeded SUCCEEDED, all declined DECLINED. Each call
  * gives up after `connect_timeout_ms` to connect and `timeout_ms` in all.
  * A call of which no byte went out (a refused or failed connection) is
  * NOT_SENT; a timeout, a 5xx or a lost connection once any of it went out
@@ -96,6 +101,6 @@ idem_provider_t *idem_sandbox_new(const idem_sandbox_options_t *opts);
  * that is not http(s):// or when out of memory. */
 idem_provider_t *idem_http_provider_new(const char *base_url,
                                         int64_t connect_timeout_ms,
-                                        int64_t timeout_ms);
+                                        int64_t timeout_ms, int idempotent);
 
 #endif

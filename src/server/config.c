@@ -38,6 +38,10 @@ static const struct option options[] = {
      "SQLite file (or postgresql:// URL)"},
     {"--provider", "IDEMD_PROVIDER", K_TEXT, OFF(provider), 0, 0, "sandbox",
      "payment provider: sandbox, or http://HOST:PORT"},
+    {"--provider-idempotency", "IDEMD_PROVIDER_IDEMPOTENCY", K_TEXT,
+     OFF(provider_idempotency), 0, 0, "on",
+     "off: the provider ignores Idempotency-Key; look up by reference before "
+     "any second send"},
     {"--provider-connect-timeout", "IDEMD_PROVIDER_CONNECT_TIMEOUT", K_DURATION,
      OFF(provider_connect_timeout_ms), 1, 600000, "2s",
      "deadline to connect to the provider"},
@@ -239,6 +243,9 @@ int idemd_config_parse(idemd_config_t *cfg, int argc, char **argv, FILE *err) {
       strncmp(cfg->provider, "http://", 7) != 0 &&
       strncmp(cfg->provider, "https://", 8) != 0)
     return bad_value(err, "--provider", cfg->provider);
+  if (strcmp(cfg->provider_idempotency, "on") != 0 &&
+      strcmp(cfg->provider_idempotency, "off") != 0)
+    return bad_value(err, "--provider-idempotency", cfg->provider_idempotency);
   if ((cfg->tls_cert[0] == '\0') != (cfg->tls_key[0] == '\0')) {
     fprintf(err, "idemd: --tls-cert and --tls-key go together: %s was given alone\n",
             cfg->tls_cert[0] ? "--tls-cert" : "--tls-key");

@@ -19,6 +19,7 @@ typedef struct idemd_config {
   char tls_key[1024];
   char db[1024];
   char provider[256];
+  char provider_idempotency[4]; /* "on": the provider dedupes keys; "off" */
   int threads;                /* event threads; 0: one fewer than the cores */
   int workers;                /* threads for requests that wait */
   int active_workers;         /* of them, at work at once; 0: 4 per core */

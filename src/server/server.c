@@ -90,7 +90,8 @@ static idem_provider_t *open_provider(const idemd_config_t *cfg) {
   if (strcmp(cfg->provider, "sandbox") == 0)
     return idem_sandbox_new(&sandbox);
   return idem_http_provider_new(cfg->provider, cfg->provider_connect_timeout_ms,
-                                cfg->provider_timeout_ms);
+                                cfg->provider_timeout_ms,
+                                strcmp(cfg->provider_idempotency, "off") != 0);
 }
 
 static void on_reconcile_event(void *ctx, idem_reconcile_event_t ev,

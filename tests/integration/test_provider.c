@@ -779,7 +779,7 @@ static void test_decline(void **state) {
 #define CONNECT_TIMEOUT_MS 2000
 
 static idem_provider_t *http_provider(const char *url, int64_t timeout_ms) {
-  idem_provider_t *pr = idem_http_provider_new(url, CONNECT_TIMEOUT_MS, timeout_ms);
+  idem_provider_t *pr = idem_http_provider_new(url, CONNECT_TIMEOUT_MS, timeout_ms, 1);
   assert_non_null(pr);
   return pr;
 }

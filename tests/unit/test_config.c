@@ -12,7 +12,7 @@ static const char *const env_names[] = {
     "IDEMD_INFLIGHT_WAIT", "IDEMD_KEY_TTL", "IDEMD_LEASE", "IDEMD_SANDBOX_DELAY",
     "IDEMD_SANDBOX_DECLINE_AMOUNT", "IDEMD_SANDBOX_UNCERTAIN_AMOUNT",
     "IDEMD_SANDBOX_UNAVAILABLE_AMOUNT", "IDEMD_METRICS_LISTEN", "IDEMD_TLS_CERT",
-    "IDEMD_TLS_KEY", "IDEMD_DB_TIMEOUT",
+    "IDEMD_TLS_KEY", "IDEMD_DB_TIMEOUT", "IDEMD_PROVIDER_IDEMPOTENCY",
 };
 
 /* Each test starts and ends with no IDEMD_* variable set. */
@@ -123,6 +123,7 @@ static void test_defaults(void **state) {
   assert_string_equal(cfg.tls_key, "");
   assert_string_equal(cfg.db, "./idem.db");
   assert_string_equal(cfg.provider, "sandbox");
+  assert_string_equal(cfg.provider_idempotency, "on");
   assert_int_equal(cfg.threads, 0); /* one fewer than the cores */
   assert_int_equal(cfg.workers, 128);
   assert_int_equal(cfg.active_workers, 0); /* four per core */
@@ -160,6 +161,7 @@ static void test_environment_then_flags(void **state) {
   setenv("IDEMD_TLS_CERT", "/etc/idem/cert.pem", 1);
   setenv("IDEMD_TLS_KEY", "/etc/idem/key.pem", 1);
   setenv("IDEMD_DB_TIMEOUT", "2m", 1);
+  setenv("IDEMD_PROVIDER_IDEMPOTENCY", "off", 1);
   assert_int_equal(parse_args(&cfg, argv, &err), 3);
   assert_string_equal(err, "");
   free(err);
@@ -177,6 +179,7 @@ static void test_environment_then_flags(void **state) {
   assert_string_equal(cfg.tls_cert, "/etc/idem/cert.pem");
   assert_string_equal(cfg.tls_key, "/etc/idem/key.pem");
   assert_int_equal(cfg.db_timeout_ms, 120000);
+  assert_string_equal(cfg.provider_idempotency, "off");
 }
 
 static void test_flag_forms(void **state) {
@@ -269,6 +272,8 @@ static const struct bad_case bad_cases[] = {
     {{"--lease", "99ms"}, "invalid value for --lease"},
     {{"--reconcile-interval", "9ms"}, "invalid value for --reconcile-interval"},
     {{"--provider", "ftp://psp"}, "invalid value for --provider: 'ftp://psp'"},
+    {{"--provider-idempotency", "no"}, "invalid value for --provider-idempotency: 'no'"},
+    {{"--provider-idempotency", "maybe"}, "invalid value for --provider-idempotency"},
     /* The lease must outlast a provider call (default 10s). */
     {{"--lease", "10s"}, "must be longer than --provider-timeout"},
     {{"--provider-timeout=30s", NULL}, "must be longer than --provider-timeout"},
