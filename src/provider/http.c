@@ -121,6 +121,12 @@ static void post_keyed(http_provider_t *p, const char *path, const char *key,
   curl_easy_setopt(c, CURLOPT_URL, url);
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
   curl_easy_setopt(c, CURLOPT_POSTFIELDS, body);
+  /* libcurl sends a request again, by itself, when a kept-alive connection
+   * it reused closes unanswered (see nothing_sent()). Under one key that
+   * is harmless; to a provider that ignores keys it is a second charge, so
+   * then every POST goes on a connection of its own. */
+  if (!p->idempotent)
+    curl_easy_setopt(c, CURLOPT_FRESH_CONNECT, 1L);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_data);
   curl_easy_setopt(c, CURLOPT_WRITEDATA, a);
 
