@@ -66,8 +66,7 @@ static CURL *handle(http_provider_t *p) {
 
 /* Reads {"id","status"} of a charge or refund: SUCCEEDED or DECLINED with
  * the id as reference; UNKNOWN when the body is not what one looks like. */
-static void read_charge(const struct answer *a, idem_charge_result_t *out) {
-  json_t *v = json_loadb(a->buf, a->len, 0, NULL);
+static void read_charge_json(const json_t *v, idem_charge_result_t *out) {
   const char *status = json_string_value(json_object_get(v, "status"));
   const char *id = json_string_value(json_object_get(v, "id"));
 
@@ -78,6 +77,11 @@ static void read_charge(const struct answer *a, idem_charge_result_t *out) {
     out->outcome = IDEM_CHARGE_DECLINED;
   if (id && out->outcome != IDEM_CHARGE_UNKNOWN)
     snprintf(out->reference, sizeof out->reference, "%s", id);
+}
+
+static void read_charge(const struct answer *a, idem_charge_result_t *out) {
+  json_t *v = json_loadb(a->buf, a->len, 0, NULL);
+  read_charge_json(v, out);
   json_decref(v);
 }
 
@@ -162,18 +166,8 @@ static void read_list(const struct answer *a, const char *list,
   if (json_is_array(items)) {
     out->outcome = IDEM_CHARGE_NOT_FOUND;
     json_array_foreach(items, i, item) {
-      struct answer *each = calloc(1, sizeof *each);
-      char *text = json_dumps(item, JSON_COMPACT);
-      size_t n = text ? strlen(text) : 0;
       memset(&one, 0, sizeof one);
-      one.outcome = IDEM_CHARGE_UNKNOWN;
-      if (each && text && n <= MAX_ANSWER) {
-        memcpy(each->buf, text, n + 1);
-        each->len = n;
-        read_charge(each, &one);
-      }
-      free(each);
-      free(text);
+      read_charge_json(item, &one);
       if (one.outcome == IDEM_CHARGE_UNKNOWN) {
         out->outcome = IDEM_CHARGE_UNKNOWN; /* one we cannot read: cannot tell */
         break;
