@@ -28,9 +28,16 @@
  * after them. */
 static void keyless_flags(const p_psp_t *p, const char *const *extra, const char **out,
                           int cap) {
-  const char *base[] = {"--provider",         p->url, "--provider-idempotency", "off",
-                        "--provider-timeout", "500ms", "--lease",               "2s",
-                        "--reconcile-interval", "200ms"};
+  const char *base[] = {"--provider",
+                        p->url,
+                        "--provider-idempotency",
+                        "off",
+                        "--provider-timeout",
+                        "500ms",
+                        "--lease",
+                        "2s",
+                        "--reconcile-interval",
+                        "200ms"};
   int n = 0;
   for (size_t i = 0; i < sizeof base / sizeof *base; i++)
     out[n++] = base[i];
@@ -67,8 +74,8 @@ static void assert_made(p_psp_t *p, const char *reference, int refund, int64_t c
   const char *table = refund ? "refund_references" : "references";
   int64_t c = made(stats, table, reference, refund ? "refunds" : "charges");
   int64_t d = made(stats, table, reference, "declines");
-  json_t *k = json_object_get(json_object_get(stats, refund ? "refund_keys" : "keys"),
-                              reference);
+  json_t *k =
+      json_object_get(json_object_get(stats, refund ? "refund_keys" : "keys"), reference);
   int64_t req = json_integer_value(json_object_get(k, "requests"));
   json_decref(stats);
   if (c != charges || d != declines || req != requests)
