@@ -352,6 +352,41 @@ static void test_unknown_lookup_stays_pending(void **state) {
   p_stop(p);
 }
 
+/* libcurl sends a request again by itself when a kept-alive connection it
+ * reused closes unanswered; to a provider that ignores keys that would be
+ * a second charge. One worker, so one connection, kept alive: the first
+ * payment goes through, then the provider charges the second and drops
+ * the connection unanswered (--chaos 0.5 --seed 15 draws no fault, then
+ * drop-after). It is charged once, and settled by the lookup. */
+static void test_dropped_on_kept_alive_connection(void **state) {
+  static const char *const chaos[] = {"--chaos", "0.5", "--seed", "15", NULL};
+  static const char *const extra[] = {"--workers", "1", NULL};
+  p_psp_t *p = keyless_psp(chaos);
+  const char *flags[16];
+  h_server_t *s;
+  const char *tok;
+  h_resp_t r;
+  char *id1, *id2;
+  (void)state;
+
+  keyless_flags(p, extra, flags, 16);
+  s = h_server_start(flags);
+  tok = h_tenant(s, "acme");
+  h_post(s, "/payments", tok, "kept-1", "{\"amount\": 1100}", &r);
+  h_assert_first(&r, 201);
+  id1 = strdup(h_id(&r));
+  h_resp_free(&r);
+  id2 = post_pending(s, tok, "/payments", "kept-2", "{\"amount\": 1200}");
+  wait_status(s, "payments", id2, "succeeded");
+  assert_made(p, id1, 0, 1, 0, 1);
+  assert_made(p, id2, 0, 1, 0, 1);
+  assert_all_settled(s);
+  free(id1);
+  free(id2);
+  h_server_stop(s);
+  p_stop(p);
+}
+
 /* Why --provider-idempotency off exists: with it on, idemd trusts the
  * provider's key, so against one that ignores keys the reconciler's
  * lookup by key finds nothing and its second send charges again. */
@@ -389,6 +424,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_sends_again_when_none, p_teardown),
       cmocka_unit_test_teardown(test_kill9_at_provider, p_teardown),
       cmocka_unit_test_teardown(test_unknown_lookup_stays_pending, p_teardown),
+      cmocka_unit_test_teardown(test_dropped_on_kept_alive_connection, p_teardown),
       cmocka_unit_test_teardown(test_keys_on_charges_twice, p_teardown),
   };
   int rc;
