@@ -263,12 +263,13 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
              "without holding a thread.\n# TYPE idem_inflight_parked gauge\n"
              "idem_inflight_parked %lld\n",
           (long long)g->parked);
-  fprintf(f, "# HELP idem_reconcile_settled_total Payments the reconciler settled.\n"
+  fprintf(f, "# HELP idem_reconcile_settled_total Payments and refunds the reconciler "
+             "settled.\n"
              "# TYPE idem_reconcile_settled_total counter\n"
              "idem_reconcile_settled_total %llu\n",
           LOAD(m->reconcile_settled));
-  fprintf(f, "# HELP idem_reconcile_unresolved Payments the last reconciler pass "
-             "could not settle.\n# TYPE idem_reconcile_unresolved gauge\n"
+  fprintf(f, "# HELP idem_reconcile_unresolved Payments and refunds the last "
+             "reconciler pass could not settle.\n# TYPE idem_reconcile_unresolved gauge\n"
              "idem_reconcile_unresolved %lld\n",
           (long long)atomic_load_explicit(&m->reconcile_unresolved, memory_order_relaxed));
   fprintf(f, "# HELP idem_records_swept_total Expired records deleted by the sweeper.\n"
@@ -303,8 +304,8 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
   fprintf(f, "# HELP idem_records_pending Records whose provider outcome is unknown.\n"
              "# TYPE idem_records_pending gauge\nidem_records_pending %lld\n",
           (long long)g->pending);
-  fprintf(f, "# HELP idem_oldest_pending_seconds Age of the oldest payment whose "
-             "provider outcome is unknown (0 when none).\n"
+  fprintf(f, "# HELP idem_oldest_pending_seconds Age of the oldest payment or refund "
+             "whose provider outcome is unknown (0 when none).\n"
              "# TYPE idem_oldest_pending_seconds gauge\nidem_oldest_pending_seconds %.3f\n",
           g->oldest_pending_seconds);
   fprintf(f, "# HELP idem_records_processing Records being processed now.\n"
