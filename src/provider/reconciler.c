@@ -58,10 +58,14 @@ static int settle_payment(idem_provider_t *provider, const char *body,
   }
   if (idem_payment_settle(p, &s->res, 0, &s->settled) != IDEM_OK)
     return IDEM_ENOMEM;
-  s->update = (idemd_resource_update_t){
-      .tenant_id = rec->tenant_id, .id = p->id, .status = s->settled.status,
-      .body = s->settled.resource_body, .provider_ref = s->settled.outcome.provider_ref,
-      .state = s->settled.outcome.state};
+  s->update =
+      (idemd_resource_update_t){.tenant_id = rec->tenant_id,
+                                .id = p->id,
+                                .status = s->settled.status,
+                                .body = s->settled.resource_body,
+                                .provider_ref = s->settled.outcome.provider_ref,
+                                .state = s->settled.outcome.state,
+                                .who = {"reconciler", "looked up at the provider"}};
   s->effect = (idem_effect_t){idemd_resource_update, &s->update};
   return IDEM_OK;
 }
@@ -85,10 +89,13 @@ static int settle_refund(idem_provider_t *provider, const char *body,
   if (idem_refund_settle(f, &s->res, 0, &s->settled) != IDEM_OK)
     return IDEM_ENOMEM;
   s->refund_update = (idemd_refund_update_t){
-      .refund = {.tenant_id = rec->tenant_id, .id = f->id, .status = s->settled.status,
+      .refund = {.tenant_id = rec->tenant_id,
+                 .id = f->id,
+                 .status = s->settled.status,
                  .body = s->settled.resource_body,
                  .provider_ref = s->settled.outcome.provider_ref,
-                 .state = s->settled.outcome.state},
+                 .state = s->settled.outcome.state,
+                 .who = {"reconciler", "looked up at the provider"}},
       .payment_id = f->payment_id,
       .amount = f->amount};
   s->effect = (idem_effect_t){idemd_refund_settled, &s->refund_update};
