@@ -161,6 +161,15 @@ static const char *const sqlite_versions[] = {
     " actor TEXT NOT NULL,"
     " reason TEXT);"
     "CREATE INDEX audit_resource ON audit (tenant_id, resource_id);",
+    /* 6: the provider's events applied (data/events.h): an event's id is
+     * written in the transaction that applies it, under this key, so a
+     * second delivery finds it and changes nothing. */
+    "CREATE TABLE processed_events ("
+    " event_id TEXT PRIMARY KEY,"
+    " type TEXT NOT NULL,"
+    " tenant_id INTEGER NOT NULL,"
+    " resource_id TEXT NOT NULL,"
+    " received_at INTEGER NOT NULL) WITHOUT ROWID;",
 };
 
 static const char *const pg_versions[] = {
@@ -259,6 +268,13 @@ static const char *const pg_versions[] = {
     " actor TEXT NOT NULL,"
     " reason TEXT);"
     "CREATE INDEX audit_resource ON audit (tenant_id, resource_id);",
+    /* 6: as SQLite's 6. */
+    "CREATE TABLE processed_events ("
+    " event_id TEXT PRIMARY KEY,"
+    " type TEXT NOT NULL,"
+    " tenant_id BIGINT NOT NULL,"
+    " resource_id TEXT NOT NULL,"
+    " received_at BIGINT NOT NULL);",
 };
 
 _Static_assert(sizeof sqlite_versions / sizeof *sqlite_versions == IDEMD_SCHEMA_VERSION,

@@ -12,12 +12,14 @@
 #include "provider/payment.h"
 #include "provider/refund.h"
 
-/* A pending payment's or refund's outbox row and its resource. */
+/* Whether the event was applied, and the pending payment's or refund's
+ * outbox row with its resource: one row with NULLs when there is none. */
 static const char find_sql[] =
-    "SELECT o.tenant_id, o.key, r.body FROM outbox o JOIN resources r "
-    "ON r.tenant_id = o.tenant_id AND r.id = o.resource_id "
-    "WHERE o.resource_id = $1 AND o.operation = $2 "
-    "AND (CAST($3 AS BIGINT) = 0 OR o.tenant_id = $3)";
+    "SELECT e.n, o.tenant_id, o.key, r.body FROM "
+    "(SELECT count(*) AS n FROM processed_events WHERE event_id = $1) e "
+    "LEFT JOIN outbox o ON o.resource_id = $2 AND o.operation = $3 "
+    "AND (CAST($4 AS BIGINT) = 0 OR o.tenant_id = $4) "
+    "LEFT JOIN resources r ON r.tenant_id = o.tenant_id AND r.id = o.resource_id";
 static const char status_sql[] =
     "SELECT status FROM resources WHERE id = $1 AND kind = $2 "
     "AND (CAST($3 AS BIGINT) = 0 OR tenant_id = $3)";
@@ -28,8 +30,8 @@ static const char status_sql[] =
 struct claim {
   int refund, tell;
   int64_t tenant_id, lease_ms;
-  const char *id;
-  int rows;
+  const char *id, *event_id;
+  int rows, seen;
   int64_t row_tenant;
   char key[IDEM_KEY_MAX + 1];
   idemd_pending_t *p;
@@ -43,12 +45,13 @@ static const char *operation_of(int refund) {
 static int got_pending(void *arg, const char *const *cols) {
   struct claim *c = arg;
 
-  if (++c->rows > 1 || !cols[0] || !cols[1] || !cols[2])
+  c->seen = cols[0] && strcmp(cols[0], "0") != 0;
+  if (!cols[1] || !cols[2] || !cols[3] || ++c->rows > 1)
     return IDEM_OK;
-  c->row_tenant = strtoll(cols[0], NULL, 10);
-  snprintf(c->key, sizeof c->key, "%s", cols[1]);
+  c->row_tenant = strtoll(cols[1], NULL, 10);
+  snprintf(c->key, sizeof c->key, "%s", cols[2]);
   free(c->p->body);
-  c->p->body = strdup(cols[2]);
+  c->p->body = strdup(cols[3]);
   return c->p->body ? IDEM_OK : IDEM_ENOMEM;
 }
 
@@ -63,15 +66,22 @@ static int got_status(void *arg, const char *const *cols) {
 /* In one write; it may run again (SQLite's batches): it starts afresh. */
 static int claim_fn(void *arg, idem_tx_t *tx) {
   struct claim *c = arg;
-  idemd_sql_param_t q[3] = {TEXT(c->id), TEXT(operation_of(c->refund)), NUM(c->tenant_id)};
+  idemd_sql_param_t f[4] = {TEXT(c->event_id), TEXT(c->id), TEXT(operation_of(c->refund)),
+                            NUM(c->tenant_id)};
+  idemd_sql_param_t q[3] = {TEXT(c->id), TEXT(c->refund ? "refund" : "payment"),
+                            NUM(c->tenant_id)};
   int rc;
 
   idemd_settle_reset(c->p);
-  c->rows = 0;
+  c->rows = c->seen = 0;
   c->found = IDEMD_CLAIM_UNKNOWN;
-  rc = idemd_sql_run(tx, IDEMD_SQL_OUTBOX_FIND, find_sql, q, 3, got_pending, c, NULL);
+  rc = idemd_sql_run(tx, IDEMD_SQL_OUTBOX_FIND, find_sql, f, 4, got_pending, c, NULL);
   if (rc != IDEM_OK)
     return rc;
+  if (c->seen) {
+    c->found = IDEMD_CLAIM_DUPLICATE;
+    return IDEM_OK;
+  }
   if (c->rows == 1 && c->p->body) {
     idem_scope_t scope = {c->row_tenant, operation_of(c->refund), c->key};
     rc = idem_tx_take_over(tx, &scope, c->lease_ms, &c->p->rec);
@@ -91,7 +101,6 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
   if (c->rows > 1 || !c->tell)
     return IDEM_OK;
   c->rows = 0;
-  q[1] = TEXT(c->refund ? "refund" : "payment");
   /* A tool's question: made each time rather than kept in a slot. */
   rc = idemd_sql_run(tx, IDEMD_SQL_COUNT, status_sql, q, 3, got_status, c, NULL);
   if (rc == IDEM_OK && c->rows == 1)
@@ -100,9 +109,15 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
 }
 
 int idemd_settle_claim(idem_store_t *store, int refund, int64_t tenant_id, const char *id,
-                       int tell, int64_t lease_ms, idemd_pending_t *p, idemd_claim_t *found) {
-  struct claim c = {.refund = refund, .tell = tell, .tenant_id = tenant_id,
-                    .lease_ms = lease_ms, .id = id, .p = p};
+                       const char *event_id, int tell, int64_t lease_ms,
+                       idemd_pending_t *p, idemd_claim_t *found) {
+  struct claim c = {.refund = refund,
+                    .tell = tell,
+                    .tenant_id = tenant_id,
+                    .lease_ms = lease_ms,
+                    .id = id,
+                    .event_id = event_id,
+                    .p = p};
   idem_effect_t e = {claim_fn, &c};
   int rc;
 

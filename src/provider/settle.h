@@ -23,8 +23,9 @@ typedef enum idemd_claim {
   IDEMD_CLAIM_UNKNOWN,   /* no such payment or refund (or not pending and
                           * the caller did not ask to tell) */
   IDEMD_CLAIM_SETTLED,   /* it exists and is not pending: `status` says */
-  IDEMD_CLAIM_BUSY       /* pending, but a worker or settler holds its record
+  IDEMD_CLAIM_BUSY,      /* pending, but a worker or settler holds its record
                           * under a live lease: try again later */
+  IDEMD_CLAIM_DUPLICATE  /* the event was applied before (nothing taken) */
 } idemd_claim_t;
 
 /* A pending payment or refund claimed for settling. Reset it with
@@ -39,12 +40,15 @@ typedef struct idemd_pending {
  * finds it (of tenant `tenant_id`, or of any tenant when 0: ids are made
  * unique by idemd, and an id found under several tenants is UNKNOWN) by
  * its outbox row, which only a pending one has, and takes its record over
- * for `lease_ms`. `tell` 1 also reads one that is not pending, to tell
+ * for `lease_ms`. With `event_id` (may be NULL), a provider's event
+ * already in the processed-events table (data/events.h) is DUPLICATE, and
+ * nothing is taken. `tell` 1 also reads one that is not pending, to tell
  * SETTLED from UNKNOWN (without `tenant_id`, a scan of the resources: for
  * tools); with 0 both are UNKNOWN. Returns IDEM_OK with `*found` set (`p`
  * filled for TAKEN, its status for SETTLED), or a store error. */
 int idemd_settle_claim(idem_store_t *store, int refund, int64_t tenant_id, const char *id,
-                       int tell, int64_t lease_ms, idemd_pending_t *p, idemd_claim_t *found);
+                       const char *event_id, int tell, int64_t lease_ms,
+                       idemd_pending_t *p, idemd_claim_t *found);
 
 /* Completes the record `rec` that a claim gave (its owner token ours), of
  * the resource stored as `body`, with the provider's answer `res`

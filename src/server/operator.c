@@ -31,8 +31,9 @@
  * argv into `values`, and the words into `words` (at most `max_words`);
  * the rest (the common flags, such as --db) stay in argv, in order.
  * Returns how many are left, or -1 (a message printed). */
-static int take_flags(int argc, char **argv, const char *const *names, const char **values,
-                      const char **words, int max_words, int *nwords) {
+static int take_flags(int argc, char **argv, const char *const *names,
+                      const char **values, const char **words, int max_words,
+                      int *nwords) {
   int kept = 0;
 
   *nwords = 0;
@@ -55,7 +56,8 @@ static int take_flags(int argc, char **argv, const char *const *names, const cha
       words[(*nwords)++] = argv[i];
     } else {
       argv[kept++] = argv[i];
-      if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0 && strchr(argv[i], '=') == NULL)
+      if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0 &&
+          strchr(argv[i], '=') == NULL)
         argv[kept++] = argv[++i]; /* a common flag's value */
     }
   }
@@ -149,7 +151,8 @@ int idemd_cmd_resolve(idemd_config_t *cfg, int refund, int argc, char **argv) {
     return 1;
   }
   for (int i = 0; i < RESOLVE_TRIES; i++) {
-    rc = idemd_settle_claim(store, refund, tenant, words[1], 1, RESOLVE_LEASE_MS, &p, &found);
+    rc = idemd_settle_claim(store, refund, tenant, words[1], NULL, 1, RESOLVE_LEASE_MS,
+                            &p, &found);
     if (rc != IDEM_OK || found != IDEMD_CLAIM_BUSY)
       break;
     pause_ms(RESOLVE_PAUSE_MS);
@@ -164,13 +167,14 @@ int idemd_cmd_resolve(idemd_config_t *cfg, int refund, int argc, char **argv) {
       found = IDEMD_CLAIM_BUSY; /* taken from us meanwhile: nothing written */
   }
   if (rc != IDEM_OK && rc != IDEM_ELOST)
-    fprintf(stderr, "idemd: resolving failed, nothing changed: %s (%s)\n", idem_strerror(rc),
-            idem_store_last_error());
+    fprintf(stderr, "idemd: resolving failed, nothing changed: %s (%s)\n",
+            idem_strerror(rc), idem_store_last_error());
   else if (found == IDEMD_CLAIM_UNKNOWN)
-    fprintf(stderr, "idemd: no %s '%s'%s\n", what, words[1], v[3] ? " for that tenant" : "");
+    fprintf(stderr, "idemd: no %s '%s'%s\n", what, words[1],
+            v[3] ? " for that tenant" : "");
   else if (found == IDEMD_CLAIM_SETTLED)
-    fprintf(stderr, "idemd: %s '%s' is %s, not pending; nothing changed\n", what, words[1],
-            p.status);
+    fprintf(stderr, "idemd: %s '%s' is %s, not pending; nothing changed\n", what,
+            words[1], p.status);
   else if (found == IDEMD_CLAIM_BUSY)
     fprintf(stderr,
             "idemd: %s '%s' is being settled by idemd right now (a request or the "
