@@ -1775,6 +1775,34 @@ static void release_all(idem_record_t *recs, int n) {
     idem_record_reset(&recs[i]);
 }
 
+
+/* The reconciler's claim of a payment whose request died with its call
+ * (processing, its lease run out) writes a row of the take-over, though
+ * the payment stays pending; a claim of one left pending writes none. */
+static void test_audit_take_over(void **state) {
+  fixture_t *fx = *state;
+  char dead_token[IDEM_TOKEN_MAX + 1], left_token[IDEM_TOKEN_MAX + 1], want[256];
+  struct payment dead, left;
+  idem_record_t ours[MAX_OURS] = {{0}};
+  idem_outcome_t unknown = {.state = IDEM_STATE_PENDING, .status = 202, .body = "{}"};
+  int n;
+
+  fx->now = idem_now_ms() - 10000;
+  reserve_payment(fx, "died", 1000, &dead, dead_token);
+  idem_reserve_t l = reserve_payment(fx, "left", 1000, &left, left_token);
+  assert_int_equal(complete_payment(fx, &l.scope, left_token, fx->now, TTL_MS, &unknown, &left,
+                                    "pending", NULL),
+                   IDEM_OK);
+  n = claim_ours(fx, 60000, ours);
+  assert_int_equal(n, 2);
+  release_all(ours, n);
+  snprintf(want, sizeof want,
+           "%s ->pending idemd -\n"
+           "%s pending>pending reconciler taken over: the request's lease ran out\n",
+           dead.id, dead.id);
+  assert_string_equal(audit_of(fx, dead.id).text, want);
+  assert_int_equal(audit_of(fx, left.id).n, 1);
+}
 /* Pending payments and payments whose worker's lease ran out are claimed,
  * each under a new owner token, with its payment's id; nothing else is,
  * and the old owner loses the record. Written ten seconds in the past, so
@@ -2385,6 +2413,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_caller_statements_kept),
       STORE_TEST(test_take_over),
       STORE_TEST(test_claim),
+      STORE_TEST(test_audit_take_over),
       STORE_TEST(test_claim_takes_turns),
       STORE_TEST(test_concurrent_same_key),
       STORE_TEST(test_failed_write_is_undone_alone),
