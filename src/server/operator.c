@@ -198,12 +198,24 @@ static json_t *text_or_null(const char *s) {
   return s ? json_string(s) : json_null();
 }
 
+/* `ms` as UTC to the millisecond, "2026-12-06T01:22:51.412Z": rows of one
+ * second keep their order when read. */
+static void format_ms(int64_t ms, char *out, size_t cap) {
+  time_t secs = (time_t)(ms / 1000);
+  struct tm tm;
+  char base[24];
+
+  gmtime_r(&secs, &tm);
+  strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
+  snprintf(out, cap, "%s.%03dZ", base, (int)(ms % 1000));
+}
+
 static int print_row(void *arg, const idemd_audit_row_t *row) {
   struct printing *pr = arg;
-  char at[32], *line;
+  char at[40], *line;
   json_t *o;
 
-  idem_format_time(row->at_ms, at, sizeof at);
+  format_ms(row->at_ms, at, sizeof at);
   o = json_pack("{s:s, s:s, s:s, s:o, s:s, s:s, s:o}", "at", at, "tenant", pr->tenant,
                 "resource", row->resource_id, "from", text_or_null(row->from), "to",
                 row->to, "actor", row->actor, "reason", text_or_null(row->reason));
