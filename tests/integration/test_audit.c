@@ -261,8 +261,23 @@ static void test_resolve_payment(void **state) {
     h_assert_db(s, 2, "SELECT count(*) FROM payments WHERE status = 'pending'");
   }
 
-  assert_int_equal(resolve(s, "payments", a_id, "succeeded", "charged, per the provider's "
-                           "dashboard (ticket 42)", "alice"), 0);
+  /* --tenant: another tenant's id is unknown; an unknown tenant refused. */
+  h_tenant(s, "globex");
+  {
+    const char *other[] = {"payments", "resolve", a_id, "--as", "succeeded", "--reason", "x",
+                           "--operator", "alice", "--tenant", "globex", NULL};
+    const char *nobody[] = {"payments", "resolve", a_id, "--as", "succeeded", "--reason", "x",
+                            "--operator", "alice", "--tenant", "initech", NULL};
+    assert_int_equal(cli(s, other), 1);
+    assert_int_equal(cli(s, nobody), 1);
+    h_assert_db(s, 2, "SELECT count(*) FROM payments WHERE status = 'pending'");
+  }
+  {
+    const char *own[] = {"payments", "resolve", a_id, "--as", "succeeded", "--reason",
+                         "charged, per the provider's dashboard (ticket 42)", "--operator",
+                         "alice", "--tenant", "acme", NULL};
+    assert_int_equal(cli(s, own), 0);
+  }
   assert_int_equal(resolve(s, "payments", b_id, "declined", "the provider lost it; "
                            "never charged", "bob"), 0);
   h_assert_db(s, 0, "SELECT count(*) FROM outbox");
