@@ -242,6 +242,8 @@ static int served_here(const idemd_request_t *r, const idemd_route_def_t *d) {
   if (r->metrics_listener)
     return d->route == ROUTE_METRICS || d->route == ROUTE_HEALTHZ ||
            d->route == ROUTE_READYZ;
+  if (d->route == ROUTE_WEBHOOK)
+    return r->srv->webhook_mac != NULL; /* without a secret, no such route */
   return d->route != ROUTE_METRICS || r->srv->cfg.metrics_listen.host[0] == '\0';
 }
 
@@ -298,6 +300,10 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
   }
   if (too_large) {
     r->outcome = OUTCOME_INVALID;
+    if (d->route == ROUTE_WEBHOOK) { /* its own cap (webhooks.c) */
+      r->body_too_large = 1;
+      return idemd_webhook_receive(r);
+    }
     return idemd_reply_error(r, 413, "request body is larger than 64 KiB", NULL);
   }
   return MHD_YES;
