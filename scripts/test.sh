@@ -34,7 +34,7 @@ stage() {
   cmake --build "build-$name" -j"$jobs" >/dev/null
   echo "== $name tests"
   # shellcheck disable=SC2086 # args is a list of ctest arguments
-  (cd "build-$name" && ctest --output-on-failure --timeout 600 $args)
+  (cd "build-$name" && ctest --output-on-failure --timeout 900 -j"$jobs" $args)
 }
 
 args="$*"
