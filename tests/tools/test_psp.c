@@ -2312,6 +2312,33 @@ static void test_webhook_duplicates(void **state) {
   assert_int_equal(hook_receiver_wait(&receiver, 9, 0), 8);
 }
 
+/* A provider that ignores keys names what it made by the merchant's
+ * reference. */
+static void test_webhook_ignored_key(void **state) {
+  const char *flags[] = {"--ignore-idempotency-key", NULL};
+  psp_t *p = psp_start_hooked(flags);
+  char body[160], *id;
+  idem_webhook_event_t ev;
+  (void)state;
+
+  id = made_id(p, "/charges", "pay_ign_hook", NULL,
+               "{\"amount\": 900, \"reference\": \"pay_ign_hook\"}", 201);
+  wait_deliveries(1);
+  delivery_event(0, &ev, NULL);
+  assert_string_equal(ev.key, "pay_ign_hook");
+  assert_string_equal(ev.provider_ref, id);
+  free(id);
+  snprintf(body, sizeof body,
+           "{\"charge\": \"pay_ign_hook\", \"amount\": 400, \"reference\": \"re_ign_hook\"}");
+  id = made_id(p, "/refunds", "re_ign_hook", NULL, body, 201);
+  wait_deliveries(2);
+  delivery_event(1, &ev, NULL);
+  assert_string_equal(ev.key, "re_ign_hook");
+  assert_true(ev.refund && ev.succeeded);
+  assert_string_equal(ev.provider_ref, id);
+  free(id);
+}
+
 /* --chaos delays deliveries at random: all arrive, in another order. */
 static void test_webhook_chaos(void **state) {
   const char *flags[] = {"--chaos", "1", "--seed", "42", NULL};
@@ -2546,6 +2573,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_webhook_events, teardown),
       cmocka_unit_test_teardown(test_webhook_retries, teardown),
       cmocka_unit_test_teardown(test_webhook_duplicates, teardown),
+      cmocka_unit_test_teardown(test_webhook_ignored_key, teardown),
       cmocka_unit_test_teardown(test_webhook_chaos, teardown),
       cmocka_unit_test_teardown(test_webhook_stop, teardown),
       cmocka_unit_test_teardown(test_reference, teardown),

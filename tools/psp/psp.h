@@ -154,7 +154,8 @@ typedef struct psp_webhooks psp_webhooks_t;
  * it. Returns the sender (stop with psp_webhooks_stop), or NULL with a
  * reason in `err`. */
 psp_webhooks_t *psp_webhooks_start(const psp_config_t *cfg, char *err, size_t errlen);
-/* Queues the event of `c`, a charge or refund just made (`kind`): sent
+/* Queues the event of `c`, a charge or refund just made (`kind`), whose
+ * data.key is c->key, or c->reference when the key was ignored: sent
  * once, and a second time with probability cfg->webhook_duplicates, each
  * copy delayed up to PSP_WEBHOOK_CHAOS_DELAY_MS with probability
  * cfg->chaos. Never blocks on the network. Does nothing when `wh` is NULL;

@@ -103,12 +103,15 @@ void psp_webhooks_emit(psp_webhooks_t *wh, psp_kind_t kind, const psp_charge_t *
   struct delivery d = {0}, *copies[2] = {NULL, NULL};
   unsigned char raw[12];
   int succeeded = strcmp(c->status, "succeeded") == 0;
+  /* The merchant's name for it: the key it was made under or, when the
+   * key was ignored (stored under its own id), its reference. */
+  const char *key = strcmp(c->key, c->id) == 0 && c->reference[0] ? c->reference : c->key;
   json_t *event;
 
   if (wh == NULL)
     return;
   if (RAND_bytes(raw, sizeof raw) != 1) {
-    psp_log(json_pack("{s:s, s:s, s:s}", "event", "webhook_dropped", "key", c->key, "why",
+    psp_log(json_pack("{s:s, s:s, s:s}", "event", "webhook_dropped", "key", key, "why",
                       "no random bytes for an event id"));
     return;
   }
@@ -117,9 +120,9 @@ void psp_webhooks_emit(psp_webhooks_t *wh, psp_kind_t kind, const psp_charge_t *
     snprintf(d.id + 4 + 2 * i, 3, "%02x", raw[i]);
   snprintf(d.type, sizeof d.type, "%s.%s", kind == PSP_KIND_REFUND ? "refund" : "charge",
            succeeded ? "succeeded" : "declined");
-  snprintf(d.key, sizeof d.key, "%s", c->key);
+  snprintf(d.key, sizeof d.key, "%s", key);
   event = json_pack("{s:s, s:s, s:I, s:{s:s, s:s, s:I}}", "id", d.id, "type", d.type,
-                    "created", (json_int_t)time(NULL), "data", "key", c->key, "id", c->id,
+                    "created", (json_int_t)time(NULL), "data", "key", key, "id", c->id,
                     "amount", (json_int_t)c->amount);
   d.body = event ? json_dumps(event, JSON_COMPACT) : NULL;
   json_decref(event);
