@@ -9,6 +9,13 @@
  * one charge at the provider at most, whatever crashes or times out between
  * the steps").
  *
+ * The provider also sends its signed events to idemd's POST
+ * /webhooks/provider, some twice, some delayed and reordered (idem-psp
+ * --webhook-url, --webhook-duplicates, --chaos), racing the reconciler to
+ * settle what is pending; idem-psp is restarted with idemd's new address
+ * after each kill (its queue of events is lost then: the reconciler stays
+ * the safety net).
+ *
  * With IDEM_TEST_PROVIDER_IDEMPOTENCY=off (ctest integration_chaos_keyless)
  * the provider ignores keys (idem-psp --ignore-idempotency-key) and idemd
  * runs with --provider-idempotency off: the same rules hold, counted per
@@ -30,6 +37,7 @@
 #define CLIENT_DEADLINE_S 50.0
 #define SETTLE_TIMEOUT_MS 20000
 #define DEFAULT_SEED "20260611"
+#define WEBHOOK_SECRET "whsec_chaos_93d1"
 #define PROBLEM_MAX 512 /* struct intent's problem */
 /* 1 when no record is processing or pending; the same text on both stores. */
 #define NOTHING_OPEN                                                                     \
@@ -186,6 +194,27 @@ static void check_replay(CURL *c, const struct client *cl, struct call *it) {
            it->key);
 }
 
+/* idem-psp again on its port, with `flags` (NULL-terminated) and its
+ * events sent to idemd `s`, as it now listens. */
+static void psp_hooked_to(p_psp_t *p, const char *const *flags, const h_server_t *s) {
+  static char url[96];
+  const char *all[P_MAX_FLAGS + 1];
+  int n = 0;
+
+  snprintf(url, sizeof url, "http://127.0.0.1:%d/webhooks/provider", s->port);
+  for (int i = 0; flags[i]; i++)
+    all[n++] = flags[i];
+  all[n++] = "--webhook-url";
+  all[n++] = url;
+  all[n++] = "--webhook-secret";
+  all[n++] = WEBHOOK_SECRET;
+  all[n++] = "--webhook-duplicates";
+  all[n++] = "0.5";
+  all[n] = NULL;
+  p_stop(p);
+  p_restart(p, all);
+}
+
 /* A call to its final answer, then its replay. */
 static void run_and_replay(CURL *c, const struct client *cl, struct call *it) {
   run_call(c, cl, it);
@@ -223,7 +252,7 @@ static void test_chaos(void **state) {
   const char *refunds_by = keyless ? "refund_references" : "refund_keys";
   const char *psp_flags[] = {"--chaos", "0.5", "--seed", NULL, "--decline-amount", "4040",
                              keyless ? "--ignore-idempotency-key" : NULL, NULL};
-  const char *flags[16];
+  const char *flags[20];
   static struct client clients[NCLIENTS];
   p_psp_t *p;
   h_server_t *s;
@@ -241,11 +270,13 @@ static void test_chaos(void **state) {
     const char *f[] = {
         "--provider",           p->url,  "--provider-timeout", "800ms", "--lease", "2s",
         "--reconcile-interval", "200ms", "--inflight-wait",    "1s",
-        "--provider-idempotency", keyless ? "off" : "on", NULL};
+        "--provider-idempotency", keyless ? "off" : "on",
+        "--provider-webhook-secret", WEBHOOK_SECRET, NULL};
     memcpy(flags, f, sizeof f);
   }
   s = h_server_start(flags);
   tok = h_tenant(s, "acme");
+  psp_hooked_to(p, psp_flags, s);
   atomic_store(&g_port, s->port);
   atomic_store(&g_done, 0);
 
@@ -289,6 +320,7 @@ static void test_chaos(void **state) {
       p_nap_ms(200); /* down for a moment: clients see refused connections */
       h_server_restart(s, flags);
       atomic_store(&g_port, s->port);
+      psp_hooked_to(p, psp_flags, s);
       fprintf(stderr,
               "chaos: killed and restarted idemd (%d) at %.1f s, %d intents done\n",
               kills, h_now() - start, done);
@@ -348,6 +380,11 @@ static void test_chaos(void **state) {
   h_assert_db(s, 0, "SELECT count(*) FROM payments WHERE status = 'pending'");
   h_assert_db(s, 0, "SELECT count(*) FROM outbox");
   h_assert_db(s, NCLIENTS * NINTENTS + n201, "SELECT count(*) FROM idempotency_records");
+  /* The provider's events took part: some settled what was pending. */
+  fprintf(stderr, "chaos: %lld provider events applied\n",
+          (long long)h_db_int(s, "SELECT count(*) FROM processed_events"));
+  if (h_db_int(s, "SELECT count(*) FROM processed_events") == 0)
+    fail_msg("no provider event was applied");
 
   /* What the provider did. */
   stats = p_stats(p);
