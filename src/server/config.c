@@ -150,6 +150,8 @@ static int set_listen(idemd_addr_t *a, const char *v) {
   return 0;
 }
 
+int idemd_parse_listen(const char *v, idemd_addr_t *a) { return set_listen(a, v); }
+
 static int set_option(idemd_config_t *cfg, const struct option *o, const char *v) {
   char *field = (char *)cfg + o->offset;
   switch (o->kind) {

@@ -16,7 +16,7 @@
 static const char *const op_names[OP_COUNT_] = {
     "other", "create_payment", "create_order", "get_payment",
     "get_order", "healthz", "metrics", "readyz", "cancel_order", "put_order",
-    "create_refund", "get_refund"};
+    "create_refund", "get_refund", "gateway", "proxy"};
 
 static const char *const outcome_names[OUTCOME_COUNT_] = {
     "none", "new", "replay", "mismatch", "in_flight",

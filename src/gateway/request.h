@@ -1,0 +1,50 @@
+/* One request through the gateway, from its headers to its log line, and
+ * the two ways it goes: a keyed route decided by the engine
+ * (gateway/keyed.c), or proxied as it is (gateway/server.c). */
+#ifndef IDEM_GATEWAY_REQUEST_H
+#define IDEM_GATEWAY_REQUEST_H
+
+#include <microhttpd.h>
+
+#include "gateway/gateway.h"
+#include "gateway/upstream.h"
+
+typedef struct gw_req {
+  gw_t *gw;
+  struct MHD_Connection *conn;
+  char *target;  /* the request-target as sent: path and query */
+  char *path;    /* its path */
+  const char *method;
+  char request_id[17];
+  int64_t start_us;
+  char *body;
+  size_t body_len, body_cap;
+  int body_too_large;
+  /* What the log line and metrics report. */
+  const char *route;      /* the keyed route's operation, or NULL */
+  idemd_op_t op;
+  idemd_outcome_t outcome;
+  int status;
+  char key_id[17];
+} gw_req_t;
+
+/* The request's headers as they go to the upstream: hop-by-hop ones and
+ * Content-Length left out, X-Forwarded-For and Forwarded added. A
+ * NULL-terminated list to free with gw_free_lines(); NULL when out of
+ * memory. */
+char **gw_forward_headers(const gw_req_t *r);
+void gw_free_lines(char **lines);
+
+/* Sends `a` to the client: its status, its headers (hop-by-hop ones,
+ * Content-Length and, when `kept_only`, all but those stored, left out),
+ * `extra` ("Name", "value" pairs, NULL-terminated; may be NULL) and its
+ * body. */
+enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra);
+
+/* Sends {"error": msg} with `status` (Retry-After: 1 for 409 and 503). */
+enum MHD_Result gw_send_error(gw_req_t *r, int status, const char *msg);
+
+/* A keyed route's request (docs/gateway.md, "Keyed routes"). */
+enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route);
+
+#endif
