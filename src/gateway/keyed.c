@@ -158,7 +158,7 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec) {
   char **headers = gw_forward_headers(r);
   gw_up_request_t up = {.method = r->method, .target = r->target,
                         .headers = (const char *const *)headers, .body = r->body,
-                        .body_len = r->body_len};
+                        .body_len = r->body_len, .once = 1};
   gw_answer_t a = {0}, own = {0};
   gw_up_result_t res = headers ? gw_upstream_call(r->gw->upstream, &up, &a) : GW_UP_NOT_SENT;
   enum MHD_Result ret;

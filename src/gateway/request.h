@@ -35,10 +35,9 @@ typedef struct gw_req {
 char **gw_forward_headers(const gw_req_t *r);
 void gw_free_lines(char **lines);
 
-/* Sends `a` to the client: its status, its headers (hop-by-hop ones,
- * Content-Length and, when `kept_only`, all but those stored, left out),
- * `extra` ("Name", "value" pairs, NULL-terminated; may be NULL) and its
- * body. */
+/* Sends `a` to the client: its status, its headers (hop-by-hop ones and
+ * Content-Length left out), `extra` ("Name", "value" pairs,
+ * NULL-terminated; may be NULL) and its body. */
 enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra);
 
 /* Sends {"error": msg} with `status` (Retry-After: 1 for 409 and 503). */

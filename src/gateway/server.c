@@ -142,6 +142,16 @@ enum MHD_Result gw_send_error(gw_req_t *r, int status, const char *msg) {
 
 /* ---- the proxy ---- */
 
+/* RFC 9110, section 9.2.2: a request with such a method may be sent
+ * again after a connection failed. */
+static int idempotent_method(const char *m) {
+  static const char *const ok[] = {"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"};
+  for (size_t i = 0; i < sizeof ok / sizeof *ok; i++)
+    if (strcmp(m, ok[i]) == 0)
+      return 1;
+  return 0;
+}
+
 /* Any request outside the keyed routes: sent on as it came, its answer
  * sent back as it came (docs/gateway.md, "Everything else"). */
 static enum MHD_Result proxy(gw_req_t *r) {
@@ -159,7 +169,7 @@ static enum MHD_Result proxy(gw_req_t *r) {
     return gw_send_error(r, 500, "internal error");
   up = (gw_up_request_t){.method = r->method, .target = r->target,
                          .headers = (const char *const *)headers, .body = r->body,
-                         .body_len = r->body_len};
+                         .body_len = r->body_len, .once = !idempotent_method(r->method)};
   res = gw_upstream_call(r->gw->upstream, &up, &a);
   gw_free_lines(headers);
   if (res == GW_UP_ANSWERED)

@@ -115,7 +115,24 @@ struct gather {
   size_t cap; /* bytes allocated at a->body */
   size_t header_bytes;
   int too_large;
+  int once;     /* the request may not be sent a second time */
+  int attempts; /* times libcurl was about to send it */
 };
+
+/* Called by libcurl each time it is about to send the request on a
+ * connection. libcurl sends a request again on a new connection when a
+ * reused one closed without an answer: the upstream may have acted on the
+ * first (it got the request, then died or closed). For a request that
+ * must not run twice, that second send is refused here; the transfer
+ * fails, having sent bytes, so it counts as sent with no answer. */
+static int on_prereq(void *arg, char *ip, char *local_ip, int port, int local_port) {
+  struct gather *g = arg;
+  (void)ip;
+  (void)local_ip;
+  (void)port;
+  (void)local_port;
+  return ++g->attempts > 1 && g->once ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
+}
 
 static size_t on_body(char *data, size_t size, size_t n, void *arg) {
   struct gather *g = arg;
@@ -227,7 +244,7 @@ fail:
 
 gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
                                 gw_answer_t *out) {
-  struct gather g = {.u = u, .a = out};
+  struct gather g = {.u = u, .a = out, .once = req->once};
   struct curl_slist *hdrs;
   gw_up_result_t result;
   size_t ulen = strlen(u->base_url) + strlen(req->target) + 1;
@@ -258,6 +275,13 @@ gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
   curl_easy_setopt(c, CURLOPT_WRITEDATA, &g);
   curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
   curl_easy_setopt(c, CURLOPT_HEADERDATA, &g);
+  curl_easy_setopt(c, CURLOPT_PREREQFUNCTION, on_prereq);
+  curl_easy_setopt(c, CURLOPT_PREREQDATA, &g);
+  /* A connection idle for longer is not reused: fewer of the races where
+   * the upstream closes it as a request goes out (which, for a request
+   * sent once, leaves its outcome unknown). Most servers keep an idle
+   * connection 5 s or more. */
+  curl_easy_setopt(c, CURLOPT_MAXAGE_CONN, 2L);
   /* Bodies and their encodings pass as they are. */
   curl_easy_setopt(c, CURLOPT_HTTP_CONTENT_DECODING, 0L);
   if (strcmp(req->method, "HEAD") == 0) {

@@ -43,6 +43,10 @@ typedef struct gw_up_request {
   const char *const *headers;
   const char *body;
   size_t body_len;
+  /* 1: never sent twice, not even by libcurl's own second try of a
+   * request that a kept-alive connection dropped unanswered (a keyed
+   * request, or one whose method is not idempotent, RFC 9110 9.2.2). */
+  int once;
 } gw_up_request_t;
 
 /* Makes a client of `base_url` ("http://host:port", no trailing slash).
