@@ -19,28 +19,29 @@ static int replayed_header(const gw_config_t *cfg, const char *name) {
   return 0;
 }
 
-static json_t *body_value(const gw_answer_t *a, const char **field) {
-  json_t *v;
+int gw_body_put(json_t *doc, const char *bytes, size_t len) {
+  const char *field = "body";
+  json_t *v = NULL;
   char *b64;
   int n;
 
-  *field = "body";
-  if (a->len == 0)
-    return json_string("");
-  if (memchr(a->body, '\0', a->len) == NULL && (v = json_stringn(a->body, a->len)) != NULL)
-    return v; /* UTF-8 text */
-  *field = "body_b64";
-  if (a->len > (size_t)INT32_MAX / 2 || (b64 = malloc(4 * ((a->len + 2) / 3) + 1)) == NULL)
-    return NULL;
-  n = EVP_EncodeBlock((unsigned char *)b64, (const unsigned char *)a->body, (int)a->len);
-  v = json_stringn(b64, (size_t)n);
-  free(b64);
-  return v;
+  if (len == 0)
+    v = json_string("");
+  else if (memchr(bytes, '\0', len) == NULL)
+    v = json_stringn(bytes, len); /* NULL unless UTF-8 text */
+  if (v == NULL && len > 0) {
+    field = "body_b64";
+    if (len > (size_t)INT32_MAX / 2 || (b64 = malloc(4 * ((len + 2) / 3) + 1)) == NULL)
+      return IDEM_ENOMEM;
+    n = EVP_EncodeBlock((unsigned char *)b64, (const unsigned char *)bytes, (int)len);
+    v = json_stringn(b64, (size_t)n);
+    free(b64);
+  }
+  return v && json_object_set_new(doc, field, v) == 0 ? IDEM_OK : IDEM_ENOMEM;
 }
 
 int gw_answer_encode(const gw_answer_t *a, const gw_config_t *cfg, char **out) {
-  json_t *doc = json_object(), *hs = json_array(), *body;
-  const char *field;
+  json_t *doc = json_object(), *hs = json_array();
   int ok = doc && hs;
 
   *out = NULL;
@@ -48,9 +49,9 @@ int gw_answer_encode(const gw_answer_t *a, const gw_config_t *cfg, char **out) {
     if (replayed_header(cfg, a->headers[i].name))
       ok = json_array_append_new(hs, json_pack("[ss]", a->headers[i].name,
                                                a->headers[i].value)) == 0;
-  body = ok ? body_value(a, &field) : NULL;
-  if (body && json_object_set_new(doc, "status", json_integer(a->status)) == 0 &&
-      json_object_set(doc, "headers", hs) == 0 && json_object_set_new(doc, field, body) == 0)
+  if (ok && gw_body_put(doc, a->body, a->len) == IDEM_OK &&
+      json_object_set_new(doc, "status", json_integer(a->status)) == 0 &&
+      json_object_set(doc, "headers", hs) == 0)
     *out = json_dumps(doc, JSON_COMPACT);
   json_decref(hs);
   json_decref(doc);
@@ -68,42 +69,51 @@ static int add_header(gw_answer_t *out, const char *name, const char *value) {
   return h[out->nheaders - 1].name && h[out->nheaders - 1].value ? IDEM_OK : IDEM_ENOMEM;
 }
 
-static int set_body(gw_answer_t *out, const char *bytes, size_t len) {
-  if ((out->body = malloc(len + 1)) == NULL)
+static int set_body(char **out, size_t *out_len, const char *bytes, size_t len) {
+  if ((*out = malloc(len + 1)) == NULL)
     return IDEM_ENOMEM;
-  memcpy(out->body, bytes, len);
-  out->body[len] = '\0';
-  out->len = len;
+  memcpy(*out, bytes, len);
+  (*out)[len] = '\0';
+  *out_len = len;
   return IDEM_OK;
 }
 
-static int set_body_b64(gw_answer_t *out, const char *b64, size_t len) {
+static int set_body_b64(char **out, size_t *out_len, const char *b64, size_t len) {
   int n;
-  if (len % 4 != 0 || len > (size_t)INT32_MAX || (out->body = malloc(len / 4 * 3 + 1)) == NULL)
+  if (len % 4 != 0 || len > (size_t)INT32_MAX || (*out = malloc(len / 4 * 3 + 1)) == NULL)
     return len % 4 != 0 ? IDEM_EINVAL : IDEM_ENOMEM;
-  n = EVP_DecodeBlock((unsigned char *)out->body, (const unsigned char *)b64, (int)len);
+  n = EVP_DecodeBlock((unsigned char *)*out, (const unsigned char *)b64, (int)len);
   if (n < 0)
     return IDEM_EINVAL;
   /* EVP_DecodeBlock counts the padding as zero bytes. */
   for (size_t i = len; i > 0 && b64[i - 1] == '=' && n > 0; i--)
     n--;
-  out->len = (size_t)n;
-  out->body[n] = '\0';
+  *out_len = (size_t)n;
+  (*out)[n] = '\0';
   return IDEM_OK;
+}
+
+int gw_body_get(const json_t *doc, char **out, size_t *len) {
+  json_t *body = json_object_get(doc, "body");
+  json_t *b64 = json_object_get(doc, "body_b64");
+  *out = NULL;
+  *len = 0;
+  if (json_is_string(body))
+    return set_body(out, len, json_string_value(body), json_string_length(body));
+  if (json_is_string(b64))
+    return set_body_b64(out, len, json_string_value(b64), json_string_length(b64));
+  return IDEM_EINVAL;
 }
 
 int gw_answer_decode(const char *text, gw_answer_t *out) {
   json_t *doc = json_loads(text ? text : "", 0, NULL);
   json_t *hs = json_object_get(doc, "headers");
-  json_t *body = json_object_get(doc, "body");
-  json_t *b64 = json_object_get(doc, "body_b64");
   json_t *h;
   size_t i;
   int rc = IDEM_OK;
 
   memset(out, 0, sizeof *out);
-  if (!json_is_integer(json_object_get(doc, "status")) || !json_is_array(hs) ||
-      !(json_is_string(body) || json_is_string(b64))) {
+  if (!json_is_integer(json_object_get(doc, "status")) || !json_is_array(hs)) {
     json_decref(doc);
     return IDEM_EINVAL;
   }
@@ -115,9 +125,7 @@ int gw_answer_decode(const char *text, gw_answer_t *out) {
       rc = add_header(out, name, value);
   }
   if (rc == IDEM_OK)
-    rc = json_is_string(body) ? set_body(out, json_string_value(body), json_string_length(body))
-                              : set_body_b64(out, json_string_value(b64),
-                                             json_string_length(b64));
+    rc = gw_body_get(doc, &out->body, &out->len);
   json_decref(doc);
   if (rc != IDEM_OK)
     gw_answer_free(out);
@@ -130,7 +138,7 @@ int gw_answer_own(int status, const char *body, gw_answer_t *out) {
   out->status = status;
   rc = add_header(out, "Content-Type", "application/json");
   if (rc == IDEM_OK)
-    rc = set_body(out, body, strlen(body));
+    rc = set_body(&out->body, &out->len, body, strlen(body));
   if (rc != IDEM_OK)
     gw_answer_free(out);
   return rc;

@@ -6,6 +6,8 @@
 #ifndef IDEM_GATEWAY_ANSWER_H
 #define IDEM_GATEWAY_ANSWER_H
 
+#include <jansson.h>
+
 #include "gateway/gateway.h"
 #include "gateway/upstream.h"
 
@@ -19,6 +21,14 @@ int gw_answer_encode(const gw_answer_t *a, const gw_config_t *cfg, char **out);
  * it with gw_answer_free()). Returns IDEM_OK, IDEM_EINVAL for a text it
  * did not make, or IDEM_ENOMEM. */
 int gw_answer_decode(const char *text, gw_answer_t *out);
+
+/* Sets `len` bytes at `bytes` in the JSON object `doc` as "body" (UTF-8
+ * text without NUL bytes) or "body_b64" (base64). IDEM_OK or IDEM_ENOMEM. */
+int gw_body_put(json_t *doc, const char *bytes, size_t len);
+
+/* Reads what gw_body_put() set into `*out` (malloc'd, NUL-terminated
+ * after `*len` bytes). IDEM_OK, IDEM_EINVAL or IDEM_ENOMEM. */
+int gw_body_get(const json_t *doc, char **out, size_t *len);
 
 /* Makes a JSON answer of the gateway's own into `out` (to free with
  * gw_answer_free()): `status` with Content-Type application/json and

@@ -82,6 +82,7 @@ typedef struct gw_counters {
   atomic_uint_fast64_t upstream_no_answer; /* sent, no answer: pending */
   atomic_uint_fast64_t answers_too_large;  /* answered, too large to keep */
   atomic_uint_fast64_t store_errors;
+  atomic_uint_fast64_t resolved; /* pending records the resolver completed */
 } gw_counters_t;
 
 /* The running gateway. */

@@ -9,11 +9,12 @@
 
 #include "gateway/answer.h"
 #include "gateway/request.h"
+#include "gateway/requests.h"
 #include "idem/canon.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
 
-#define PENDING_BODY "{\"status\":\"pending\"}"
+
 
 /* 1 when `v` holds a real anywhere: idem_canon_dump() is for integers
  * and strings, so such a body is fingerprinted as its bytes. */
@@ -130,12 +131,17 @@ static enum MHD_Result replay(gw_req_t *r, const idem_record_t *rec, idemd_outco
   return ret;
 }
 
-/* Completes the record with `a` (state COMPLETED or PENDING). Returns
- * IDEM_OK or the engine's error. */
-static int keep(gw_req_t *r, const idem_record_t *rec, idem_state_t state,
-                const gw_answer_t *a) {
+/* Completes the record with `a` (state COMPLETED or PENDING) and, in the
+ * same transaction, drops its kept request (COMPLETED) or sets when it is
+ * next sent (PENDING: soon with --upstream-idempotent, else never).
+ * Returns IDEM_OK or the engine's error. */
+int gw_keep(gw_t *gw, const idem_record_t *rec, idem_state_t state, const gw_answer_t *a,
+            int attempts, int64_t next_attempt_at) {
+  idem_scope_t scope = {rec->tenant_id, rec->operation, rec->key};
+  gw_due_t due = {&scope, attempts, next_attempt_at};
+  idem_effect_t drop = {gw_drop_fn, &scope}, later = {gw_due_fn, &due};
   char *stored = NULL;
-  int rc = gw_answer_encode(a, &r->gw->cfg, &stored);
+  int rc = gw_answer_encode(a, &gw->cfg, &stored);
   const char *location = NULL;
 
   for (int i = 0; i < a->nheaders && rc == IDEM_OK; i++)
@@ -145,34 +151,45 @@ static int keep(gw_req_t *r, const idem_record_t *rec, idem_state_t state,
   if (rc == IDEM_OK) {
     idem_outcome_t out = {.state = state, .status = a->status, .body = stored,
                           .location = location};
-    rc = idem_engine_complete(r->gw->engine, rec, &out, NULL);
+    rc = idem_engine_complete(gw->engine, rec, &out,
+                              state == IDEM_STATE_COMPLETED ? &drop : &later);
   }
   free(stored);
   return rc;
 }
 
+int gw_release(gw_t *gw, const idem_record_t *rec) {
+  idem_scope_t scope = {rec->tenant_id, rec->operation, rec->key};
+  idem_effect_t drop = {gw_drop_fn, &scope};
+  idem_outcome_t failed = {.state = IDEM_STATE_FAILED};
+  return idem_engine_complete(gw->engine, rec, &failed, &drop);
+}
+
+/* When a pending request is first sent again. */
+static int64_t first_retry(const gw_t *gw) {
+  return gw->cfg.upstream_idempotent ? idem_now_ms() + GW_RETRY_FIRST_MS : GW_NEVER;
+}
+
 /* The request won its key: one call to the upstream, and its record
  * completed with what became of it. */
-static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec) {
+static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **headers) {
   static const char *const retry_later[] = {"Retry-After", "5", NULL};
-  char **headers = gw_forward_headers(r);
   gw_up_request_t up = {.method = r->method, .target = r->target,
                         .headers = (const char *const *)headers, .body = r->body,
                         .body_len = r->body_len, .once = 1};
   gw_answer_t a = {0}, own = {0};
-  gw_up_result_t res = headers ? gw_upstream_call(r->gw->upstream, &up, &a) : GW_UP_NOT_SENT;
+  gw_up_result_t res = gw_upstream_call(r->gw->upstream, &up, &a);
   enum MHD_Result ret;
   int rc;
 
-  gw_free_lines(headers);
   r->outcome = OUTCOME_NEW;
   switch (res) {
   case GW_UP_ANSWERED:
     if (r->gw->cfg.upstream_idempotent && a.status >= 500) {
       /* The upstream dedupes the key itself: its 5xx frees ours. */
-      rc = idem_engine_release(r->gw->engine, rec);
+      rc = gw_release(r->gw, rec);
     } else {
-      rc = keep(r, rec, IDEM_STATE_COMPLETED, &a);
+      rc = gw_keep(r->gw, rec, IDEM_STATE_COMPLETED, &a, 0, 0);
     }
     ret = rc == IDEM_OK ? gw_send(r, &a, NULL) : store_error(r, rc);
     break;
@@ -185,12 +202,12 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec) {
                        "it is not replayed and the request is not sent again\"}",
                        &own);
     if (rc == IDEM_OK)
-      rc = keep(r, rec, IDEM_STATE_COMPLETED, &own);
+      rc = gw_keep(r->gw, rec, IDEM_STATE_COMPLETED, &own, 0, 0);
     ret = rc == IDEM_OK ? gw_send(r, &own, NULL) : store_error(r, rc);
     break;
   case GW_UP_NOT_SENT:
     atomic_fetch_add(&r->gw->counters.upstream_not_sent, 1);
-    rc = idem_engine_release(r->gw->engine, rec);
+    rc = gw_release(r->gw, rec);
     r->outcome = OUTCOME_ERROR;
     ret = rc == IDEM_OK ? gw_send_error(r, 503, "the upstream cannot be reached; nothing "
                                                "was sent, retry with the same key")
@@ -201,15 +218,33 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec) {
     /* Sent, no answer: whether it took effect is unknown. */
     atomic_fetch_add(&r->gw->counters.upstream_no_answer, 1);
     r->outcome = OUTCOME_PENDING;
-    rc = gw_answer_own(202, PENDING_BODY, &own);
+    rc = gw_answer_own(202, GW_PENDING_BODY, &own);
     if (rc == IDEM_OK)
-      rc = keep(r, rec, IDEM_STATE_PENDING, &own);
+      rc = gw_keep(r->gw, rec, IDEM_STATE_PENDING, &own, 0, first_retry(r->gw));
     ret = rc == IDEM_OK ? gw_send(r, &own, retry_later) : store_error(r, rc);
     break;
   }
   gw_answer_free(&a);
   gw_answer_free(&own);
   return ret;
+}
+
+/* What a request that wins its key keeps for a take-over: made only then
+ * (the engine's prepare), so a replay never pays for it. */
+struct to_save {
+  gw_req_t *r;
+  char **headers;
+  char *text;
+  gw_save_t save;
+};
+
+static int encode_request(void *arg) {
+  struct to_save *ts = arg;
+  free(ts->text);
+  ts->text = gw_request_encode(ts->r->method, ts->r->target, ts->headers, ts->r->body,
+                               ts->r->body_len);
+  ts->save.text = ts->text;
+  return ts->text ? IDEM_OK : IDEM_ENOMEM;
 }
 
 static enum MHD_Result count_keys(void *arg, enum MHD_ValueKind kind, const char *name,
@@ -243,11 +278,18 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
   rc = idem_key_parse(raw, raw ? strlen(raw) : 0, key, &key_len);
   if (rc != IDEM_OK)
     return gw_send_error(r, 400, idem_strerror(rc));
+  struct to_save ts = {.r = r};
   idem_begin_t b = {.scope = {.operation = route->operation, .key = key},
                     .fingerprint = fp,
-                    .correlation_id = r->request_id};
+                    .correlation_id = r->request_id,
+                    .effect = {gw_save_fn, &ts.save},
+                    .prepare = encode_request,
+                    .arg = &ts};
+  ts.save.scope = &b.scope;
+  ts.save.due_in_ms = r->gw->cfg.lease_ms; /* taken over once the lease ran out */
   if ((rc = scope_id(r, &b.scope.tenant_id)) != IDEM_OK ||
-      (rc = fingerprint(r, route, fp)) != IDEM_OK) {
+      (rc = fingerprint(r, route, fp)) != IDEM_OK ||
+      (ts.headers = gw_forward_headers(r)) == NULL) {
     r->outcome = OUTCOME_ERROR;
     return gw_send_error(r, 500, "internal error");
   }
@@ -256,7 +298,7 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
   if (rc != IDEM_OK) {
     ret = store_error(r, rc);
   } else if (d == IDEM_DECIDE_EXECUTE) {
-    ret = execute(r, &rec);
+    ret = execute(r, &rec, ts.headers);
   } else if (d == IDEM_DECIDE_REPLAY) {
     ret = replay(r, &rec, OUTCOME_REPLAY);
   } else if (d == IDEM_DECIDE_PENDING) {
@@ -270,5 +312,7 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
     ret = gw_send_error(r, 409, "a request with this Idempotency-Key is still in flight");
   }
   idem_record_reset(&rec);
+  gw_free_lines(ts.headers);
+  free(ts.text);
   return ret;
 }

@@ -43,6 +43,28 @@ enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *ex
 /* Sends {"error": msg} with `status` (Retry-After: 1 for 409 and 503). */
 enum MHD_Result gw_send_error(gw_req_t *r, int status, const char *msg);
 
+/* Completes `rec`, which this gateway owns, with `a` (state COMPLETED or
+ * PENDING), in one transaction with its kept request: dropped
+ * (COMPLETED), or due again at `next_attempt_at` after `attempts`
+ * (PENDING; GW_NEVER: never). Returns IDEM_OK or the engine's error
+ * (IDEM_ELOST: another gateway took the record over). */
+int gw_keep(gw_t *gw, const idem_record_t *rec, idem_state_t state, const gw_answer_t *a,
+            int attempts, int64_t next_attempt_at);
+
+/* Releases `rec` as failed before any effect (the key is free), its kept
+ * request dropped. */
+int gw_release(gw_t *gw, const idem_record_t *rec);
+
+/* The first resend of a pending request (--upstream-idempotent), and the
+ * bounds on the rest: doubling up to GW_RETRY_MAX_MS, at most
+ * GW_RETRY_ATTEMPTS in all (docs/gateway.md, "Pending requests"). */
+#define GW_RETRY_FIRST_MS 1000
+#define GW_RETRY_MAX_MS 60000
+#define GW_RETRY_ATTEMPTS 10
+
+/* The body of a pending record's answer (202). */
+#define GW_PENDING_BODY "{\"status\":\"pending\"}"
+
 /* A keyed route's request (docs/gateway.md, "Keyed routes"). */
 enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route);
 

@@ -15,11 +15,16 @@
 
 #include "gateway/answer.h"
 #include "gateway/request.h"
+#include "gateway/requests.h"
+#include "gateway/resolver.h"
 #include "idem/clock.h"
 #include "server/log.h"
+#include "util/ticker.h"
 
 /* How long SIGTERM lets requests in flight finish. */
 #define DRAIN_MS 10000
+/* How often the resolver looks for unsettled keys that are due. */
+#define RESOLVE_EVERY_MS 500
 
 static atomic_int inflight;
 
@@ -346,10 +351,14 @@ static char *render_metrics(gw_t *gw) {
            "idem_gateway_upstream_no_answer_total %llu\n"
            "# HELP idem_gateway_answers_too_large_total Keyed answers over --max-answer "
            "(kept as 502).\n# TYPE idem_gateway_answers_too_large_total counter\n"
-           "idem_gateway_answers_too_large_total %llu\n",
+           "idem_gateway_answers_too_large_total %llu\n"
+           "# HELP idem_gateway_resolved_total Pending records the resolver completed "
+           "with the upstream's answer.\n# TYPE idem_gateway_resolved_total counter\n"
+           "idem_gateway_resolved_total %llu\n",
            base, (unsigned long long)atomic_load(&gw->counters.upstream_not_sent),
            (unsigned long long)atomic_load(&gw->counters.upstream_no_answer),
-           (unsigned long long)atomic_load(&gw->counters.answers_too_large));
+           (unsigned long long)atomic_load(&gw->counters.answers_too_large),
+           (unsigned long long)atomic_load(&gw->counters.resolved));
   free(base);
   return out;
 }
@@ -460,6 +469,7 @@ static int open_store(gw_t *gw) {
                                .inflight_wait_ms = gw->cfg.inflight_wait_ms > 0
                                                        ? gw->cfg.inflight_wait_ms
                                                        : -1};
+  char why[256] = "";
   int rc = idem_store_open(gw->cfg.db, &opts, &gw->store);
 
   if (rc != IDEM_OK) {
@@ -468,12 +478,13 @@ static int open_store(gw_t *gw) {
     return -1;
   }
   if ((rc = idem_store_migrate(gw->store)) != IDEM_OK ||
+      (rc = gw_schema_migrate(gw->store, why, sizeof why)) != IDEM_OK ||
       (rc = load_secret(gw, "gateway_scope_secret", NULL, &gw->scope_mac)) != IDEM_OK ||
       (rc = load_secret(gw, "log_key_secret", gw->cfg.log_key_secret, &gw->key_id_mac)) !=
           IDEM_OK ||
       (rc = idem_engine_new(gw->store, &ecfg, &gw->engine)) != IDEM_OK) {
     fprintf(stderr, "idemd gateway: cannot set up the database: %s (%s)\n",
-            idem_strerror(rc), idem_store_last_error());
+            idem_strerror(rc), why[0] ? why : idem_store_last_error());
     return -1;
   }
   return 0;
@@ -491,6 +502,7 @@ static void close_all(gw_t *gw) {
 int gw_cmd_gateway(int argc, char **argv) {
   static gw_t gw; /* its metrics are large; one per process */
   struct MHD_Daemon *d = NULL, *ad = NULL;
+  struct idem__ticker *resolver = NULL;
   int port = 0, aport = 0, sig = 0;
   char lport[16], aportstr[16];
   sigset_t set;
@@ -527,6 +539,10 @@ int gw_cmd_gateway(int argc, char **argv) {
             gw.cfg.listen.port, gw.cfg.admin_listen.host, gw.cfg.admin_listen.port);
     goto fail;
   }
+  if ((resolver = gw_resolver_start(&gw, RESOLVE_EVERY_MS)) == NULL) {
+    fprintf(stderr, "idemd gateway: cannot start the resolver\n");
+    goto fail;
+  }
   snprintf(lport, sizeof lport, "%d", port);
   snprintf(aportstr, sizeof aportstr, "%d", aport);
   idemd_log_event("info", "gateway started", "listen_port", lport, "admin_port", aportstr,
@@ -537,6 +553,7 @@ int gw_cmd_gateway(int argc, char **argv) {
   for (int64_t until = idem_mono_ms() + DRAIN_MS;
        atomic_load(&inflight) > 0 && idem_mono_ms() < until;)
     usleep(10000);
+  idem__ticker_stop(resolver);
   MHD_stop_daemon(d);
   MHD_stop_daemon(ad);
   idemd_log_event("info", "gateway stopped", NULL);
@@ -545,6 +562,8 @@ int gw_cmd_gateway(int argc, char **argv) {
 fail:
   if (d)
     MHD_stop_daemon(d);
+  if (ad)
+    MHD_stop_daemon(ad);
   close_all(&gw);
   return 1;
 }

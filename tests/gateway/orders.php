@@ -45,6 +45,11 @@ if ($method === 'POST' && $path === '/orders') {
     $st->bindValue(':q', $in['quantity'], SQLITE3_INTEGER);
     $st->execute();
     $id = $db->lastInsertRowID();
+    // For the tests: killed after its INSERT, before its answer, once.
+    $marker = getenv('ORDERS_DIE_MARKER');
+    if ($marker && @unlink($marker)) {
+        posix_kill(getmypid(), 9);
+    }
     answer(201, ['id' => $id, 'item' => $in['item'], 'quantity' => $in['quantity']],
            ["Location: /orders/$id", 'Set-Cookie: session=abc; HttpOnly']);
     return;

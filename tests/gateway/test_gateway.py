@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 import uuid
+from urllib.parse import urlsplit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 IDEMD = os.environ["IDEM_TEST_IDEMD"]
@@ -88,13 +89,18 @@ def answers(port):
     return ok
 
 
-def start_php(work_ms=3000):
-    port = free_port()
+def start_php(work_ms=3000, port=None, workers=40, die_marker=None):
+    port = port or free_port()
     env = dict(os.environ, ORDERS_DB=os.path.join(TMP, "orders-%d.db" % port),
-               ORDERS_WORK_MS=str(work_ms), PHP_CLI_SERVER_WORKERS="40")
-    start(["php", "-S", "127.0.0.1:%d" % port, os.path.join(HERE, "orders.php")], env=env)
+               ORDERS_WORK_MS=str(work_ms))
+    if workers:
+        env["PHP_CLI_SERVER_WORKERS"] = str(workers)
+    if die_marker:
+        env["ORDERS_DIE_MARKER"] = die_marker
+    p = start(["php", "-S", "127.0.0.1:%d" % port, os.path.join(HERE, "orders.php")],
+              env=env)
     wait_until(answers(port), "php -S")
-    return port
+    return port if not die_marker else (port, p)
 
 
 def start_python_upstream():
@@ -105,12 +111,25 @@ def start_python_upstream():
         return int(f.read())
 
 
+def fresh_db():
+    """A database of its own: a SQLite file, or one made on the cluster
+    IDEM_TEST_STORE_URL names (gateways on one database share their
+    unsettled keys, as they should when they front one application)."""
+    name = "gw_" + uuid.uuid4().hex[:12]
+    if not STORE_URL:
+        return os.path.join(TMP, name + ".db")
+    subprocess.run(["psql", "-q", STORE_URL, "-c", "CREATE DATABASE " + name], check=True,
+                   stdout=subprocess.DEVNULL)
+    u = urlsplit(STORE_URL)
+    return "%s://%s/%s%s" % (u.scheme, u.netloc, name, "?" + u.query if u.query else "")
+
+
 def start_gateway(upstream_port, routes, *flags, db=None, upstream=None):
     log = os.path.join(TMP, "gw-%s.log" % uuid.uuid4().hex)
     args = [IDEMD, "gateway", "--upstream",
             upstream or "http://127.0.0.1:%d" % upstream_port,
             "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
-            "--db", db or STORE_URL or os.path.join(TMP, "gateway.db")]
+            "--db", db or fresh_db()]
     for r in routes:
         args += ["--route", r]
     p = start(args + list(flags), log=log)
@@ -339,7 +358,7 @@ def test_too_large_answer_blocks_a_second_run(py, gw_small):
 def test_refused_frees_the_key(py):
     dead = free_port()
     key = new_key()
-    db = STORE_URL or os.path.join(TMP, "refused.db")
+    db = fresh_db()
     p, port, _, _ = start_gateway(0, ["POST /charges"], db=db,
                                   upstream="http://127.0.0.1:%d" % dead)
     h = {"Idempotency-Key": key, "Content-Type": "application/json"}
@@ -366,6 +385,110 @@ def test_5xx_kept_unless_upstream_idempotent(py, gw_py):
     s2, h2, _ = req(port, "POST", "/charges?fail=503", h, "{}")
     assert (s1, s2) == (503, 503) and header(h2, "Idempotent-Replayed") is None
     stop(p)
+
+
+def metric(admin, name):
+    text = req(admin, "GET", "/metrics")[2].decode()
+    m = re.search(r"^%s (\S+)$" % re.escape(name), text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_killed_upstream_resolves_to_one_row():
+    """The PHP application killed after its INSERT and before its answer:
+    the record is pending (202); with --upstream-idempotent the resolver
+    sends the request again under its key once the application is back,
+    and the naive application, which finds the key now, answers its row:
+    one row, and every retry gets that answer."""
+    marker = os.path.join(TMP, "die-once")
+    open(marker, "w").close()
+    port, php_p = start_php(work_ms=0, workers=0, die_marker=marker)
+    db = fresh_db()
+    g, gw, admin, _ = start_gateway(port, ["POST /orders"], "--upstream-idempotent",
+                                    "--upstream-timeout", "2s", "--lease", "3s", db=db)
+    key = new_key()
+    s, hs, b = req(gw, "POST", "/orders", *order(key))
+    assert s == 202 and header(hs, "Retry-After"), (s, b)
+    assert not os.path.exists(marker), "the application was not killed"
+    php_p.wait(timeout=10)
+    # Back, on its port and database.
+    start_php(work_ms=0, port=port, workers=0)
+    answers_seen = []
+
+    def settled():
+        s, hs, b = req(gw, "POST", "/orders", *order(key))
+        answers_seen.append(s)
+        return s != 202
+    wait_until(settled, "the pending record to resolve", tries=400)
+    s, hs, b = req(gw, "POST", "/orders", *order(key))
+    assert s == 200 and header(hs, "Idempotent-Replayed") == "true", (s, b)
+    assert json.loads(b)["id"] == 1, b
+    assert php_count(port) == 1, php_count(port)
+    assert metric(admin, "idem_gateway_resolved_total") >= 1
+    stop(g)
+
+
+def test_pending_stays_without_upstream_idempotent(py, gw_py, admin_py):
+    """Without --upstream-idempotent nothing is sent again: a lost answer
+    stays pending, and metrics show it."""
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    assert req(gw_py, "POST", "/charges?lose=1&honour=1", h, "{}")[0] == 202
+    pending = metric(admin_py, "idem_records_pending")
+    for _ in range(3):
+        s, _, _ = req(gw_py, "POST", "/charges?lose=1&honour=1", h, "{}")
+        assert s == 202, s
+        time.sleep(0.6)  # over the resolver's interval; asserts nothing on time
+    assert executions(py, key) == 1, executions(py, key)
+    assert metric(admin_py, "idem_records_pending") >= pending >= 1
+
+
+def test_kill9_under_load_loses_nothing_acknowledged(py):
+    """kill -9 of the gateway while clients send new keys: every answer a
+    client got is replayed as it was by a gateway started again on the
+    database, and no key ran twice at the upstream."""
+    db = fresh_db()
+    g, gw, _, _ = start_gateway(py, ["POST /charges"], "--lease", "2s",
+                                "--upstream-timeout", "1s", db=db)
+    acked, tried = {}, []
+    lock = threading.Lock()
+    stop_flag = threading.Event()
+
+    def client(n):
+        i = 0
+        while not stop_flag.is_set() and i < 2000:
+            key = "k9-%d-%d-%s" % (n, i, uuid.uuid4().hex[:8])
+            i += 1
+            with lock:
+                tried.append(key)
+            try:
+                s, hs, b = req(gw, "POST", "/charges", {
+                    "Idempotency-Key": key, "Content-Type": "application/json"}, "{}",
+                    timeout=5)
+            except OSError:
+                continue
+            if 200 <= s < 300:
+                with lock:
+                    acked[key] = (s, b)
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(acked) >= 200, "answers under load", tries=1200)
+    os.killpg(g.pid, signal.SIGKILL)
+    g.wait()
+    stop_flag.set()
+    for t in threads:
+        t.join()
+    g, gw, _, _ = start_gateway(py, ["POST /charges"], "--lease", "2s",
+                                "--upstream-timeout", "1s", db=db)
+    for key, (s, b) in acked.items():
+        s2, hs, b2 = req(gw, "POST", "/charges", {
+            "Idempotency-Key": key, "Content-Type": "application/json"}, "{}")
+        assert (s2, b2) == (s, b), (key, s, s2)
+        assert header(hs, "Idempotent-Replayed") == "true"
+    for key in tried:
+        assert executions(py, key) <= 1, key
+    print("     %d answers acknowledged before kill -9, all replayed" % len(acked))
+    stop(g)
 
 
 def test_logs_hold_key_ids_not_keys(log):
