@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`idemd gateway` against applications idem did not write in C
 (docs/gateway.md, "Tests"): the naive PHP orders application
-(orders.php, under `php -S`) and a Python one (upstream.py).
+(examples/gateway/orders.php, under `php -S`) and a Python one (upstream.py).
 
 Run by ctest as gateway_apps (SQLite) and gateway_apps_pg (through
 scripts/with-pg.sh, IDEM_TEST_STORE_URL naming the cluster). Needs
@@ -24,6 +24,7 @@ import uuid
 from urllib.parse import urlsplit
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ORDERS_PHP = os.path.join(HERE, "..", "..", "examples", "gateway", "orders.php")
 IDEMD = os.environ["IDEM_TEST_IDEMD"]
 STORE_URL = os.environ.get("IDEM_TEST_STORE_URL") or ""
 TMP = tempfile.mkdtemp(prefix="idem-gw-test.")
@@ -97,7 +98,7 @@ def start_php(work_ms=3000, port=None, workers=40, die_marker=None):
         env["PHP_CLI_SERVER_WORKERS"] = str(workers)
     if die_marker:
         env["ORDERS_DIE_MARKER"] = die_marker
-    p = start(["php", "-S", "127.0.0.1:%d" % port, os.path.join(HERE, "orders.php")],
+    p = start(["php", "-S", "127.0.0.1:%d" % port, ORDERS_PHP],
               env=env)
     wait_until(answers(port), "php -S")
     return port if not die_marker else (port, p)

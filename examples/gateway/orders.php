@@ -1,11 +1,15 @@
 <?php
-// A small PHP orders application written the naive way (docs/gateway.md,
-// "Tests"): it looks a key up, then inserts, so two requests with one key
-// that arrive together both insert. It has no idempotency of its own;
-// `idemd gateway` in front of it gives it docs/idempotency.md, section 2.
-// Served by `php -S 127.0.0.1:PORT orders.php`; ORDERS_DB names its SQLite
-// file, ORDERS_WORK_MS how long it works between the look-up and the insert.
-$db = new SQLite3(getenv('ORDERS_DB') ?: __DIR__ . '/orders.db');
+// A small PHP orders application written the naive way: it looks a key
+// up, then inserts, so two requests with one key that arrive together
+// both insert. It has no idempotency of its own; `idemd gateway` in front
+// of it gives it docs/idempotency.md, section 2 (docs/gateway.md, "Quick
+// start"; tests/gateway drives it). Served by
+// `php -S 127.0.0.1:PORT orders.php`. ORDERS_DB names its SQLite file
+// (default ./orders.db), ORDERS_WORK_MS how long it works between the
+// look-up and the insert (default 200); for the tests, while the file
+// ORDERS_DIE_MARKER names exists, it deletes it and is killed (SIGKILL)
+// after its next INSERT, before answering.
+$db = new SQLite3(getenv('ORDERS_DB') ?: 'orders.db');
 $db->busyTimeout(10000);
 $db->exec('PRAGMA journal_mode = WAL');
 $db->exec('CREATE TABLE IF NOT EXISTS orders (id INTEGER PRIMARY KEY, idem_key TEXT, '
