@@ -275,6 +275,7 @@ void idemd_config_usage(FILE *out) {
           "       idemd records show --tenant NAME --operation OP --key KEY [--db ...]\n"
           "       idemd migrate [--db ...]\n"
           "       idemd sweep [--db ...]\n"
+          "       idemd gateway --upstream URL --route 'METHOD /pattern' ... (idemd gateway --help)\n"
           "       idemd --help | --version\n\n"
           "options (each also read from its environment variable):\n");
   for (size_t i = 0; i < NOPTIONS; i++)
