@@ -117,12 +117,13 @@ int gw_drop_fn(void *arg, idem_tx_t *tx) {
 
 int gw_due_fn(void *arg, idem_tx_t *tx) {
   const gw_due_t *d = arg;
-  idemd_sql_param_t p[] = {IDEMD_SQL_NUM(d->scope->tenant_id),
-                           IDEMD_SQL_TEXT(d->scope->operation), IDEMD_SQL_TEXT(d->scope->key),
-                           IDEMD_SQL_NUM(d->attempts), IDEMD_SQL_NUM(d->next_attempt_at)};
+  /* Parameters first appear in their order (data/sql.h). */
+  idemd_sql_param_t p[] = {IDEMD_SQL_NUM(d->attempts), IDEMD_SQL_NUM(d->next_attempt_at),
+                           IDEMD_SQL_NUM(d->scope->tenant_id),
+                           IDEMD_SQL_TEXT(d->scope->operation), IDEMD_SQL_TEXT(d->scope->key)};
   return idemd_sql_run(tx, SLOT(GW_SQL_DUE_SET),
-                       "UPDATE gateway_requests SET attempts = $4, next_attempt_at = $5 "
-                       "WHERE tenant_id = $1 AND operation = $2 AND key = $3",
+                       "UPDATE gateway_requests SET attempts = $1, next_attempt_at = $2 "
+                       "WHERE tenant_id = $3 AND operation = $4 AND key = $5",
                        p, 5, NULL, NULL, NULL);
 }
 
