@@ -233,6 +233,7 @@ int gw_config_parse(gw_config_t *cfg, int argc, char **argv, FILE *err) {
 void gw_config_usage(FILE *out) {
   fprintf(out,
           "usage: idemd gateway --upstream http://HOST:PORT --route 'METHOD /path/{param}'...\n"
+          "       idemd gateway pending [--db ...]   the keys not settled yet\n"
           "  --upstream URL               the application behind the gateway (required)\n"
           "  --route 'METHOD /pattern'    a keyed route (repeatable); {name} is one segment\n"
           "  --listen HOST:PORT           where clients connect (127.0.0.1:8080)\n"

@@ -102,4 +102,10 @@ typedef struct gw {
  * flags. */
 int gw_cmd_gateway(int argc, char **argv);
 
+/* `idemd gateway pending [--db ...]`: prints the unsettled keys (pending,
+ * or held by a gateway) with their route, key, attempts, creation, next
+ * attempt and scope number. Returns 0, 1 when the store fails, 2 for bad
+ * usage. */
+int gw_cmd_pending(int argc, char **argv);
+
 #endif

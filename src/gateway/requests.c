@@ -148,6 +148,7 @@ static int due_row(void *arg, const char *const *cols) {
   if ((s->request = strdup(cols[3])) == NULL)
     return IDEM_ENOMEM;
   s->attempts = cols[4] ? atoi(cols[4]) : 0;
+  s->next_attempt_at = cols[5] ? strtoll(cols[5], NULL, 10) : 0;
   s->scope.operation = s->operation;
   s->scope.key = s->key;
   l->n++;
@@ -161,7 +162,7 @@ static int due_list_fn(void *arg, idem_tx_t *tx) {
     free(l->out[i].request);
   l->n = 0;
   return idemd_sql_run(tx, SLOT(GW_SQL_DUE_LIST),
-                       "SELECT tenant_id, operation, key, request, attempts FROM "
+                       "SELECT tenant_id, operation, key, request, attempts, next_attempt_at FROM "
                        "gateway_requests WHERE next_attempt_at <= $1 "
                        "ORDER BY next_attempt_at LIMIT $2",
                        p, 2, due_row, l, NULL);

@@ -28,6 +28,7 @@ typedef struct gw_saved {
   char key[IDEM_KEY_MAX + 1];
   char *request; /* gw_request_encode()'s text; malloc'd */
   int attempts;
+  int64_t next_attempt_at;
 } gw_saved_t;
 
 /* The effect that keeps a won key's request: `text` under `scope`, due
@@ -52,8 +53,9 @@ typedef struct gw_due {
 } gw_due_t;
 int gw_due_fn(void *arg, idem_tx_t *tx);
 
-/* Reads up to `cap` requests due at `now_ms` into `out` (`*n` of them;
- * free each one's `request`). Returns IDEM_OK or a store error. */
+/* Reads up to `cap` requests due at `now_ms` (GW_NEVER: all of them),
+ * the soonest due first, into `out` (`*n` of them; free each one's
+ * `request`). Returns IDEM_OK or a store error. */
 int gw_due_list(idem_store_t *store, int64_t now_ms, gw_saved_t *out, int cap, int *n);
 
 /* Encodes a request to send again: method, target, the header lines sent

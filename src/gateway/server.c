@@ -507,6 +507,8 @@ int gw_cmd_gateway(int argc, char **argv) {
   char lport[16], aportstr[16];
   sigset_t set;
 
+  if (argc > 0 && strcmp(argv[0], "pending") == 0)
+    return gw_cmd_pending(argc - 1, argv + 1);
   for (int i = 0; i < argc; i++)
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       gw_config_usage(stdout);
