@@ -229,8 +229,8 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **hea
   return ret;
 }
 
-/* What a request that wins its key keeps for a take-over: made only then
- * (the engine's prepare), so a replay never pays for it. */
+/* What a request that wins its key sends and keeps for a take-over: made
+ * only then (the engine's prepare), so a replay never pays for it. */
 struct to_save {
   gw_req_t *r;
   char **headers;
@@ -240,6 +240,8 @@ struct to_save {
 
 static int encode_request(void *arg) {
   struct to_save *ts = arg;
+  if (ts->headers == NULL && (ts->headers = gw_forward_headers(ts->r)) == NULL)
+    return IDEM_ENOMEM;
   free(ts->text);
   ts->text = gw_request_encode(ts->r->method, ts->r->target, ts->headers, ts->r->body,
                                ts->r->body_len);
@@ -288,8 +290,7 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
   ts.save.scope = &b.scope;
   ts.save.due_in_ms = r->gw->cfg.lease_ms; /* taken over once the lease ran out */
   if ((rc = scope_id(r, &b.scope.tenant_id)) != IDEM_OK ||
-      (rc = fingerprint(r, route, fp)) != IDEM_OK ||
-      (ts.headers = gw_forward_headers(r)) == NULL) {
+      (rc = fingerprint(r, route, fp)) != IDEM_OK) {
     r->outcome = OUTCOME_ERROR;
     return gw_send_error(r, 500, "internal error");
   }

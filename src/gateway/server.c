@@ -288,8 +288,8 @@ static void log_request(const gw_req_t *r) {
   json_decref(line);
   if (text) {
     size_t n = strlen(text);
-    text[n] = '\n';
-    fwrite(text, 1, n + 1, stderr);
+    text[n] = '\n'; /* json_dumps leaves room for the NUL replaced */
+    idemd_log_line(text, n + 1);
     free(text);
   }
 }
@@ -547,6 +547,9 @@ int gw_cmd_gateway(int argc, char **argv) {
   }
   snprintf(lport, sizeof lport, "%d", port);
   snprintf(aportstr, sizeof aportstr, "%d", aport);
+  /* Request lines written together, as idemd's (server/log.h). */
+  if (idemd_log_batch_start(50) != 0)
+    goto fail;
   idemd_log_event("info", "gateway started", "listen_port", lport, "admin_port", aportstr,
                   "upstream", gw.cfg.upstream, "store", idem_store_backend(gw.store), NULL);
   sigwait(&set, &sig);
@@ -559,9 +562,11 @@ int gw_cmd_gateway(int argc, char **argv) {
   MHD_stop_daemon(d);
   MHD_stop_daemon(ad);
   idemd_log_event("info", "gateway stopped", NULL);
+  idemd_log_batch_stop();
   close_all(&gw);
   return 0;
 fail:
+  idem__ticker_stop(resolver);
   if (d)
     MHD_stop_daemon(d);
   if (ad)
