@@ -91,6 +91,7 @@ typedef struct gw {
   idem_store_t *store;
   idem_engine_t *engine;
   struct gw_upstream *upstream;
+  struct idemd_workers *workers; /* run the steps that wait */
   idem_hmac_t *scope_mac;  /* scopes keys by the --scope-header value */
   idem_hmac_t *key_id_mac; /* key ids in logs */
   idemd_metrics_t metrics;

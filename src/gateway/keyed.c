@@ -178,10 +178,13 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **hea
                         .headers = (const char *const *)headers, .body = r->body,
                         .body_len = r->body_len, .once = 1};
   gw_answer_t a = {0}, own = {0};
-  gw_up_result_t res = gw_upstream_call(r->gw->upstream, &up, &a);
+  gw_up_result_t res;
   enum MHD_Result ret;
   int rc;
 
+  idemd_workers_wait_begin(); /* on the application, not the store */
+  res = gw_upstream_call(r->gw->upstream, &up, &a);
+  idemd_workers_wait_end();
   r->outcome = OUTCOME_NEW;
   switch (res) {
   case GW_UP_ANSWERED:
@@ -258,48 +261,48 @@ static enum MHD_Result count_keys(void *arg, enum MHD_ValueKind kind, const char
   return MHD_YES;
 }
 
-enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
-  char key[IDEM_KEY_MAX + 1], fp[IDEM_FINGERPRINT_LEN];
-  const char *raw;
+/* The keyed flow's state, kept on the request across the hand-over to
+ * a worker. */
+typedef struct keyed {
+  const gw_route_t *route;
+  char key[IDEM_KEY_MAX + 1];
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_scope_t scope;
+  struct to_save ts;
+} keyed_t;
+
+void gw_keyed_free(gw_req_t *r) {
+  keyed_t *k = r->keyed;
+  if (k == NULL)
+    return;
+  gw_free_lines(k->ts.headers);
+  free(k->ts.text);
+  free(k);
+  r->keyed = NULL;
+}
+
+/* Where the request may wait: the engine decides, and a request that
+ * wins its key goes to the upstream. */
+static enum MHD_Result decide(gw_req_t *r) {
+  keyed_t *k = r->keyed;
   idem_record_t rec = {0};
   idem_decision_t d;
-  size_t key_len;
-  int keys, rc;
   enum MHD_Result ret;
-
-  r->op = OP_GATEWAY;
-  r->route = route->operation;
-  r->outcome = OUTCOME_INVALID;
-  if (r->body_too_large)
-    return gw_send_error(r, 413, "request body too large");
-  keys = 0;
-  MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_keys, &keys);
-  if (keys > 1)
-    return gw_send_error(r, 400, "Idempotency-Key must be sent once");
-  raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
-  rc = idem_key_parse(raw, raw ? strlen(raw) : 0, key, &key_len);
-  if (rc != IDEM_OK)
-    return gw_send_error(r, 400, idem_strerror(rc));
-  struct to_save ts = {.r = r};
-  idem_begin_t b = {.scope = {.operation = route->operation, .key = key},
-                    .fingerprint = fp,
+  idem_begin_t b = {.scope = k->scope,
+                    .fingerprint = k->fp,
                     .correlation_id = r->request_id,
-                    .effect = {gw_save_fn, &ts.save},
+                    .effect = {gw_save_fn, &k->ts.save},
                     .prepare = encode_request,
-                    .arg = &ts};
-  ts.save.scope = &b.scope;
-  ts.save.due_in_ms = r->gw->cfg.lease_ms; /* taken over once the lease ran out */
-  if ((rc = scope_id(r, &b.scope.tenant_id)) != IDEM_OK ||
-      (rc = fingerprint(r, route, fp)) != IDEM_OK) {
-    r->outcome = OUTCOME_ERROR;
-    return gw_send_error(r, 500, "internal error");
-  }
-  key_id(r, &b.scope);
+                    .arg = &k->ts};
+  int rc;
+
+  k->ts.save.scope = &k->scope;
+  k->ts.save.due_in_ms = r->gw->cfg.lease_ms; /* taken over once the lease ran out */
   rc = idem_engine_begin(r->gw->engine, &b, &rec, &d); /* may wait for a duplicate */
   if (rc != IDEM_OK) {
     ret = store_error(r, rc);
   } else if (d == IDEM_DECIDE_EXECUTE) {
-    ret = execute(r, &rec, ts.headers);
+    ret = execute(r, &rec, k->ts.headers);
   } else if (d == IDEM_DECIDE_REPLAY) {
     ret = replay(r, &rec, OUTCOME_REPLAY);
   } else if (d == IDEM_DECIDE_PENDING) {
@@ -313,7 +316,62 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
     ret = gw_send_error(r, 409, "a request with this Idempotency-Key is still in flight");
   }
   idem_record_reset(&rec);
-  gw_free_lines(ts.headers);
-  free(ts.text);
   return ret;
+}
+
+enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
+  keyed_t *k;
+  const char *raw;
+  size_t key_len;
+  int keys, rc;
+
+  r->op = OP_GATEWAY;
+  r->route = route->operation;
+  r->outcome = OUTCOME_INVALID;
+  if (r->body_too_large)
+    return gw_send_error(r, 413, "request body too large");
+  keys = 0;
+  MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_keys, &keys);
+  if (keys > 1)
+    return gw_send_error(r, 400, "Idempotency-Key must be sent once");
+  if ((k = calloc(1, sizeof *k)) == NULL)
+    return MHD_NO;
+  r->keyed = k;
+  k->route = route;
+  k->ts.r = r;
+  raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
+  rc = idem_key_parse(raw, raw ? strlen(raw) : 0, k->key, &key_len);
+  if (rc != IDEM_OK)
+    return gw_send_error(r, 400, idem_strerror(rc));
+  k->scope = (idem_scope_t){.operation = route->operation, .key = k->key};
+  if ((rc = scope_id(r, &k->scope.tenant_id)) != IDEM_OK ||
+      (rc = fingerprint(r, route, k->fp)) != IDEM_OK) {
+    r->outcome = OUTCOME_ERROR;
+    return gw_send_error(r, 500, "internal error");
+  }
+  key_id(r, &k->scope);
+  /* A finished key is answered here when reading costs no wait (SQLite):
+   * the engine's own decision table on the record as it stands. */
+  if (idem_store_local_reads(r->gw->store)) {
+    idem_record_t rec = {0};
+    int64_t now = idem_now_ms();
+    enum MHD_Result ret = MHD_NO;
+    int answered = 1;
+
+    rc = idem_store_lookup(r->gw->store, &k->scope, now, &rec);
+    idem_decision_t d = rc == IDEM_OK ? idem_decide(&rec, k->fp, now) : IDEM_DECIDE_RESERVE;
+    if (rc == IDEM_OK && d == IDEM_DECIDE_REPLAY)
+      ret = replay(r, &rec, OUTCOME_REPLAY);
+    else if (rc == IDEM_OK && d == IDEM_DECIDE_PENDING)
+      ret = replay(r, &rec, OUTCOME_PENDING);
+    else if (rc == IDEM_OK && d == IDEM_DECIDE_MISMATCH) {
+      r->outcome = OUTCOME_MISMATCH;
+      ret = gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
+    } else
+      answered = 0;
+    idem_record_reset(&rec);
+    if (answered)
+      return ret;
+  }
+  return gw_defer(r, decide);
 }

@@ -8,6 +8,7 @@
 
 #include "gateway/gateway.h"
 #include "gateway/upstream.h"
+#include "server/workers.h"
 
 typedef struct gw_req {
   gw_t *gw;
@@ -26,7 +27,21 @@ typedef struct gw_req {
   idemd_outcome_t outcome;
   int status;
   char key_id[17];
+  /* Steps that wait (a write, the upstream) run on a worker, the
+   * connection suspended: `step` is what the worker runs, `in_worker` set
+   * while it does, and the answer it makes waits in `response` (with its
+   * status in `status`) until the connection is resumed. */
+  idemd_work_t work;
+  enum MHD_Result (*step)(struct gw_req *r);
+  int in_worker;
+  struct MHD_Response *response;
+  void *keyed; /* the keyed flow's state (keyed.c), freed with the request */
 } gw_req_t;
+
+/* Suspends `r`'s connection and has a worker run `step` (which answers
+ * with gw_send() or gw_send_error()). Returns MHD_YES, or an answer of
+ * 503 when no worker will take it (shutting down). */
+enum MHD_Result gw_defer(gw_req_t *r, enum MHD_Result (*step)(gw_req_t *r));
 
 /* The request's headers as they go to the upstream: hop-by-hop ones and
  * Content-Length left out, X-Forwarded-For and Forwarded added. A
@@ -65,7 +80,13 @@ int gw_release(gw_t *gw, const idem_record_t *rec);
 /* The body of a pending record's answer (202). */
 #define GW_PENDING_BODY "{\"status\":\"pending\"}"
 
-/* A keyed route's request (docs/gateway.md, "Keyed routes"). */
+/* A keyed route's request (docs/gateway.md, "Keyed routes"): checked and
+ * fingerprinted on the event thread, where a replay or a mismatch is
+ * also answered when the store's reads are local; anything that writes
+ * or waits goes on in a worker (gw_defer()). */
 enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route);
+
+/* Frees what gw_keyed() left on `r`. */
+void gw_keyed_free(gw_req_t *r);
 
 #endif
