@@ -111,9 +111,35 @@ void gw_free_lines(char **lines) {
   free(lines);
 }
 
+/* An answer to HEAD has no body; its Content-Length is the one the
+ * application sent, or -1. */
+static long long head_length(const gw_req_t *r, const gw_answer_t *a) {
+  if (r->method == NULL || strcmp(r->method, "HEAD") != 0)
+    return -1;
+  for (int i = 0; i < a->nheaders; i++)
+    if (strcasecmp(a->headers[i].name, "Content-Length") == 0) {
+      char *end;
+      long long n = strtoll(a->headers[i].value, &end, 10);
+      return *end == '\0' && n >= 0 && end != a->headers[i].value ? n : -1;
+    }
+  return -1;
+}
+
+/* Never called: libmicrohttpd sends no body for HEAD, only the size. */
+static ssize_t no_body(void *cls, uint64_t pos, char *buf, size_t max) {
+  (void)cls;
+  (void)pos;
+  (void)buf;
+  (void)max;
+  return MHD_CONTENT_READER_END_OF_STREAM;
+}
+
 enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra) {
-  struct MHD_Response *resp = MHD_create_response_from_buffer(
-      a->len, a->body ? a->body : (void *)"", MHD_RESPMEM_MUST_COPY);
+  long long head = head_length(r, a);
+  struct MHD_Response *resp =
+      head >= 0 ? MHD_create_response_from_callback((uint64_t)head, 4096, no_body, NULL, NULL)
+                : MHD_create_response_from_buffer(a->len, a->body ? a->body : (void *)"",
+                                                  MHD_RESPMEM_MUST_COPY);
   const char *connection = NULL;
   enum MHD_Result ret;
 
@@ -124,8 +150,10 @@ enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *ex
       connection = a->headers[i].value;
   for (int i = 0; i < a->nheaders; i++) {
     const char *name = a->headers[i].name;
-    if (gw_hop_by_hop(name, connection) || strcasecmp(name, "Content-Length") == 0)
+    if (gw_hop_by_hop(name, connection))
       continue;
+    if (strcasecmp(name, "Content-Length") == 0)
+      continue; /* libmicrohttpd frames the body (for HEAD: head_length()) */
     MHD_add_response_header(resp, name, a->headers[i].value);
   }
   for (const char *const *e = extra; e && e[0] && e[1]; e += 2)

@@ -319,6 +319,14 @@ def test_pass_through_byte_for_byte(py, gw_py):
         dh = sorted((k.lower(), v) for k, v in direct[1] if k.lower() not in skip)
         th = sorted((k.lower(), v) for k, v in through[1] if k.lower() not in skip)
         assert dh == th, (target, dh, th)
+    # HEAD: no body, and the application's Content-Length.
+    for target in ("/binary", "/big?n=70000"):
+        direct = req(py, "HEAD", target)
+        through = req(gw_py, "HEAD", target)
+        assert through[0] == direct[0] == 200 and through[2] == b"", (target, through)
+        assert header(through[1], "Content-Length") == header(direct[1], "Content-Length"), \
+            (target, through[1], direct[1])
+        assert [k.lower() for k, _ in through[1]].count("content-length") == 1, through[1]
     # The request: method, target, headers (hop-by-hop ones dropped) and body.
     body = bytes(range(1, 256)) * 3
     h = {"Content-Type": "application/octet-stream", "X-One": "1",
