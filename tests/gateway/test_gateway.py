@@ -519,6 +519,45 @@ def test_kill9_under_load_loses_nothing_acknowledged(py):
     stop_gateway(g)
 
 
+def test_dead_gateway_taken_over_by_lease(py):
+    """kill -9 of the gateway while its request is at the application:
+    once its lease has run out, another gateway on the database takes the
+    key over and, with --upstream-idempotent, sends it again under its
+    key; the application, which honours keys, ran it once."""
+    db = fresh_db()
+    flags = ("--upstream-idempotent", "--lease", "2s", "--upstream-timeout", "1s")
+    a, gw_a, _, _ = start_gateway(py, ["POST /charges"], *flags, db=db)
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+
+    def first():
+        try:
+            req(gw_a, "POST", "/charges?honour=1&sleep=800", h, "{}")
+        except OSError:
+            pass  # its gateway died
+    t = threading.Thread(target=first)
+    t.start()
+    wait_until(lambda: executions(py, key) == 1, "the application to act")
+    os.killpg(a.pid, signal.SIGKILL)
+    a.wait()
+    t.join()
+    b, gw_b, admin_b, _ = start_gateway(py, ["POST /charges"], *flags, db=db)
+    statuses = []
+
+    def settled():
+        s, hs, body = req(gw_b, "POST", "/charges?honour=1&sleep=800", h, "{}")
+        statuses.append(s)
+        return s == 201
+    wait_until(settled, "the key to be taken over and settled", tries=400)
+    assert set(statuses) <= {409, 202, 201}, statuses  # in flight, pending, done
+    s, hs, body = req(gw_b, "POST", "/charges?honour=1&sleep=800", h, "{}")
+    assert s == 201 and header(hs, "Idempotent-Replayed") == "true", (s, body)
+    assert json.loads(body) == {"charge": 1, "key": key}, body
+    assert executions(py, key) == 1, executions(py, key)
+    assert metric(admin_b, "idem_gateway_resolved_total") == 1
+    stop_gateway(b)
+
+
 def test_logs_hold_key_ids_not_keys(log):
     text = open(log).read()
     lines = [json.loads(l) for l in text.splitlines() if l.startswith("{")]

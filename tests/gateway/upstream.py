@@ -17,7 +17,8 @@ Routes:
                          without an answer (for the first execution of a
                          key only when ?honour=1 too).
                          With ?fail=503 it answers that status, executing
-                         nothing.
+                         nothing. With ?sleep=MS it answers MS after
+                         acting.
     GET  /executions?key=K  {"executions": N}
     ANY  /echo...        200 {"method","target","headers":[[n,v]...],"body"}
     GET  /chunked        200, Transfer-Encoding: chunked, in five chunks
@@ -77,6 +78,8 @@ class Handler(BaseHTTPRequestHandler):
                 n = executions[key]
                 body = json.dumps({"charge": n, "key": key}).encode()
                 first_answers.setdefault(key, body)
+            if "sleep" in q:  # acted on it; answers late
+                time.sleep(int(q["sleep"][0]) / 1000)
             if "lose" in q:
                 # Acted on it, then gone before answering.
                 self.close_connection = True
