@@ -268,6 +268,7 @@ typedef struct keyed {
   char key[IDEM_KEY_MAX + 1];
   char fp[IDEM_FINGERPRINT_LEN];
   idem_scope_t scope;
+  int none_seen; /* the event thread found no record: most likely a new key */
   struct to_save ts;
 } keyed_t;
 
@@ -293,7 +294,10 @@ static enum MHD_Result decide(gw_req_t *r) {
                     .correlation_id = r->request_id,
                     .effect = {gw_save_fn, &k->ts.save},
                     .prepare = encode_request,
-                    .arg = &k->ts};
+                    .arg = &k->ts,
+                    /* the read was just made; the reservation reports
+                     * any record there is now (engine.h) */
+                    .skip_read = k->none_seen};
   int rc;
 
   k->ts.save.scope = &k->scope;
@@ -359,6 +363,7 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
     int answered = 1;
 
     rc = idem_store_lookup(r->gw->store, &k->scope, now, &rec);
+    k->none_seen = rc == IDEM_ENOTFOUND;
     idem_decision_t d = rc == IDEM_OK ? idem_decide(&rec, k->fp, now) : IDEM_DECIDE_RESERVE;
     if (rc == IDEM_OK && d == IDEM_DECIDE_REPLAY)
       ret = replay(r, &rec, OUTCOME_REPLAY);
