@@ -390,7 +390,7 @@ if [ "$skip_pg" = 0 ]; then
   pg=$(mktemp -d /tmp/idem-pg.XXXXXX)
   url=$("$repo/scripts/pg-cluster.sh" start "$pg")
   "$idemd" migrate --db "$url" 2>/dev/null
-  psql "$url" -qc "INSERT INTO tenants (name, key_lookup, key_hash, created_at) VALUES ('pgbench', 'pgbench', 'x', 0)"
+  psql "$url" -qc "INSERT INTO tenants (name, created_at) VALUES ('pgbench', 0)"
   cat >"$run/pgbench.sql" <<'SQL'
 \set k random(1, 2000000000)
 BEGIN;

@@ -61,6 +61,8 @@ int idemd_resource_insert(void *arg, idem_tx_t *tx) {
   int rc = idemd_sql_run(tx, IDEMD_SQL_INSERT_RESOURCE, insert_resource, p, 7, NULL, NULL,
                          NULL);
 
+  if (rc == IDEM_OK)
+    rc = idemd_audit_append(tx, res->tenant_id, res->id, NULL, res->status, &res->who);
   if (rc != IDEM_OK || res->operation == NULL)
     return rc;
   idemd_sql_param_t o[6] = {
@@ -76,8 +78,12 @@ int idemd_resource_update(void *arg, idem_tx_t *tx) {
   idemd_sql_param_t p[6] = {TEXT(u->status), TEXT(u->body), TEXT(u->provider_ref),
                             NUM(now),        TEXT(u->id),   NUM(u->tenant_id)};
   idemd_sql_param_t row[3] = {NUM(now), TEXT(u->id), NUM(u->tenant_id)};
-  int rc = idemd_sql_run(tx, IDEMD_SQL_UPDATE_RESOURCE, update_resource, p, 6, NULL, NULL,
-                         NULL);
+  int rc = u->status ? idemd_audit_change(tx, u->tenant_id, u->id, u->status, &u->who)
+                     : IDEM_OK;
+
+  if (rc == IDEM_OK)
+    rc = idemd_sql_run(tx, IDEMD_SQL_UPDATE_RESOURCE, update_resource, p, 6, NULL, NULL,
+                       NULL);
 
   if (rc != IDEM_OK)
     return rc;
@@ -131,6 +137,7 @@ struct order_write {
   const idemd_resource_t *row; /* a PUT's order, or NULL for a cancellation */
   int64_t tenant_id;
   const char *id;
+  const idemd_actor_t *who; /* a cancellation's */
   int changed; /* rows the statement changed */
   struct get got; /* the order after it */
 };
@@ -150,6 +157,8 @@ static int order_write_fn(void *arg, idem_tx_t *tx) {
     idemd_sql_param_t p[6] = {TEXT(res->id),     NUM(res->tenant_id), TEXT("order"),
                               TEXT(res->status), TEXT(res->body),     NUM(now)};
     rc = idemd_sql_run(tx, IDEMD_SQL_PUT_ORDER, put_order, p, 6, NULL, NULL, &w->changed);
+    if (rc == IDEM_OK && w->changed > 0)
+      rc = idemd_audit_append(tx, res->tenant_id, res->id, NULL, res->status, &res->who);
     if (rc != IDEM_OK || w->changed > 0)
       return rc;
   } else {
@@ -158,6 +167,8 @@ static int order_write_fn(void *arg, idem_tx_t *tx) {
     idemd_sql_param_t p[4] = {NUM(now), TEXT(at), TEXT(w->id), NUM(w->tenant_id)};
     rc = idemd_sql_run(tx, IDEMD_SQL_CANCEL_ORDER, cancel_order, p, 4, NULL, NULL,
                        &w->changed);
+    if (rc == IDEM_OK && w->changed > 0)
+      rc = idemd_audit_append(tx, w->tenant_id, w->id, "created", "cancelled", w->who);
     if (rc != IDEM_OK)
       return rc;
   }
@@ -189,8 +200,8 @@ int idemd_order_put(idem_store_t *store, const idemd_resource_t *row, char **exi
 }
 
 int idemd_order_cancel(idem_store_t *store, int64_t tenant_id, const char *id,
-                       char **body, int *changed) {
-  struct order_write w = {.tenant_id = tenant_id, .id = id};
+                       const idemd_actor_t *who, char **body, int *changed) {
+  struct order_write w = {.tenant_id = tenant_id, .id = id, .who = who};
   int rc = order_write(store, &w, body);
 
   *changed = w.changed > 0;
@@ -313,6 +324,13 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
       if (rec->resource_id[0] == '\0')
         snprintf(rec->resource_id, sizeof rec->resource_id, "%s", d->resource_id);
       c->n++;
+      /* A request that died with its call (its lease ran out): the
+       * take-over is worth a row, though the status stays pending. */
+      if (rec->state == IDEM_STATE_PROCESSING)
+        rc =
+            idemd_audit_append(tx, d->tenant_id, d->resource_id, "pending", "pending",
+                               &(idemd_actor_t){"reconciler", "taken over: the request's "
+                                                              "lease ran out"});
     }
   }
   return rc;

@@ -10,6 +10,7 @@
 
 #include <stdint.h>
 
+#include "data/audit.h"
 #include "idem/record.h"
 #include "idem/store.h"
 
@@ -28,31 +29,34 @@ typedef struct idemd_resource {
    * work on it). */
   const char *operation, *key;
   int64_t due_after_ms;
+  idemd_actor_t who; /* the creation's audit row: the request's id */
 } idemd_resource_t;
 
 /* An effect's function (idem_effect_t.fn) with `arg` an idemd_resource_t:
- * inserts the resource and its outbox row. IDEM_EEXIST when the id is
- * taken; IDEM_ESTORE on any other failure. */
+ * inserts the resource, its outbox row and the audit row of its creation.
+ * IDEM_EEXIST when the id is taken; IDEM_ESTORE on any other failure. */
 int idemd_resource_insert(void *arg, idem_tx_t *tx);
 
 /* Writes a tenant's order under the id its client chose (`row`, kind
  * "order", no outbox row) unless the tenant has a resource of that id:
  * one statement decides, by the unique key (tenant, id), never a read
- * first (docs/idempotency.md, section 3.5). IDEM_OK when this call made it
+ * first (docs/idempotency.md, section 3.5), with the audit row of its
+ * creation. IDEM_OK when this call made it
  * (`*existing` NULL); IDEM_EEXIST when the id was taken, `*existing` then
  * the order stored under it, malloc'd for the caller to free (NULL when
  * the id holds no order); a store error otherwise. */
 int idemd_order_put(idem_store_t *store, const idemd_resource_t *row, char **existing);
 
 /* Sets a tenant's order cancelled, stamped with the write's time, unless
- * it is cancelled already, in one statement, and reads it back in the
+ * it is cancelled already, in one statement (with the audit row of the
+ * change, by `who`, when it made one), and reads it back in the
  * same write: `*body` (malloc'd, the caller frees it) is the order as it
  * then stands, so every cancellation of an order answers the first one's
  * cancelled_at; `*changed` is 1 when this call cancelled it.
  * IDEM_ENOTFOUND when the tenant has no order `id`; a store error
  * otherwise. */
 int idemd_order_cancel(idem_store_t *store, int64_t tenant_id, const char *id,
-                       char **body, int *changed);
+                       const idemd_actor_t *who, char **body, int *changed);
 
 /* What a completion changes in a payment. Borrowed. */
 typedef struct idemd_resource_update {
@@ -62,10 +66,12 @@ typedef struct idemd_resource_update {
   /* The record's new state: its outbox row is removed, unless PENDING,
    * which makes it due at once for the reconciler. */
   idem_state_t state;
+  idemd_actor_t who; /* the audit row's, when the status changes */
 } idemd_resource_update_t;
 
 /* An effect's function with `arg` an idemd_resource_update_t, run with the
- * completion. IDEM_ESTORE on failure. */
+ * completion: the audit row of a change of status (none when it stays),
+ * the resource, its outbox row. IDEM_ESTORE on failure. */
 int idemd_resource_update(void *arg, idem_tx_t *tx);
 
 /* Reads a tenant's resource of `kind` by id; `*body` gets a malloc'd JSON

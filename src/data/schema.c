@@ -147,6 +147,29 @@ static const char *const sqlite_versions[] = {
     " json_extract(body, '$.currency') AS currency,"
     " json_extract(body, '$.reason') AS reason,"
     " provider_ref, created_at, updated_at FROM resources WHERE kind = 'refund';",
+    /* 5: the audit trail (data/audit.h), one row per state change of a
+     * payment, refund or order, appended in the change's transaction;
+     * `seq` keeps the order of rows of one millisecond. A new table:
+     * nothing else changes. */
+    "CREATE TABLE audit ("
+    " seq INTEGER PRIMARY KEY,"
+    " created_at INTEGER NOT NULL,"
+    " tenant_id INTEGER NOT NULL,"
+    " resource_id TEXT NOT NULL,"
+    " from_status TEXT,"
+    " to_status TEXT NOT NULL,"
+    " actor TEXT NOT NULL,"
+    " reason TEXT);"
+    "CREATE INDEX audit_resource ON audit (tenant_id, resource_id);",
+    /* 6: the provider's events applied (data/events.h): an event's id is
+     * written in the transaction that applies it, under this key, so a
+     * second delivery finds it and changes nothing. */
+    "CREATE TABLE processed_events ("
+    " event_id TEXT PRIMARY KEY,"
+    " type TEXT NOT NULL,"
+    " tenant_id INTEGER NOT NULL,"
+    " resource_id TEXT NOT NULL,"
+    " received_at INTEGER NOT NULL) WITHOUT ROWID;",
 };
 
 static const char *const pg_versions[] = {
@@ -234,6 +257,24 @@ static const char *const pg_versions[] = {
     "  provider_ref, created_at, updated_at FROM resources WHERE kind = 'refund';"
     " END IF;"
     " END $$;",
+    /* 5: as SQLite's 5. */
+    "CREATE TABLE audit ("
+    " seq BIGSERIAL PRIMARY KEY,"
+    " created_at BIGINT NOT NULL,"
+    " tenant_id BIGINT NOT NULL,"
+    " resource_id TEXT NOT NULL,"
+    " from_status TEXT,"
+    " to_status TEXT NOT NULL,"
+    " actor TEXT NOT NULL,"
+    " reason TEXT);"
+    "CREATE INDEX audit_resource ON audit (tenant_id, resource_id);",
+    /* 6: as SQLite's 6. */
+    "CREATE TABLE processed_events ("
+    " event_id TEXT PRIMARY KEY,"
+    " type TEXT NOT NULL,"
+    " tenant_id BIGINT NOT NULL,"
+    " resource_id TEXT NOT NULL,"
+    " received_at BIGINT NOT NULL);",
 };
 
 _Static_assert(sizeof sqlite_versions / sizeof *sqlite_versions == IDEMD_SCHEMA_VERSION,

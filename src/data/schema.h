@@ -1,7 +1,9 @@
 /* idemd's own tables beside libidem's records: tenants and their API keys,
- * resources (payments, orders and refunds), the outbox, and the
- * operators' views over them (payments, orders, refunds). Their versions are counted in idemd's table `idemd_schema`,
- * apart from libidem's, on SQLite and PostgreSQL alike. */
+ * resources (payments, orders and refunds), the outbox, the audit trail
+ * of their state changes, the provider's events applied, and the
+ * operators' views over them (payments,
+ * orders, refunds). Their versions are counted in idemd's table
+ * `idemd_schema`, apart from libidem's, on SQLite and PostgreSQL alike. */
 #ifndef IDEMD_SCHEMA_H
 #define IDEMD_SCHEMA_H
 
@@ -10,7 +12,7 @@
 #include "idem/store.h"
 
 /* The version idemd_schema_migrate() brings a database to. */
-#define IDEMD_SCHEMA_VERSION 4
+#define IDEMD_SCHEMA_VERSION 6
 
 /* Creates or upgrades idemd's tables to IDEMD_SCHEMA_VERSION, in one write
  * (several idemd starting at once on PostgreSQL take turns). Idempotent.

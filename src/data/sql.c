@@ -10,6 +10,9 @@
 
 #include "idem/crypto.h"
 
+_Static_assert(IDEMD_SQL_SLOTS_ <= IDEM_TX_STATEMENTS,
+               "a store keeps every slot of idemd's");
+
 int idemd_sql_is_sqlite(const idem_tx_t *tx) {
   return idem_tx_backend(tx)[0] == 's';
 }

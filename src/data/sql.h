@@ -29,7 +29,8 @@ enum idemd_sql_slot {
   IDEMD_SQL_REFUND_COUNT,
   IDEMD_SQL_REFUND_PEEK,
   IDEMD_SQL_PAYMENT_GET,
-  IDEMD_SQL_COUNT, /* any count: made again whenever its SQL changes */
+  IDEMD_SQL_COUNT, /* any count or other rare statement of a tool's: made again
+                    * whenever its SQL changes */
   IDEMD_SQL_TENANT_INSERT,
   IDEMD_SQL_TENANT_BY_NAME,
   IDEMD_SQL_TENANT_SET_DISABLED,
@@ -40,6 +41,10 @@ enum idemd_sql_slot {
   IDEMD_SQL_KEY_REVOKE,
   IDEMD_SQL_KEY_REVOKE_ALL,
   IDEMD_SQL_KEY_USED,
+  IDEMD_SQL_AUDIT_APPEND,
+  IDEMD_SQL_AUDIT_CHANGE,
+  IDEMD_SQL_OUTBOX_FIND,
+  IDEMD_SQL_EVENT_INSERT,
   IDEMD_SQL_SCHEMA, /* the migrations' statements, each used once */
   IDEMD_SQL_SCHEMA_CHECK,
   IDEMD_SQL_SLOTS_

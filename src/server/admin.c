@@ -161,7 +161,7 @@ static int key_list(idemd_tenants_t *tenants, const char *tenant) {
   if (rc == IDEM_OK)
     rc = idemd_key_list(tenants, tenant, list, MAX_LIST, &n);
   if (rc == IDEM_OK) {
-    printf("%-24s %-8s %-19s %-20s %-20s %-20s\n", "NAME", "STATUS", "KEY", "CREATED",
+    printf("%-24s %-8s %-21s %-20s %-20s %s\n", "NAME", "STATUS", "KEY", "CREATED",
            "LAST USED", "REVOKED");
     for (int i = 0; i < n; i++) {
       char prefix[48], created[32], used[32] = "-", revoked[32] = "-";
@@ -171,7 +171,7 @@ static int key_list(idemd_tenants_t *tenants, const char *tenant) {
         idem_format_time(list[i].last_used_at, used, sizeof used);
       if (list[i].revoked_at)
         idem_format_time(list[i].revoked_at, revoked, sizeof revoked);
-      printf("%-24s %-8s %-19s %-20s %-20s %-20s\n", list[i].name,
+      printf("%-24s %-8s %-21s %-20s %-20s %s\n", list[i].name,
              list[i].revoked_at ? "revoked" : "active", prefix, created, used, revoked);
     }
   }

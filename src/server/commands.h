@@ -38,6 +38,19 @@ typedef struct idemd_records_args {
  * the named tenant's records. */
 int idemd_cmd_records(const idemd_config_t *cfg, const idemd_records_args_t *a);
 
+/* `idemd payments resolve ID ...` (`refund` 0) or `idemd refunds resolve
+ * ID ...` (`argv` holds the words after "payments" or "refunds", and the
+ * flags): settles a pending payment or refund by hand as --as succeeded
+ * or declined, with --reason and --operator NAME (the audit row's actor
+ * "operator:NAME"), through the reconciler's path (provider/settle.h).
+ * 0 settled; 1 unknown, not pending, held by idemd past the retries, or a
+ * store error, with nothing changed; 2 bad usage. */
+int idemd_cmd_resolve(idemd_config_t *cfg, int refund, int argc, char **argv);
+
+/* `idemd audit --tenant NAME [--resource ID]`: the tenant's audit rows
+ * as JSON lines, oldest first. 0, 1 (no such tenant, store error), 2. */
+int idemd_cmd_audit(idemd_config_t *cfg, int argc, char **argv);
+
 /* Creates or upgrades the schema. */
 int idemd_cmd_migrate(const idemd_config_t *cfg);
 

@@ -25,10 +25,11 @@ struct option {
 #define OFF(f) offsetof(idemd_config_t, f), sizeof(((idemd_config_t *)0)->f)
 
 static const struct option options[] = {
-    {"--listen", "IDEMD_LISTEN", K_LISTEN, OFF(listen), 0, 0,
-     "127.0.0.1:8080", "address and port to listen on"},
+    {"--listen", "IDEMD_LISTEN", K_LISTEN, OFF(listen), 0, 0, "127.0.0.1:8080",
+     "address and port to listen on"},
     {"--metrics-listen", "IDEMD_METRICS_LISTEN", K_LISTEN, OFF(metrics_listen), 0, 0,
-     "(off)", "address and port for GET /metrics (then not on --listen), "
+     "(off)",
+     "address and port for GET /metrics (then not on --listen), "
      "/healthz and /readyz; plain HTTP"},
     {"--tls-cert", "IDEMD_TLS_CERT", K_TEXT, OFF(tls_cert), 0, 0, "(none)",
      "PEM certificate (chain) file: HTTPS on --listen, with --tls-key"},
@@ -41,8 +42,8 @@ static const struct option options[] = {
     {"--provider-connect-timeout", "IDEMD_PROVIDER_CONNECT_TIMEOUT", K_DURATION,
      OFF(provider_connect_timeout_ms), 1, 600000, "2s",
      "deadline to connect to the provider"},
-    {"--provider-timeout", "IDEMD_PROVIDER_TIMEOUT", K_DURATION,
-     OFF(provider_timeout_ms), 1, 600000, "10s",
+    {"--provider-timeout", "IDEMD_PROVIDER_TIMEOUT", K_DURATION, OFF(provider_timeout_ms),
+     1, 600000, "10s",
      "deadline of a whole provider call; past it the payment is pending"},
     {"--reconcile-interval", "IDEMD_RECONCILE_INTERVAL", K_DURATION,
      OFF(reconcile_interval_ms), 10, 3600000, "2s",
@@ -54,40 +55,44 @@ static const struct option options[] = {
     {"--active-workers", "IDEMD_ACTIVE_WORKERS", K_INT, OFF(active_workers), 0, 4096, "0",
      "workers at work at once, those waiting on a provider or a duplicate "
      "not counted; 0: four per core"},
-    {"--max-connections", "IDEMD_MAX_CONNECTIONS", K_INT, OFF(max_connections), 1,
-     100000, "1000", "connections served at once; beyond it, 503"},
-    {"--max-header-bytes", "IDEMD_MAX_HEADER_BYTES", K_INT, OFF(max_header_bytes),
-     4096, 1048576, "8192", "memory for one request's line and headers (else 431)"},
+    {"--max-connections", "IDEMD_MAX_CONNECTIONS", K_INT, OFF(max_connections), 1, 100000,
+     "1000", "connections served at once; beyond it, 503"},
+    {"--max-header-bytes", "IDEMD_MAX_HEADER_BYTES", K_INT, OFF(max_header_bytes), 4096,
+     1048576, "8192", "memory for one request's line and headers (else 431)"},
     {"--request-timeout", "IDEMD_REQUEST_TIMEOUT", K_DURATION, OFF(request_timeout_ms),
      100, 3600000, "10s", "time a client has to send a whole request"},
-    {"--inflight-wait", "IDEMD_INFLIGHT_WAIT", K_DURATION, OFF(inflight_wait_ms),
-     0, 600000, "5s", "how long a duplicate waits for its in-flight original"},
+    {"--inflight-wait", "IDEMD_INFLIGHT_WAIT", K_DURATION, OFF(inflight_wait_ms), 0,
+     600000, "5s", "how long a duplicate waits for its in-flight original"},
     {"--key-ttl", "IDEMD_KEY_TTL", K_DURATION, OFF(key_ttl_ms), 1,
      (long long)365 * 86400 * 1000, "24h",
      "how long completed and failed keys are remembered"},
     {"--lease", "IDEMD_LEASE", K_DURATION, OFF(lease_ms), 100, 86400000, "30s",
      "how long a worker owns a processing record"},
     {"--db-timeout", "IDEMD_DB_TIMEOUT", K_DURATION, OFF(db_timeout_ms), 100, 600000,
-     "5s", "PostgreSQL: bound on each statement, lock wait, connect and pool wait; "
+     "5s",
+     "PostgreSQL: bound on each statement, lock wait, connect and pool wait; "
      "a call with no answer in twice it fails (503)"},
     {"--ready-timeout", "IDEMD_READY_TIMEOUT", K_DURATION, OFF(ready_timeout_ms), 100,
      600000, "2s", "/readyz: how long a write may go unfinished before 503"},
-    {"--shutdown-timeout", "IDEMD_SHUTDOWN_TIMEOUT", K_DURATION,
-     OFF(shutdown_timeout_ms), 0, 3600000, "10s",
-     "on SIGTERM, how long requests in flight may take to finish"},
+    {"--shutdown-timeout", "IDEMD_SHUTDOWN_TIMEOUT", K_DURATION, OFF(shutdown_timeout_ms),
+     0, 3600000, "10s", "on SIGTERM, how long requests in flight may take to finish"},
     {"--replay-cache-bytes", "IDEMD_REPLAY_CACHE_BYTES", K_INT, OFF(replay_cache_bytes),
      0, (long long)1 << 40, "16777216",
      "memory for answering replays without the store (0: off)"},
-    {"--sweep-interval", "IDEMD_SWEEP_INTERVAL", K_DURATION, OFF(sweep_interval_ms),
-     100, 86400000, "1m", "how often expired records are deleted"},
-    {"--sweep-batch", "IDEMD_SWEEP_BATCH", K_INT, OFF(sweep_batch), 1, 100000,
-     "500", "expired records deleted per transaction"},
+    {"--sweep-interval", "IDEMD_SWEEP_INTERVAL", K_DURATION, OFF(sweep_interval_ms), 100,
+     86400000, "1m", "how often expired records are deleted"},
+    {"--sweep-batch", "IDEMD_SWEEP_BATCH", K_INT, OFF(sweep_batch), 1, 100000, "500",
+     "expired records deleted per transaction"},
     {"--log-level", "IDEMD_LOG_LEVEL", K_TEXT, OFF(log_level), 0, 0, "info",
      "debug, info (one line per request), warn or error"},
     {"--log-key-secret", "IDEMD_LOG_KEY_SECRET", K_TEXT, OFF(log_key_secret), 0, 0,
      "(kept in the db)", "secret for the key ids in logs; default: generated once"},
-    {"--sandbox-delay", "IDEMD_SANDBOX_DELAY", K_DURATION,
-     OFF(sandbox_delay_ms), 0, 600000, "0", "added latency of the sandbox provider"},
+    {"--provider-webhook-secret", "IDEMD_PROVIDER_WEBHOOK_SECRET", K_TEXT,
+     OFF(provider_webhook_secret), 0, 0, "(off)",
+     "secret the provider signs its events with; without it POST /webhooks/provider "
+     "is 404"},
+    {"--sandbox-delay", "IDEMD_SANDBOX_DELAY", K_DURATION, OFF(sandbox_delay_ms), 0,
+     600000, "0", "added latency of the sandbox provider"},
     {"--sandbox-decline-amount", "IDEMD_SANDBOX_DECLINE_AMOUNT", K_INT,
      OFF(sandbox_decline_amount), 0, 9007199254740991LL, "0",
      "the sandbox declines payments of this amount (0: none)"},
@@ -273,6 +278,9 @@ void idemd_config_usage(FILE *out) {
           "       idemd records --tenant NAME [--state pending|processing|completed|failed]\n"
           "                     [--older-than DURATION] [--limit N] [--db ...]\n"
           "       idemd records show --tenant NAME --operation OP --key KEY [--db ...]\n"
+          "       idemd payments|refunds resolve ID --as succeeded|declined --reason TEXT\n"
+          "             --operator NAME [--tenant NAME] [--db ...]\n"
+          "       idemd audit --tenant NAME [--resource ID] [--db ...]\n"
           "       idemd migrate [--db ...]\n"
           "       idemd sweep [--db ...]\n"
           "       idemd gateway --upstream URL --route 'METHOD /pattern' ... (idemd gateway --help)\n"

@@ -39,6 +39,8 @@ typedef struct idemd_config {
   int sweep_batch;             /* records per delete transaction */
   char log_level[8];           /* debug, info, warn, error */
   char log_key_secret[256];    /* HMAC key for key ids; empty: kept in the db */
+  char provider_webhook_secret[256]; /* the provider's events' key; empty: no
+                                        POST /webhooks/provider */
   int64_t sandbox_delay_ms; /* the sandbox provider's added latency */
   int64_t sandbox_decline_amount;     /* declined (402); 0: none */
   int64_t sandbox_uncertain_amount;   /* charged, answer lost (pending) */

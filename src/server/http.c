@@ -242,6 +242,8 @@ static int served_here(const idemd_request_t *r, const idemd_route_def_t *d) {
   if (r->metrics_listener)
     return d->route == ROUTE_METRICS || d->route == ROUTE_HEALTHZ ||
            d->route == ROUTE_READYZ;
+  if (d->route == ROUTE_WEBHOOK)
+    return r->srv->webhook_mac != NULL; /* without a secret, no such route */
   return d->route != ROUTE_METRICS || r->srv->cfg.metrics_listen.host[0] == '\0';
 }
 
@@ -298,6 +300,10 @@ static enum MHD_Result on_headers(idemd_request_t *r, const char *url,
   }
   if (too_large) {
     r->outcome = OUTCOME_INVALID;
+    if (d->route == ROUTE_WEBHOOK) { /* its own cap (webhooks.c) */
+      r->body_too_large = 1;
+      return idemd_webhook_receive(r);
+    }
     return idemd_reply_error(r, 413, "request body is larger than 64 KiB", NULL);
   }
   return MHD_YES;
@@ -481,6 +487,19 @@ static int default_active_workers(void) {
   return n > 1024 ? 4096 : (int)(4 * n);
 }
 
+/* Decodes a request's path as libmicrohttpd does, but leaves a path that
+ * holds "%00" as it came: a NUL would cut it short for every string
+ * function after this one, so that /orders/ord_a%00b named ord_a. Left
+ * encoded, such a path names no resource (404). */
+static size_t unescape_path(void *cls, struct MHD_Connection *c, char *s) {
+  (void)cls;
+  (void)c;
+  for (const char *p = s; (p = strchr(p, '%')) != NULL; p++)
+    if (p[1] == '0' && p[2] == '0')
+      return strlen(s);
+  return MHD_http_unescape(s);
+}
+
 /* The port a daemon's listening socket is bound to, or `fallback`. */
 static int bound_port(struct MHD_Daemon *d, int fallback) {
   const union MHD_DaemonInfo *info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_LISTEN_FD);
@@ -540,6 +559,7 @@ static int start_metrics(idemd_server_t *srv) {
       MHD_OPTION_CONNECTION_TIMEOUT, (unsigned int)10,
       MHD_OPTION_CONNECTION_LIMIT, (unsigned int)64,
       MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)srv->cfg.max_header_bytes + ANSWER_ROOM,
+      MHD_OPTION_UNESCAPE_CALLBACK, unescape_path, NULL,
       MHD_OPTION_END);
   if (srv->metrics_daemon == NULL) {
     /* The socket is not closed here: libmicrohttpd closes it on some of
@@ -629,6 +649,7 @@ int idemd_http_start(idemd_server_t *srv) {
       /* Room above the cap to tell the extra clients 503. */
       MHD_OPTION_CONNECTION_LIMIT, (unsigned int)(srv->cfg.max_connections + 64),
       MHD_OPTION_CONNECTION_MEMORY_LIMIT, (size_t)srv->cfg.max_header_bytes + ANSWER_ROOM,
+      MHD_OPTION_UNESCAPE_CALLBACK, unescape_path, NULL,
       MHD_OPTION_ARRAY, tls_opts,
       MHD_OPTION_END);
   freeaddrinfo(ai);

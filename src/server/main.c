@@ -110,6 +110,10 @@ int main(int argc, char **argv) {
       return 2;
     return idemd_cmd_records(&cfg, &a);
   }
+  if (strcmp(cmd, "payments") == 0 || strcmp(cmd, "refunds") == 0)
+    return idemd_cmd_resolve(&cfg, cmd[0] == 'r', argc - 2, argv + 2);
+  if (strcmp(cmd, "audit") == 0)
+    return idemd_cmd_audit(&cfg, argc - 2, argv + 2);
   fprintf(stderr, "idemd: unknown command '%s' (see idemd --help)\n", cmd);
   return 2;
 }

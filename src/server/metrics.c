@@ -14,9 +14,17 @@
 
 /* Requests that match no route count as "other". */
 static const char *const op_names[OP_COUNT_] = {
-    "other", "create_payment", "create_order", "get_payment",
-    "get_order", "healthz", "metrics", "readyz", "cancel_order", "put_order",
-    "create_refund", "get_refund", "gateway", "proxy"};
+    "other",         "create_payment", "create_order",    "get_payment",  "get_order",
+    "healthz",       "metrics",        "readyz",          "cancel_order", "put_order",
+    "create_refund", "get_refund",     "provider_webhook", "gateway",       "proxy"};
+
+static const char *const webhook_results[WEBHOOK_RESULT_COUNT_] = {
+    "applied", "duplicate", "ignored",   "unsigned", "forged",
+    "stale",   "malformed", "too_large", "busy",     "error"};
+
+const char *idemd_webhook_result_name(idemd_webhook_result_t r) {
+  return (unsigned)r < WEBHOOK_RESULT_COUNT_ ? webhook_results[r] : "none";
+}
 
 static const char *const outcome_names[OUTCOME_COUNT_] = {
     "none", "new", "replay", "mismatch", "in_flight",
@@ -263,14 +271,21 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
              "without holding a thread.\n# TYPE idem_inflight_parked gauge\n"
              "idem_inflight_parked %lld\n",
           (long long)g->parked);
-  fprintf(f, "# HELP idem_reconcile_settled_total Payments the reconciler settled.\n"
+  fprintf(f, "# HELP idem_reconcile_settled_total Payments and refunds the reconciler "
+             "settled.\n"
              "# TYPE idem_reconcile_settled_total counter\n"
              "idem_reconcile_settled_total %llu\n",
           LOAD(m->reconcile_settled));
-  fprintf(f, "# HELP idem_reconcile_unresolved Payments the last reconciler pass "
-             "could not settle.\n# TYPE idem_reconcile_unresolved gauge\n"
+  fprintf(f, "# HELP idem_reconcile_unresolved Payments and refunds the last "
+             "reconciler pass could not settle.\n# TYPE idem_reconcile_unresolved gauge\n"
              "idem_reconcile_unresolved %lld\n",
           (long long)atomic_load_explicit(&m->reconcile_unresolved, memory_order_relaxed));
+  fprintf(f, "# HELP idem_webhooks_total The provider's events received at POST "
+             "/webhooks/provider, by what became of them.\n"
+             "# TYPE idem_webhooks_total counter\n");
+  for (int i = 0; i < WEBHOOK_RESULT_COUNT_; i++)
+    fprintf(f, "idem_webhooks_total{result=\"%s\"} %llu\n", webhook_results[i],
+            LOAD(m->webhooks[i]));
   fprintf(f, "# HELP idem_records_swept_total Expired records deleted by the sweeper.\n"
              "# TYPE idem_records_swept_total counter\nidem_records_swept_total %llu\n",
           LOAD(m->records_swept));
@@ -303,8 +318,8 @@ char *idemd_metrics_render(idemd_metrics_t *m, const idemd_store_gauges_t *g) {
   fprintf(f, "# HELP idem_records_pending Records whose provider outcome is unknown.\n"
              "# TYPE idem_records_pending gauge\nidem_records_pending %lld\n",
           (long long)g->pending);
-  fprintf(f, "# HELP idem_oldest_pending_seconds Age of the oldest payment whose "
-             "provider outcome is unknown (0 when none).\n"
+  fprintf(f, "# HELP idem_oldest_pending_seconds Age of the oldest payment or refund "
+             "whose provider outcome is unknown (0 when none).\n"
              "# TYPE idem_oldest_pending_seconds gauge\nidem_oldest_pending_seconds %.3f\n",
           g->oldest_pending_seconds);
   fprintf(f, "# HELP idem_records_processing Records being processed now.\n"

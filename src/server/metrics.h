@@ -15,12 +15,13 @@ typedef enum idemd_op {
   OP_HEALTHZ,
   OP_METRICS,
   OP_READYZ,
-  OP_CANCEL_ORDER, /* POST /orders/{id}/cancel */
-  OP_PUT_ORDER,    /* PUT /orders/{id} */
-  OP_CREATE_REFUND, /* POST /payments/{id}/refunds */
-  OP_GET_REFUND,    /* GET /refunds/{id} */
-  OP_GATEWAY,       /* idemd gateway: a keyed route (docs/gateway.md) */
-  OP_PROXY,         /* idemd gateway: any other request, proxied */
+  OP_CANCEL_ORDER,     /* POST /orders/{id}/cancel */
+  OP_PUT_ORDER,        /* PUT /orders/{id} */
+  OP_CREATE_REFUND,    /* POST /payments/{id}/refunds */
+  OP_GET_REFUND,       /* GET /refunds/{id} */
+  OP_PROVIDER_WEBHOOK, /* POST /webhooks/provider */
+  OP_GATEWAY,          /* idemd gateway: a keyed route (docs/gateway.md) */
+  OP_PROXY,            /* idemd gateway: any other request, proxied */
   OP_COUNT_
 } idemd_op_t;
 
@@ -36,6 +37,24 @@ typedef enum idemd_outcome {
   OUTCOME_ERROR,     /* the server or its store failed */
   OUTCOME_COUNT_
 } idemd_outcome_t;
+
+/* What became of a provider's event (idem_webhooks_total{result}). */
+typedef enum idemd_webhook_result {
+  WEBHOOK_APPLIED = 0, /* settled a pending payment or refund */
+  WEBHOOK_DUPLICATE,   /* applied before */
+  WEBHOOK_IGNORED,     /* for nothing pending: settled already, or unknown */
+  WEBHOOK_UNSIGNED,    /* no or malformed Idem-Psp-Signature */
+  WEBHOOK_FORGED,      /* the signature does not match */
+  WEBHOOK_STALE,       /* signed more than 5 minutes away from now */
+  WEBHOOK_MALFORMED,   /* signed, but not an event idemd knows */
+  WEBHOOK_TOO_LARGE,   /* body over the cap */
+  WEBHOOK_BUSY,        /* being settled by idemd right now: retried later */
+  WEBHOOK_ERROR,       /* the store failed */
+  WEBHOOK_RESULT_COUNT_
+} idemd_webhook_result_t;
+
+/* "applied", "duplicate", ... */
+const char *idemd_webhook_result_name(idemd_webhook_result_t r);
 
 /* The latency histogram's upper bounds: 0.5 ms to 30 s (above the 10 s
  * provider deadline and the 5 s in-flight wait), then +Inf. */
@@ -78,6 +97,7 @@ typedef struct idemd_metrics {
   atomic_uint_fast64_t reconcile_settled;
   atomic_uint_fast64_t records_swept;
   atomic_int_fast64_t reconcile_unresolved; /* left by the last pass */
+  atomic_uint_fast64_t webhooks[WEBHOOK_RESULT_COUNT_];
 } idemd_metrics_t;
 
 /* The upper bound of latency bucket `i` (0 .. IDEMD_LATENCY_BUCKETS-1), in

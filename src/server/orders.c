@@ -26,6 +26,7 @@ typedef struct order_call {
   char id[32], location[64];
   char *text; /* the order, made by prepare() */
   idemd_resource_t row;
+  const char *request_id; /* the actor of its audit row */
   idem_outcome_t done;
   idemd_effect_t effect;
 } order_call_t;
@@ -59,8 +60,12 @@ static int prepare(void *ctx) {
   oc->text = idemd_order_json(oc->cmd, oc->id, oc->total, created_at);
   if (oc->text == NULL)
     return IDEM_ENOMEM;
-  oc->row = (idemd_resource_t){.tenant_id = oc->row.tenant_id, .kind = "order",
-                               .id = oc->id, .status = "created", .body = oc->text};
+  oc->row = (idemd_resource_t){.tenant_id = oc->row.tenant_id,
+                               .kind = "order",
+                               .id = oc->id,
+                               .status = "created",
+                               .body = oc->text,
+                               .who = {oc->request_id, "POST /orders"}};
   oc->done = (idem_outcome_t){.state = IDEM_STATE_COMPLETED, .status = 201,
                               .body = oc->text, .location = oc->location,
                               .resource_id = oc->id};
@@ -85,6 +90,7 @@ enum MHD_Result idemd_orders_create(idemd_request_t *r, const json_t *body) {
   }
   idemd_request_own(r, oc, order_call_free);
   oc->cmd = cmd;
+  oc->request_id = r->request_id;
   oc->row.tenant_id = r->tenant.id;
   oc->total = total;
   canon = idemd_order_canon(cmd, &len);
@@ -169,8 +175,12 @@ enum MHD_Result idemd_orders_put(idemd_request_t *r, const json_t *body) {
     free(text);
     return idemd_reply_store_error(r, rc);
   }
-  row = (idemd_resource_t){.tenant_id = r->tenant.id, .kind = "order",
-                           .id = r->resource_id, .status = "created", .body = text};
+  row = (idemd_resource_t){.tenant_id = r->tenant.id,
+                           .kind = "order",
+                           .id = r->resource_id,
+                           .status = "created",
+                           .body = text,
+                           .who = {r->request_id, "PUT /orders/{id}"}};
   rc = idemd_order_put(r->srv->store, &row, &existing);
   if (rc == IDEM_OK) {
     idemd_reply_headers_t h = {.location = location};
@@ -200,6 +210,7 @@ enum MHD_Result idemd_orders_cancel(idemd_request_t *r, const json_t *body) {
   static const char *const no_fields[] = {NULL};
   char *text = NULL;
   enum MHD_Result ret;
+  idemd_actor_t who = {r->request_id, "POST /orders/{id}/cancel"};
   int changed = 0, rc;
 
   if (body && json_object_size(body) > 0) {
@@ -209,7 +220,7 @@ enum MHD_Result idemd_orders_cancel(idemd_request_t *r, const json_t *body) {
     return idemd_reply_errors(r, errors);
   }
   rc = idemd_order_id_valid(r->resource_id)
-           ? idemd_order_cancel(r->srv->store, r->tenant.id, r->resource_id, &text,
+           ? idemd_order_cancel(r->srv->store, r->tenant.id, r->resource_id, &who, &text,
                                 &changed)
            : IDEM_ENOTFOUND; /* no order has such an id */
   if (rc == IDEM_ENOTFOUND) {

@@ -28,6 +28,7 @@ typedef struct payment_call {
   idem_payment_t payment;
   char fingerprint[IDEM_FINGERPRINT_LEN];
   const char *key;           /* the request's Idempotency-Key */
+  const char *request_id;    /* the actor of its audit rows */
   char *pending_body;        /* step 1's payment, made by prepare() */
   idemd_resource_t row;      /* step 1's rows: points at the above */
   idem_settlement_t settled;
@@ -60,10 +61,15 @@ static int prepare(void *ctx) {
   free(pc->pending_body);
   if ((pc->pending_body = idem_payment_json(p, "pending", NULL)) == NULL)
     return IDEM_ENOMEM;
-  pc->row = (idemd_resource_t){.tenant_id = pc->row.tenant_id, .kind = "payment",
-                               .id = p->id, .status = "pending",
-                               .body = pc->pending_body, .operation = OPERATION,
-                               .key = pc->key, .due_after_ms = pc->srv->cfg.lease_ms};
+  pc->row = (idemd_resource_t){.tenant_id = pc->row.tenant_id,
+                               .kind = "payment",
+                               .id = p->id,
+                               .status = "pending",
+                               .body = pc->pending_body,
+                               .operation = OPERATION,
+                               .key = pc->key,
+                               .due_after_ms = pc->srv->cfg.lease_ms,
+                               .who = {pc->request_id, "POST /payments"}};
   return IDEM_OK;
 }
 
@@ -90,10 +96,14 @@ static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out,
     return;
   }
   *out = pc->settled.outcome;
-  pc->update = (idemd_resource_update_t){
-      .tenant_id = pc->row.tenant_id, .id = pc->payment.id, .status = pc->settled.status,
-      .body = pc->settled.resource_body, .provider_ref = out->provider_ref,
-      .state = out->state};
+  pc->update =
+      (idemd_resource_update_t){.tenant_id = pc->row.tenant_id,
+                                .id = pc->payment.id,
+                                .status = pc->settled.status,
+                                .body = pc->settled.resource_body,
+                                .provider_ref = out->provider_ref,
+                                .state = out->state,
+                                .who = {pc->request_id, "the provider's answer"}};
   *then = (idem_effect_t){idemd_resource_update, &pc->update};
 }
 
@@ -115,6 +125,7 @@ enum MHD_Result idemd_payments_create(idemd_request_t *r, const json_t *body) {
   idemd_request_own(r, pc, payment_call_free);
   pc->srv = r->srv;
   pc->key = r->key;
+  pc->request_id = r->request_id;
   pc->row.tenant_id = r->tenant.id;
   p = &pc->payment;
   /* The canonical command written directly: building it in jansson and

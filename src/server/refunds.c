@@ -29,6 +29,7 @@ typedef struct refund_call {
   int64_t want; /* 0: all that is left */
   char fingerprint[IDEM_FINGERPRINT_LEN];
   const char *key;
+  const char *request_id;         /* the actor of its audit rows */
   idemd_refund_refusal_t refusal; /* why step 1 refused it */
   char *pending_body;             /* step 1's refund, made in its transaction */
   idemd_resource_t row;
@@ -96,10 +97,15 @@ static int reserve(void *arg, idem_tx_t *tx) {
   free(rc->pending_body);
   if ((rc->pending_body = idem_refund_json(f, "pending", NULL)) == NULL)
     return IDEM_ENOMEM;
-  rc->row = (idemd_resource_t){.tenant_id = rc->row.tenant_id, .kind = "refund",
-                               .id = f->id, .status = "pending", .body = rc->pending_body,
-                               .operation = OPERATION, .key = rc->key,
-                               .due_after_ms = rc->srv->cfg.lease_ms};
+  rc->row = (idemd_resource_t){.tenant_id = rc->row.tenant_id,
+                               .kind = "refund",
+                               .id = f->id,
+                               .status = "pending",
+                               .body = rc->pending_body,
+                               .operation = OPERATION,
+                               .key = rc->key,
+                               .due_after_ms = rc->srv->cfg.lease_ms,
+                               .who = {rc->request_id, "POST /payments/{id}/refunds"}};
   return idemd_resource_insert(&rc->row, tx);
 }
 
@@ -126,9 +132,13 @@ static void call_provider(void *ctx, const idem_record_t *rec, idem_outcome_t *o
   }
   *out = rc->settled.outcome;
   rc->update = (idemd_refund_update_t){
-      .refund = {.tenant_id = rc->row.tenant_id, .id = f->id,
-                 .status = rc->settled.status, .body = rc->settled.resource_body,
-                 .provider_ref = out->provider_ref, .state = out->state},
+      .refund = {.tenant_id = rc->row.tenant_id,
+                 .id = f->id,
+                 .status = rc->settled.status,
+                 .body = rc->settled.resource_body,
+                 .provider_ref = out->provider_ref,
+                 .state = out->state,
+                 .who = {rc->request_id, "the provider's answer"}},
       .payment_id = f->payment_id,
       .amount = f->amount};
   *then = (idem_effect_t){idemd_refund_settled, &rc->update};
@@ -174,6 +184,7 @@ enum MHD_Result idemd_refunds_create(idemd_request_t *r, const json_t *body) {
   idemd_request_own(r, rc, refund_call_free);
   rc->srv = r->srv;
   rc->key = r->key;
+  rc->request_id = r->request_id;
   rc->row.tenant_id = r->tenant.id;
   rc->want = json_integer_value(json_object_get(cmd, "amount")); /* 0 when absent */
   if ((reason = json_string_value(json_object_get(cmd, "reason"))) != NULL) {

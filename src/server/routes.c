@@ -24,20 +24,26 @@
 #include "server/body.h"
 
 static const idemd_route_def_t routes[] = {
-    {"/payments", "", IDEMD_ID_NONE, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT, 1},
-    {"/payments/", "", IDEMD_ID_PLAIN, "GET", "GET, HEAD", ROUTE_PAYMENT, OP_GET_PAYMENT, 1},
+    {"/payments", "", IDEMD_ID_NONE, "POST", "POST", ROUTE_PAYMENTS, OP_CREATE_PAYMENT,
+     1},
+    {"/payments/", "", IDEMD_ID_PLAIN, "GET", "GET, HEAD", ROUTE_PAYMENT, OP_GET_PAYMENT,
+     1},
     {"/payments/", "/refunds", IDEMD_ID_PLAIN, "POST", "POST", ROUTE_REFUNDS,
      OP_CREATE_REFUND, 1},
     {"/refunds/", "", IDEMD_ID_PLAIN, "GET", "GET, HEAD", ROUTE_REFUND, OP_GET_REFUND, 1},
     {"/orders", "", IDEMD_ID_NONE, "POST", "POST", ROUTE_ORDERS, OP_CREATE_ORDER, 1},
-    {"/orders/", "", IDEMD_ID_ORDER, "GET", "GET, HEAD, PUT", ROUTE_ORDER, OP_GET_ORDER, 1},
-    {"/orders/", "", IDEMD_ID_ORDER, "PUT", "GET, HEAD, PUT", ROUTE_ORDER_PUT, OP_PUT_ORDER,
+    {"/orders/", "", IDEMD_ID_ORDER, "GET", "GET, HEAD, PUT", ROUTE_ORDER, OP_GET_ORDER,
      1},
+    {"/orders/", "", IDEMD_ID_ORDER, "PUT", "GET, HEAD, PUT", ROUTE_ORDER_PUT,
+     OP_PUT_ORDER, 1},
     {"/orders/", "/cancel", IDEMD_ID_ORDER, "POST", "POST", ROUTE_ORDER_CANCEL,
      OP_CANCEL_ORDER, 1},
     {"/healthz", "", IDEMD_ID_NONE, "GET", "GET, HEAD", ROUTE_HEALTHZ, OP_HEALTHZ, 0},
     {"/metrics", "", IDEMD_ID_NONE, "GET", "GET, HEAD", ROUTE_METRICS, OP_METRICS, 0},
     {"/readyz", "", IDEMD_ID_NONE, "GET", "GET, HEAD", ROUTE_READYZ, OP_READYZ, 0},
+    /* The provider's signature authenticates it (webhooks.c). */
+    {"/webhooks/provider", "", IDEMD_ID_NONE, "POST", "POST", ROUTE_WEBHOOK,
+     OP_PROVIDER_WEBHOOK, 0},
 };
 
 /* Whether the `len` bytes at `s` are an {id} under `rule`. */
@@ -291,6 +297,10 @@ enum MHD_Result idemd_dispatch(idemd_request_t *r) {
   int local = idem_store_local_reads(r->srv->store);
   int rc;
 
+  /* Checked in the event thread whatever the store: only a valid event
+   * goes on to a worker. */
+  if (r->route == ROUTE_WEBHOOK)
+    return idemd_webhook_receive(r);
   /* Where reads may block (PostgreSQL), even the key check waits on the
    * network: all of it runs in a worker. */
   if (!r->may_block && !local)

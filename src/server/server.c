@@ -141,6 +141,12 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
     fprintf(stderr, "idemd: cannot prepare the key-id HMAC\n");
     goto close_store;
   }
+  if (cfg->provider_webhook_secret[0] &&
+      (srv->webhook_mac = idem_hmac_new(cfg->provider_webhook_secret,
+                                        strlen(cfg->provider_webhook_secret))) == NULL) {
+    fprintf(stderr, "idemd: cannot prepare the webhook secret\n");
+    goto close_store;
+  }
   if ((srv->engine = idemd_flow_engine(srv)) == NULL) {
     fprintf(stderr, "idemd: out of memory\n");
     goto close_store;
@@ -204,6 +210,7 @@ close_store:
   idem_engine_free(srv->engine);
   idemd_replay_cache_free(srv->replays);
   idem_hmac_free(srv->key_id_mac);
+  idem_hmac_free(srv->webhook_mac);
   idemd_tenants_close(srv->tenants);
   idem_store_close(srv->store);
   return -1;
@@ -223,6 +230,7 @@ void idemd_server_stop(idemd_server_t *srv) {
   idem_engine_free(srv->engine);
   idemd_replay_cache_free(srv->replays);
   idem_hmac_free(srv->key_id_mac);
+  idem_hmac_free(srv->webhook_mac);
   idemd_tenants_close(srv->tenants); /* the keys' last uses written */
   idem_store_close(srv->store);
   idemd_log_event("info", "stopped", NULL);

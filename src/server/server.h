@@ -31,6 +31,7 @@ typedef struct idemd_server {
   idem_provider_t *provider;
   unsigned char log_secret[32]; /* HMAC key for key ids in logs */
   idem_hmac_t *key_id_mac;      /* that key, prepared */
+  idem_hmac_t *webhook_mac;     /* the provider's events' secret; NULL: no webhooks */
   struct idemd_replay_cache *replays; /* completed records' replays; may be NULL */
   struct MHD_Daemon *daemon;
   int port; /* the port bound */
@@ -54,17 +55,18 @@ typedef struct idemd_server {
 
 typedef enum idemd_route {
   ROUTE_NONE = 0,
-  ROUTE_PAYMENTS,  /* POST /payments */
-  ROUTE_PAYMENT,   /* GET /payments/{id} */
-  ROUTE_ORDERS,    /* POST /orders */
-  ROUTE_ORDER,     /* GET /orders/{id} */
-  ROUTE_ORDER_PUT, /* PUT /orders/{id} */
+  ROUTE_PAYMENTS,     /* POST /payments */
+  ROUTE_PAYMENT,      /* GET /payments/{id} */
+  ROUTE_ORDERS,       /* POST /orders */
+  ROUTE_ORDER,        /* GET /orders/{id} */
+  ROUTE_ORDER_PUT,    /* PUT /orders/{id} */
   ROUTE_ORDER_CANCEL, /* POST /orders/{id}/cancel */
   ROUTE_REFUNDS,      /* POST /payments/{id}/refunds */
   ROUTE_REFUND,       /* GET /refunds/{id} */
   ROUTE_HEALTHZ,
   ROUTE_METRICS,
-  ROUTE_READYZ
+  ROUTE_READYZ,
+  ROUTE_WEBHOOK /* POST /webhooks/provider */
 } idemd_route_t;
 
 /* One HTTP request, from its headers to the log line after its answer. */
@@ -165,6 +167,10 @@ enum MHD_Result idemd_orders_put(idemd_request_t *r, const json_t *body);
  * it. `body` (NULL when the request had none) must have no field: each
  * is a 422. Runs where it may block (a worker). */
 enum MHD_Result idemd_orders_cancel(idemd_request_t *r, const json_t *body);
+
+/* POST /webhooks/provider (webhooks.c): a provider's event, checked in
+ * the event thread (signature, time, body), applied by a worker. */
+enum MHD_Result idemd_webhook_receive(idemd_request_t *r);
 
 /* 1 when `id` is an order id a client may choose: "ord_" then 1 to 64 of
  * A-Z a-z 0-9 _ - (the ids idemd makes are such ids too), else 0. */

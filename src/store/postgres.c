@@ -223,6 +223,9 @@ static const char fresh[] =
 struct conn {
   PGconn *pg;
   unsigned prepared; /* bit i: stmt i is prepared on this connection */
+  /* in_tx() with `piped` set: the transaction's BEGIN has not been sent,
+   * and goes out with its first statement (run_piped()). */
+  int begin_pending;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
   uint32_t caller_prepared;
@@ -455,26 +458,100 @@ static void *watchdog_loop(void *arg) {
   return NULL;
 }
 
+/* Prepares statement `id` on this connection on its first use; its name
+ * goes in `name` (16 bytes). IDEM_OK, or the error recorded. */
+static int prepare(struct conn *c, enum stmt_id id, char *name) {
+  PGresult *res;
+
+  snprintf(name, 16, "idem_%d", (int)id);
+  if (c->prepared & (1u << id))
+    return IDEM_OK;
+  res = PQprepare(c->pg, name, stmt_sql[id], 0, NULL);
+  if (PQresultStatus(res) != PGRES_COMMAND_OK) {
+    int err = fail(c, res, "prepare");
+    PQclear(res);
+    return err;
+  }
+  PQclear(res);
+  c->prepared |= 1u << id;
+  return IDEM_OK;
+}
+
+/* Sends, in one round trip (libpq's pipeline mode), the transaction's
+ * BEGIN when it is pending, statement `id`, and statement `then` when it is
+ * not ST_COUNT_ (a statement whose rows are not needed, such as the NOTIFY
+ * after a completion). Returns `id`'s result, which the caller clears, or
+ * NULL with the first error recorded: a statement after a failed one is
+ * not run, and the transaction is left failed, for in_tx() to roll back.
+ * docs/performance.md, "PostgreSQL: fewer round trips". */
+static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
+                           const char *const *params, enum stmt_id then, int tn,
+                           const char *const *tparams, int *err) {
+  char name[16], tname[16];
+  int begin = c->begin_pending, queries, q = 0, synced = 0;
+  PGresult *res, *kept = NULL;
+
+  c->begin_pending = 0;
+  *err = IDEM_OK;
+  if ((*err = prepare(c, id, name)) != IDEM_OK ||
+      (then != ST_COUNT_ && (*err = prepare(c, then, tname)) != IDEM_OK))
+    return NULL;
+  if (!PQenterPipelineMode(c->pg)) {
+    *err = fail(c, NULL, "pipeline");
+    return NULL;
+  }
+  if (!(begin ? PQsendQueryParams(c->pg, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) : 1) ||
+      !PQsendQueryPrepared(c->pg, name, n, params, NULL, NULL, 0) ||
+      !(then != ST_COUNT_ ? PQsendQueryPrepared(c->pg, tname, tn, tparams, NULL, NULL, 0)
+                          : 1) ||
+      !PQpipelineSync(c->pg))
+    *err = fail(c, NULL, "send");
+  /* Each query's results end with a NULL; the sync's result ends the
+   * pipeline. A connection that broke gives NULLs only. */
+  queries = begin + 1 + (then != ST_COUNT_);
+  while (!synced && q <= queries) {
+    ExecStatusType st;
+    if ((res = PQgetResult(c->pg)) == NULL) {
+      q++;
+      continue;
+    }
+    st = PQresultStatus(res);
+    if (st == PGRES_PIPELINE_SYNC) {
+      synced = 1;
+    } else if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK) {
+      if (q == begin && kept == NULL) {
+        kept = res;
+        continue;
+      }
+    } else if (st != PGRES_PIPELINE_ABORTED && *err == IDEM_OK) {
+      *err = fail(c, res, begin && q == 0 ? "BEGIN" : "query");
+    }
+    PQclear(res);
+  }
+  if (!PQexitPipelineMode(c->pg) && *err == IDEM_OK)
+    *err = fail(c, NULL, "pipeline");
+  if (*err == IDEM_OK && (!synced || kept == NULL))
+    *err = fail(c, NULL, "query");
+  if (*err != IDEM_OK) {
+    PQclear(kept);
+    return NULL;
+  }
+  return kept;
+}
+
 /* Runs prepared statement `id` (preparing it on first use on this
- * connection). Returns the result, which the caller clears, or NULL with
- * the error recorded. */
+ * connection), with the transaction's BEGIN when that is pending. Returns
+ * the result, which the caller clears, or NULL with the error recorded. */
 static PGresult *run(struct conn *c, enum stmt_id id, int n,
                      const char *const *params, int *err) {
   char name[16];
   PGresult *res;
   ExecStatusType st;
 
-  snprintf(name, sizeof name, "idem_%d", (int)id);
-  if (!(c->prepared & (1u << id))) {
-    res = PQprepare(c->pg, name, stmt_sql[id], 0, NULL);
-    if (PQresultStatus(res) != PGRES_COMMAND_OK) {
-      *err = fail(c, res, "prepare");
-      PQclear(res);
-      return NULL;
-    }
-    PQclear(res);
-    c->prepared |= 1u << id;
-  }
+  if (c->begin_pending)
+    return run_piped(c, id, n, params, ST_COUNT_, 0, NULL, err);
+  if ((*err = prepare(c, id, name)) != IDEM_OK)
+    return NULL;
   res = PQexecPrepared(c->pg, name, n, params, NULL, NULL, 0);
   st = PQresultStatus(res);
   if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK) {
@@ -511,7 +588,20 @@ static int simple(struct conn *c, const char *sql) {
   return rc;
 }
 
+/* Sends the transaction's BEGIN when it is still pending: before a
+ * statement that does not go through run(). */
+static int begin_now(struct conn *c) {
+  if (!c->begin_pending)
+    return IDEM_OK;
+  c->begin_pending = 0;
+  return simple(c, "BEGIN");
+}
+
 static int tx_end(struct conn *c, int ok) {
+  if (c->begin_pending) { /* nothing was sent: nothing to end */
+    c->begin_pending = 0;
+    return IDEM_OK;
+  }
   if (ok)
     return simple(c, "COMMIT");
   if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
@@ -568,6 +658,8 @@ static void *tx_statement(idem_tx_t *tx, unsigned slot, const char *sql) {
   char *name = c->caller_name[slot];
   PGresult *res;
 
+  if (begin_now(c) != IDEM_OK)
+    return NULL;
   if ((c->caller_prepared & (1u << slot)) && c->caller_sql[slot] != sql &&
       strcmp(c->caller_sql[slot], sql) != 0) {
     char drop[48];
@@ -613,18 +705,19 @@ static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over};
 static int run_effect(struct conn *c, const idem_effect_t *e, int64_t now_ms,
                       int writable) {
   idem_tx_t tx = {"postgresql", c->pg, now_ms, &tx_ops, c, writable};
+  int rc;
   if (e == NULL || e->fn == NULL)
     return IDEM_OK;
+  /* The effect may run statements on idem_tx_handle() itself. */
+  if ((rc = begin_now(c)) != IDEM_OK)
+    return rc;
   return idem__effect_run(e, &tx);
 }
 
 /* The NOTIFY payload that names a scope: "tenant\noperation\nkey". */
-static int notify(struct conn *c, const idem_scope_t *sc) {
-  char payload[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
-  const char *p[1] = {payload};
-  snprintf(payload, sizeof payload, "%lld\n%s\n%s", (long long)sc->tenant_id,
-           sc->operation, sc->key);
-  return run_cmd(c, ST_NOTIFY, 1, p, NULL);
+static void notify_payload(char *payload, size_t len, const idem_scope_t *sc) {
+  snprintf(payload, len, "%lld\n%s\n%s", (long long)sc->tenant_id, sc->operation,
+           sc->key);
 }
 
 static int apply_outcome(struct conn *c, const idem_scope_t *sc,
@@ -640,13 +733,19 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
                            ? NULL
                            : num(exp, sizeof exp, now_ms + ttl_ms),
                        owner};
-  int rc, changed = 0;
+  char payload[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
+  const char *np[1] = {payload};
+  PGresult *res;
+  int rc;
 
-  if ((rc = run_cmd(c, ST_COMPLETE, 12, p, &changed)) != IDEM_OK)
+  /* The NOTIFY goes with the update, delivered to every instance at
+   * commit; when the update changed no row, the rollback drops it. */
+  notify_payload(payload, sizeof payload, sc);
+  if ((res = run_piped(c, ST_COMPLETE, 12, p, ST_NOTIFY, 1, np, &rc)) == NULL)
     return rc;
-  if (changed != 1)
-    return IDEM_ELOST;
-  return notify(c, sc); /* delivered to every instance at commit */
+  rc = atoi(PQcmdTuples(res)) == 1 ? IDEM_OK : IDEM_ELOST;
+  PQclear(res);
+  return rc;
 }
 
 static int reserve_tx(struct conn *c, const idem_reserve_t *req,
@@ -673,19 +772,22 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
                        req->ttl_ms);
     if (rc != IDEM_OK)
       return rc == IDEM_ELOST ? IDEM_ESTORE : rc;
+    return idem__settled_record(req, owner, 0, out);
   }
-  return read_record(c, &req->scope, out);
+  return idem__won_record(req, owner, 0, out);
 }
 
 /* Runs fn(c, arg) in a transaction on a pooled connection: committed
- * when it returns IDEM_OK, rolled back otherwise. */
-static int in_tx(pg_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
+ * when it returns IDEM_OK, rolled back otherwise. With `piped`, fn's
+ * first statement goes through run(), which sends the BEGIN with it. */
+static int in_tx(pg_store_t *s, int piped, int (*fn)(struct conn *, void *), void *arg) {
   struct conn *c;
   int rc;
 
   if ((rc = conn_get(s, &c)) != IDEM_OK)
     return rc;
-  if ((rc = simple(c, "BEGIN")) == IDEM_OK) {
+  c->begin_pending = piped;
+  if ((rc = piped ? IDEM_OK : simple(c, "BEGIN")) == IDEM_OK) {
     rc = fn(c, arg);
     int end = tx_end(c, rc == IDEM_OK);
     if (rc == IDEM_OK)
@@ -715,7 +817,7 @@ static int pg_reserve(idem_store_t *base, const idem_reserve_t *req,
 
   if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
     return IDEM_ECRYPTO;
-  if ((rc = in_tx((pg_store_t *)base, reserve_fn, &a)) != IDEM_OK)
+  if ((rc = in_tx((pg_store_t *)base, 1, reserve_fn, &a)) != IDEM_OK)
     idem_record_reset(out);
   return rc;
 }
@@ -730,7 +832,7 @@ static int complete_fn(struct conn *c, void *arg) {
 }
 
 static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
-  return in_tx((pg_store_t *)base, complete_fn, (void *)cp);
+  return in_tx((pg_store_t *)base, 1, complete_fn, (void *)cp);
 }
 
 static int caller_write_fn(struct conn *c, void *arg) {
@@ -738,7 +840,7 @@ static int caller_write_fn(struct conn *c, void *arg) {
 }
 
 static int pg_write(idem_store_t *base, const idem_effect_t *e) {
-  return in_tx((pg_store_t *)base, caller_write_fn, (void *)e);
+  return in_tx((pg_store_t *)base, 0, caller_write_fn, (void *)e);
 }
 
 static int pg_read(idem_store_t *base, const idem_effect_t *e) {
@@ -855,7 +957,7 @@ static int probe_fn(struct conn *c, void *arg) {
 
 static int pg_probe(idem_store_t *base) {
   char now[24];
-  return in_tx((pg_store_t *)base, probe_fn, (void *)num(now, sizeof now, idem_now_ms()));
+  return in_tx((pg_store_t *)base, 0, probe_fn, (void *)num(now, sizeof now, idem_now_ms()));
 }
 
 static int pg_meta_get_or_put(idem_store_t *base, const char *name,

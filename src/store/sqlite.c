@@ -399,51 +399,6 @@ static int complete_record(struct conn *c, const idem_scope_t *sc,
   }
 }
 
-/* The record a won reservation left, without reading it back: ST_RESERVE
- * writes these values whether it inserted the row or took an old one
- * over (its DO UPDATE sets every column, to the same values). */
-static int won_record(const idem_reserve_t *req, const char *owner, int64_t row,
-                      idem_record_t *out) {
-  /* Copied as row_to_record() copies what it reads. */
-  idem_record_reset(out);
-  out->tenant_id = req->scope.tenant_id;
-  idem_copy(out->operation, sizeof out->operation, req->scope.operation);
-  idem_copy(out->key, sizeof out->key, req->scope.key);
-  idem_copy(out->fingerprint, sizeof out->fingerprint, req->fingerprint);
-  idem_copy(out->resource_id, sizeof out->resource_id, req->resource_id);
-  idem_copy(out->correlation_id, sizeof out->correlation_id, req->correlation_id);
-  idem_copy(out->owner_token, sizeof out->owner_token, owner);
-  out->state = IDEM_STATE_PROCESSING;
-  out->lease_expires_at = req->now_ms + req->lease_ms;
-  out->created_at = req->now_ms;
-  out->updated_at = req->now_ms;
-  out->row = row;
-  return IDEM_OK;
-}
-
-/* The record a single-step reservation left once complete_record() wrote
- * req->outcome over the won one: as ST_COMPLETE sets it. */
-static int settled_record(const idem_reserve_t *req, const char *owner, int64_t row,
-                          idem_record_t *out) {
-  const idem_outcome_t *o = req->outcome;
-  int rc = won_record(req, owner, row, out);
-
-  if (rc != IDEM_OK)
-    return rc;
-  out->state = o->state;
-  out->response_status = o->status;
-  if (o->body && (out->response_body = strdup(o->body)) == NULL)
-    return IDEM_ENOMEM;
-  idem_copy(out->location, sizeof out->location, o->location);
-  if (o->resource_id)
-    idem_copy(out->resource_id, sizeof out->resource_id, o->resource_id);
-  idem_copy(out->provider_ref, sizeof out->provider_ref, o->provider_ref);
-  out->owner_token[0] = '\0';
-  out->lease_expires_at = 0;
-  out->expires_at = o->state == IDEM_STATE_PENDING ? 0 : req->now_ms + req->ttl_ms;
-  return IDEM_OK;
-}
-
 /* The body of a reservation, inside a write transaction. */
 static int reserve_tx(struct conn *c, const idem_reserve_t *req,
                       const char *owner, idem_record_t *out,
@@ -485,9 +440,9 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
                          req->ttl_ms, row);
     if (rc != IDEM_OK)
       return rc == IDEM_ELOST ? IDEM_ESTORE : rc;
-    return settled_record(req, owner, row, out);
+    return idem__settled_record(req, owner, row, out);
   }
-  return won_record(req, owner, row, out);
+  return idem__won_record(req, owner, row, out);
 }
 
 struct reserve_args {

@@ -310,6 +310,46 @@ int idem_store_complete_async(idem_store_t *store, const idem_complete_t *c,
 
 const char *idem_tx_backend(const idem_tx_t *tx) { return tx->backend; }
 
+int idem__won_record(const idem_reserve_t *req, const char *owner, int64_t row,
+                      idem_record_t *out) {
+  /* Copied as the backends copy what they read. */
+  idem_record_reset(out);
+  out->tenant_id = req->scope.tenant_id;
+  idem_copy(out->operation, sizeof out->operation, req->scope.operation);
+  idem_copy(out->key, sizeof out->key, req->scope.key);
+  idem_copy(out->fingerprint, sizeof out->fingerprint, req->fingerprint);
+  idem_copy(out->resource_id, sizeof out->resource_id, req->resource_id);
+  idem_copy(out->correlation_id, sizeof out->correlation_id, req->correlation_id);
+  idem_copy(out->owner_token, sizeof out->owner_token, owner);
+  out->state = IDEM_STATE_PROCESSING;
+  out->lease_expires_at = req->now_ms + req->lease_ms;
+  out->created_at = req->now_ms;
+  out->updated_at = req->now_ms;
+  out->row = row;
+  return IDEM_OK;
+}
+
+int idem__settled_record(const idem_reserve_t *req, const char *owner, int64_t row,
+                          idem_record_t *out) {
+  const idem_outcome_t *o = req->outcome;
+  int rc = idem__won_record(req, owner, row, out);
+
+  if (rc != IDEM_OK)
+    return rc;
+  out->state = o->state;
+  out->response_status = o->status;
+  if (o->body && (out->response_body = strdup(o->body)) == NULL)
+    return IDEM_ENOMEM;
+  idem_copy(out->location, sizeof out->location, o->location);
+  if (o->resource_id)
+    idem_copy(out->resource_id, sizeof out->resource_id, o->resource_id);
+  idem_copy(out->provider_ref, sizeof out->provider_ref, o->provider_ref);
+  out->owner_token[0] = '\0';
+  out->lease_expires_at = 0;
+  out->expires_at = o->state == IDEM_STATE_PENDING ? 0 : req->now_ms + req->ttl_ms;
+  return IDEM_OK;
+}
+
 void *idem_tx_handle(const idem_tx_t *tx) { return tx->handle; }
 
 int64_t idem_tx_now_ms(const idem_tx_t *tx) { return tx->now_ms; }

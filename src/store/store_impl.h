@@ -47,6 +47,19 @@ void idem__store_set_error(const char *fmt, ...)
  * that changed a record others may be waiting on. */
 void idem__store_notify(idem_store_t *store, const idem_scope_t *scope);
 
+/* The record a won reservation left, without reading it back (both
+ * backends' reservation writes these values whether it inserted the row or
+ * took an old one over: its DO UPDATE sets every column). `row` is
+ * SQLite's rowid, or 0. IDEM_OK. */
+int idem__won_record(const idem_reserve_t *req, const char *owner, int64_t row,
+                     idem_record_t *out);
+
+/* The record a single-step reservation left once the completion wrote
+ * req->outcome over the won one, as the backends' completion sets it.
+ * IDEM_OK or IDEM_ENOMEM. */
+int idem__settled_record(const idem_reserve_t *req, const char *owner, int64_t row,
+                         idem_record_t *out);
+
 /* Backends' constructors. On success they fill `*out` with a handle whose
  * base is initialised (methods set; waits is set by idem_store_open). */
 int idem__sqlite_open(const char *path, const idem_store_options_t *opts,

@@ -37,6 +37,8 @@ usage: check_openapi.py PATH/TO/idemd [PATH/TO/openapi.yaml]
 """
 
 import copy
+import hashlib
+import hmac
 import json
 import os
 import re
@@ -80,6 +82,9 @@ def excused(where, status):
 DECLINE, UNCERTAIN, UNAVAILABLE = 4020, 2020, 5030
 SANDBOX_DELAY = '300ms'   # every charge takes this long...
 INFLIGHT_WAIT = '50ms'    # ...so a duplicate gives up waiting: 409
+
+# The provider's events' secret (--provider-webhook-secret).
+WEBHOOK_SECRET = 'whsec_openapi'
 
 SANITIZER_MARKS = ('ERROR: AddressSanitizer', 'ERROR: LeakSanitizer',
                    'runtime error:', 'ThreadSanitizer')
@@ -901,6 +906,9 @@ def drive(d, tok, other, server):
         if name not in text:
             raise Failure('/metrics lacks %r' % name)
 
+    # --- POST /webhooks/provider: the provider's events, signed
+    drive_webhooks(d, body_json(pending)['id'])
+
     # --- unmatched: unknown paths (before credentials) and methods
     for path in ('/nowhere', '/payments/', '/payments/has-dash', '/orders/a/b', '/Payments',
                  '/payments/' + 'x' * 64, '/orders/x/cancel/y', '/orders/' + 'x' * 96,
@@ -913,7 +921,8 @@ def drive(d, tok, other, server):
                          ('PATCH', '/metrics'), ('OPTIONS', O), ('DELETE', '/orders/x'),
                          ('GET', '/orders/x/cancel'), ('PUT', '/orders/x/cancel'),
                          ('GET', '/payments/x/refunds'), ('POST', '/refunds/x'),
-                         ('DELETE', '/refunds/x')):
+                         ('DELETE', '/refunds/x'), ('GET', '/webhooks/provider'),
+                         ('PUT', '/webhooks/provider')):
         d.call(method, path, 405, 'method not allowed')
 
     # --- request line and headers over --max-header-bytes: 431, any route
@@ -926,6 +935,7 @@ def drive(d, tok, other, server):
                             ('GET', '/healthz', None), ('HEAD', '/healthz', None),
                             ('GET', '/readyz', None), ('HEAD', '/readyz', None),
                             ('GET', '/metrics', None), ('HEAD', '/metrics', None),
+                            ('POST', '/webhooks/provider', None),
                             ('GET', '/nowhere', None)):
         # No body: idemd hangs up after the 431, and a body still being sent
         # would meet a closed socket.
@@ -950,6 +960,7 @@ def drive(d, tok, other, server):
         d.call('HEAD', '/healthz', 503, 'store unreachable')
         d.call('GET', '/readyz', 503, 'store failure')
         d.call('HEAD', '/readyz', 503, 'store failure')
+        webhook(d, 503, 'store failure', event('evt_store', 'charge.succeeded', 'pay_x', 1))
         d.call('GET', '/metrics', 200, 'metrics while the store fails')
     finally:
         server.store_fault(False)
@@ -957,6 +968,50 @@ def drive(d, tok, other, server):
     d.call('GET', '/payments/' + pay_id, 200, 'store back', tok)
     d.call('POST', P, 201, 'a key tried during the fault is free', tok, 'pay-store',
            {'amount': 1})
+
+
+def event(ev_id, ev_type, key, amount):
+    return json.dumps({'id': ev_id, 'type': ev_type, 'created': int(time.time()),
+                       'data': {'key': key, 'id': 'ch_openapi', 'amount': amount}}).encode()
+
+
+def signature(body, t=None, secret=WEBHOOK_SECRET):
+    t = int(time.time()) if t is None else t
+    mac = hmac.new(secret.encode(), b'%d.' % t + body, hashlib.sha256).hexdigest()
+    return 't=%d,v1=%s' % (t, mac)
+
+
+def webhook(d, expect, label, body, sig=None, signed=True):
+    headers = {}
+    if signed:
+        headers['Idem-Psp-Signature'] = sig if sig is not None else signature(body)
+    return d.call('POST', '/webhooks/provider', expect, label, None, None, body,
+                  headers=headers)
+
+
+def drive_webhooks(d, pending_id):
+    """The provider's events: the pending payment settled once, then every
+    refusal; nothing asks for credentials."""
+    ev = event('evt_openapi_1', 'charge.succeeded', pending_id, UNCERTAIN)
+    ok = webhook(d, 200, 'event applied', ev)
+    if body_json(ok) != {'status': 'applied'}:
+        raise Failure('the event was not applied: %r' % ok['body'])
+    webhook(d, 200, 'event again: duplicate', ev)
+    webhook(d, 200, 'event for a settled payment: ignored',
+            event('evt_openapi_2', 'charge.declined', pending_id, UNCERTAIN))
+    webhook(d, 200, 'event for no payment: ignored',
+            event('evt_openapi_3', 'charge.succeeded', 'pay_unknown', 1))
+    bad = event('evt_openapi_4', 'charge.succeeded', pending_id, UNCERTAIN)
+    webhook(d, 400, 'event unsigned', bad, signed=False)
+    webhook(d, 400, 'event signature malformed', bad, sig='v1=00')
+    webhook(d, 400, 'event forged', bad, sig=signature(bad, secret='another'))
+    webhook(d, 400, 'event stale', bad, sig=signature(bad, t=int(time.time()) - 301))
+    webhook(d, 400, 'event not JSON', b'{"id":')
+    webhook(d, 400, 'event of an unknown type', event('evt_openapi_5', 'charge.refunded',
+                                                      pending_id, UNCERTAIN))
+    webhook(d, 413, 'event over 8 KiB', bad + b' ' * 9000)
+    if d.s.sql("SELECT count(*) FROM processed_events")[0][0] != 1:
+        raise Failure('a refused or duplicate event was recorded')
 
 
 def drive_connection_cap(d, tok):
@@ -975,10 +1030,21 @@ def drive_connection_cap(d, tok):
                 ('GET', '/healthz', None, None), ('HEAD', '/healthz', None, None),
                 ('GET', '/readyz', None, None), ('HEAD', '/readyz', None, None),
                 ('GET', '/metrics', None, None), ('HEAD', '/metrics', None, None),
-                ('GET', '/nowhere', None, None), ('DELETE', '/payments', None, None)):
+                ('GET', '/nowhere', None, None), ('DELETE', '/payments', None, None),
+                ('POST', '/webhooks/provider', None, {'id': 'evt_cap'})):
             d.call(method, path, 503, 'beyond --max-connections', t, 'k-cap', body)
     finally:
         hold.close()
+    # This idemd has no --provider-webhook-secret: no such route. (Its one
+    # connection is free again once idemd has seen the other close.)
+    for _ in range(50):
+        ex = d.call('POST', '/webhooks/provider', None, 'without a webhook secret', None, None,
+                    event('evt_none', 'charge.succeeded', 'pay_x', 1))
+        if ex['status'] != 503:
+            break
+        time.sleep(0.1)
+    if ex['status'] != 404:
+        raise Failure('POST /webhooks/provider without a secret answered %s' % ex['status'])
 
 
 # ---------------------------------------------------------------------------
@@ -1110,6 +1176,7 @@ def main(argv):
         '--inflight-wait', INFLIGHT_WAIT,
         '--reconcile-interval', '1h',   # pending stays pending
         '--max-header-bytes', '16384',
+        '--provider-webhook-secret', WEBHOOK_SECRET,
     ])
     servers.append(server)
     ok = False

@@ -123,6 +123,12 @@ void h_server_stop(h_server_t *s);
  * when IDEM_TEST_KEEP is set). */
 int h_teardown(void **state);
 
+/* Runs idemd with `args` (NULL-terminated, after the binary) and `--db` of
+ * the server, stdout captured into `out` (malloc'd; free it), stderr
+ * appended to the server's CLI log (checked for sanitizer reports at
+ * stop). Returns the exit status, or -1 if it did not exit normally. */
+int h_cli(h_server_t *s, const char *const *args, char **out);
+
 /* Runs `idemd tenant create NAME --db DB`; returns its API key (malloc'd,
  * freed by h_teardown with the server). Fails. */
 const char *h_tenant(h_server_t *s, const char *name);

@@ -633,80 +633,10 @@ static void test_request_counters(void **state) {
 
 /* ---- the command line ------------------------------------------------- */
 
-/* Runs idemd with `args` (NULL-terminated, after the binary) and `--db` of
- * the server, stdout captured into `out` (malloc'd; free it), stderr
- * appended to the server's CLI log (checked for sanitizer reports at
- * stop). Returns the exit status, or -1 if it did not exit normally. */
-static int run_cli(h_server_t *s, const char *const *args, char **out) {
-  char *argv[24];
-  size_t n = 0, cap = 4096, len = 0;
-  int pipefd[2], errfd, status;
-  char *buf = malloc(cap);
-  pid_t pid;
-
-  assert_non_null(buf);
-  argv[n++] = (char *)idemd_bin;
-  for (size_t i = 0; args[i]; i++) {
-    assert_true(n < sizeof argv / sizeof *argv - 3);
-    argv[n++] = (char *)args[i];
-  }
-  argv[n++] = "--db";
-  argv[n++] = s->db;
-  argv[n] = NULL;
-  assert_int_equal(pipe(pipefd), 0);
-  errfd = open(s->cli_log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
-  assert_true(errfd >= 0);
-  pid = fork();
-  assert_true(pid >= 0);
-  if (pid == 0) {
-    extern char **environ;
-    dup2(pipefd[1], 1);
-    dup2(errfd, 2);
-    close(pipefd[0]);
-    close(pipefd[1]);
-    /* The configuration is what the test says, not the caller's IDEMD_*. */
-    for (char **e = environ; *e;) {
-      if (strncmp(*e, "IDEMD_", 6) == 0) {
-        char name[128];
-        size_t k = strcspn(*e, "=");
-        snprintf(name, sizeof name, "%.*s", (int)k, *e);
-        unsetenv(name);
-      } else {
-        e++;
-      }
-    }
-    execv(idemd_bin, argv);
-    _exit(127);
-  }
-  close(pipefd[1]);
-  close(errfd);
-  for (;;) {
-    ssize_t got;
-    if (len + 1 >= cap) {
-      char *b = realloc(buf, cap * 2);
-      assert_non_null(b);
-      buf = b;
-      cap *= 2;
-    }
-    got = read(pipefd[0], buf + len, cap - 1 - len);
-    if (got < 0 && errno == EINTR)
-      continue;
-    if (got <= 0)
-      break;
-    len += (size_t)got;
-  }
-  close(pipefd[0]);
-  buf[len] = '\0';
-  while (waitpid(pid, &status, 0) < 0)
-    assert_int_equal(errno, EINTR);
-  *out = buf;
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
-
 /* Runs a command that must succeed; returns its stdout (malloc'd). */
 static char *cli_ok(h_server_t *s, const char *const *args) {
   char *out = NULL;
-  int rc = run_cli(s, args, &out);
+  int rc = h_cli(s, args, &out);
   if (rc != 0)
     fail_msg("idemd %s %s exited %d (stdout: %s; see %s)", args[0], args[1] ? args[1] : "",
              rc, out, s->cli_log);
@@ -874,7 +804,7 @@ static void test_tenant_rotate_disable_enable(void **state) {
   {
     const char *const args[] = {"tenant", "rotate", "nobody", NULL};
     char *out = NULL;
-    assert_int_equal(run_cli(s, args, &out), 1);
+    assert_int_equal(h_cli(s, args, &out), 1);
     assert_string_equal(out, "");
     free(out);
   }
@@ -950,16 +880,16 @@ static void test_tenant_keys(void **state) {
     const char *const unknown[] = {"tenant", "key", "revoke", "acme", "nope", NULL};
     const char *const usage[] = {"tenant", "key", "add", "acme", NULL};
     char *out = NULL;
-    assert_int_equal(run_cli(s, taken, &out), 1);
+    assert_int_equal(h_cli(s, taken, &out), 1);
     assert_string_equal(out, "");
     free(out);
-    assert_int_equal(run_cli(s, bad, &out), 2);
+    assert_int_equal(h_cli(s, bad, &out), 2);
     free(out);
-    assert_int_equal(run_cli(s, nobody, &out), 1);
+    assert_int_equal(h_cli(s, nobody, &out), 1);
     free(out);
-    assert_int_equal(run_cli(s, unknown, &out), 1);
+    assert_int_equal(h_cli(s, unknown, &out), 1);
     free(out);
-    assert_int_equal(run_cli(s, usage, &out), 2);
+    assert_int_equal(h_cli(s, usage, &out), 2);
     free(out);
   }
 
@@ -1132,14 +1062,14 @@ static void test_records_tools(void **state) {
                                     "--operation", "create_order", "--key",    "shared-key",
                                     NULL};
     const char *const no_tenant[] = {"records", "--tenant", "nobody", NULL};
-    assert_int_equal(run_cli(s, other_tenant, &out), 1);
+    assert_int_equal(h_cli(s, other_tenant, &out), 1);
     assert_null(strstr(out, pending_pay));
     assert_string_equal(out, "");
     free(out);
-    assert_int_equal(run_cli(s, other_op, &out), 1);
+    assert_int_equal(h_cli(s, other_op, &out), 1);
     assert_string_equal(out, "");
     free(out);
-    assert_int_equal(run_cli(s, no_tenant, &out), 1);
+    assert_int_equal(h_cli(s, no_tenant, &out), 1);
     assert_string_equal(out, "");
     free(out);
   }

@@ -256,6 +256,10 @@ static void test_bad_input(void **state) {
         {"POST", "/orders//cancel", NULL, "", 404, "not found"},
         {"PUT", "/orders/ord_a%20b", NULL, ORDER, 404, "not found"},
         {"PUT", "/orders/ord_%C3%A9", NULL, ORDER, 404, "not found"},
+        /* a NUL would end the id at ord_a */
+        {"PUT", "/orders/ord_a%00b", NULL, ORDER, 400,
+         "order id must be ord_ followed by 1 to 64 of A-Z a-z 0-9 _ -"},
+        {"POST", "/orders/ord_a%00b/cancel", NULL, "", 404, "order not found"},
         {"PUT", "/orders/ord_x/", NULL, ORDER, 404, "not found"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -286,6 +290,13 @@ static void test_bad_input(void **state) {
   put(s, "ord_x", tok, ORDER, &r);
   h_assert_first(&r, 201);
   h_resp_free(&r);
+  {
+    /* Not ord_x: an id cut short at a NUL would be. */
+    h_req_t q = {.method = "GET", .path = "/orders/ord_x%00zz", .token = tok};
+    h_http(s, &q, &r);
+    h_assert_error(&r, 404, "order not found");
+    h_resp_free(&r);
+  }
   {
     h_req_t q = {.method = "POST", .path = "/orders/ord_x/cancel", .token = tok,
                  .body = "{\"reason\":\"changed my mind\"}"};

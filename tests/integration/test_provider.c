@@ -102,13 +102,14 @@ static void assert_provider(p_psp_t *p, int64_t charges, int64_t declines, const
 struct bg {
   h_server_t *s;
   const char *tok, *key, *body;
+  const char *path; /* NULL: /payments */
   h_resp_t resp;
   pthread_t thread;
 };
 
 static void *bg_main(void *arg) {
   struct bg *b = arg;
-  h_post(b->s, "/payments", b->tok, b->key, b->body, &b->resp);
+  h_post(b->s, b->path ? b->path : "/payments", b->tok, b->key, b->body, &b->resp);
   return NULL;
 }
 
@@ -836,6 +837,84 @@ static void charge_for_refunds(idem_provider_t *pr, const char *key, int64_t amo
   assert_outcome("the charge to refund", &res, IDEM_CHARGE_SUCCEEDED, "ch_");
 }
 
+/* A refund's worker dies (kill -9) while the provider is refunding. Started
+ * again, the reconciler takes the refund's record over once the dead
+ * worker's lease ran out, finds the refund at the provider by its key and
+ * settles it: the retry gets the refund (201, replayed), the provider made
+ * one refund and got no second request for it, and the payment shows it. */
+static void test_kill9_refund_while_at_provider(void **state) {
+  static const char *const psp_flags[] = {"--latency", "2s", NULL};
+  static const char *const extra[] = {"--provider-timeout",   "3s",    "--lease", "4s",
+                                      "--reconcile-interval", "200ms", NULL};
+  p_psp_t *p = p_start(psp_flags);
+  const char *flags[12];
+  struct bg first = {.key = "refund-crash-1", .body = "{\"amount\": 5000}"};
+  char path[128], location[160];
+  h_server_t *s;
+  h_resp_t r;
+  char *pid, *rid;
+  json_t *stats;
+  (void)state;
+
+  idemd_flags(p, extra, flags, 12);
+  s = h_server_start(flags);
+  first.s = s;
+  first.tok = h_tenant(s, "acme");
+  h_post(s, "/payments", first.tok, "refund-crash-pay", PAYMENT, &r);
+  h_assert_first(&r, 201);
+  pid = strdup(h_id(&r));
+  h_resp_free(&r);
+  snprintf(path, sizeof path, "/payments/%s/refunds", pid);
+  first.path = path;
+  bg_start(&first);
+  wait_record(s, "refund-crash-1", "processing", 10000);
+  rid = h_db_text(s, PAY_ID_OF_KEY, "refund-crash-1");
+  if (rid == NULL || strncmp(rid, "re_", 3) != 0)
+    fail_msg("the refund's record names '%s'", rid ? rid : "(null)");
+  for (int i = 0; i < 500; i++) { /* the request reached the provider */
+    stats = p_stats(p);
+    int64_t n = refund_key_stat(stats, rid, "requests");
+    json_decref(stats);
+    if (n >= 1)
+      break;
+    if (i == 499)
+      fail_msg("the provider did not receive the refund %s", rid);
+    p_nap_ms(20);
+  }
+  p_kill_idemd(s);
+  pthread_join(first.thread, NULL);
+  assert_int_equal(first.resp.status, 0); /* lost with the process */
+  h_resp_free(&first.resp);
+  h_assert_db(s, 1, RECORD_IN_STATE, "refund-crash-1", "processing");
+
+  h_server_restart(s, flags);
+  wait_record(s, "refund-crash-1", "completed", 20000);
+  h_post(s, path, first.tok, "refund-crash-1", first.body, &r);
+  h_assert_status(&r, 201);
+  assert_string_equal(r.replayed, "true");
+  assert_string_equal(h_id(&r), rid);
+  assert_string_equal(str_field(&r, "status"), "succeeded");
+  snprintf(location, sizeof location, "/refunds/%s", rid);
+  assert_string_equal(r.location, location);
+  h_resp_free(&r);
+  h_assert_db(s, 1, "SELECT count(*) FROM refunds WHERE id = ?1 AND status = 'succeeded'",
+              rid);
+  h_assert_db(s, 0, "SELECT count(*) FROM outbox");
+  snprintf(location, sizeof location, "/payments/%s", pid);
+  h_get(s, location, first.tok, &r);
+  h_assert_status(&r, 200);
+  assert_int_equal(json_integer_value(json_object_get(r.json, "amount_refunded")), 5000);
+  h_resp_free(&r);
+  assert_refunds(p, 1, 0);
+  stats = p_stats(p);
+  assert_int_equal(refund_key_stat(stats, rid, "requests"), 1);
+  json_decref(stats);
+  free(rid);
+  free(pid);
+  h_server_stop(s);
+  p_stop(p);
+}
+
 static void test_http_refund(void **state) {
   p_psp_t *p = p_start(NULL);
   idem_provider_t *pr = http_provider(p->url, 5000);
@@ -1000,6 +1079,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_twenty_short_wait, p_teardown),
       cmocka_unit_test_teardown(test_kill9_while_at_provider, p_teardown),
       cmocka_unit_test_teardown(test_kill9_resend_same_key, p_teardown),
+      cmocka_unit_test_teardown(test_kill9_refund_while_at_provider, p_teardown),
       cmocka_unit_test_teardown(test_answer_after_deadline, p_teardown),
       cmocka_unit_test_teardown(test_deadline_on_kept_alive_connection, p_teardown),
       cmocka_unit_test_teardown(test_crash_after_charge_on_kept_alive_connection, p_teardown),

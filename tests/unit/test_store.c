@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "data/audit.h"
 #include "data/resources.h"
 #include "data/schema.h"
 #include "data/tenants.h"
@@ -1573,6 +1574,121 @@ static int take_over(fixture_t *fx, struct take_over *t) {
   return t->rc;
 }
 
+/* The audit rows idemd_audit_list() gave, as "resource from>to actor reason"
+ * lines ("-" for NULL). */
+struct audit_lines {
+  char text[2048];
+  int n;
+  int64_t last_at;
+  int ordered; /* each row at or after the one before */
+};
+
+static int got_audit(void *arg, const idemd_audit_row_t *row) {
+  struct audit_lines *l = arg;
+  size_t used = strlen(l->text);
+  snprintf(l->text + used, sizeof l->text - used, "%s %s>%s %s %s\n", row->resource_id,
+           row->from ? row->from : "-", row->to, row->actor,
+           row->reason ? row->reason : "-");
+  if (row->at_ms < l->last_at)
+    l->ordered = 0;
+  l->last_at = row->at_ms;
+  l->n++;
+  return IDEM_OK;
+}
+
+static struct audit_lines audit_of(fixture_t *fx, const char *id) {
+  struct audit_lines l = {.ordered = 1};
+  assert_int_equal(idemd_audit_list(fx->store, fx->tenant.id, id, got_audit, &l), IDEM_OK);
+  assert_true(l.ordered);
+  return l;
+}
+
+/* Each state change writes one audit row in its own transaction: a
+ * creation (from NULL), a completion that changes the status (none for a
+ * payment left pending again), an order's first cancellation (none for
+ * the second); a write that rolls back leaves no row; a tenant sees only
+ * its own rows, oldest first. */
+static void test_audit_trail(void **state) {
+  fixture_t *fx = *state;
+  char token[IDEM_TOKEN_MAX + 1], want[512], *body = NULL;
+  struct payment p, dup;
+  idem_reserve_t req;
+  idem_record_t rec = {0};
+  idem_outcome_t unknown = {.state = IDEM_STATE_PENDING, .status = 202, .body = "{}"};
+  idem_outcome_t ok = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+  idemd_actor_t canceller = {"req_cancel", "POST /orders/{id}/cancel"};
+  int changed = -1;
+
+  req = reserve_payment(fx, "audited", LEASE_MS, &p, token);
+  struct audit_lines l = audit_of(fx, p.id);
+  snprintf(want, sizeof want, "%s ->pending idemd -\n", p.id);
+  assert_string_equal(l.text, want);
+
+  /* Left pending: the status stays, no row. */
+  assert_int_equal(complete_payment(fx, &req.scope, token, fx->now + 1, TTL_MS, &unknown, &p,
+                                    "pending", NULL),
+                   IDEM_OK);
+  assert_int_equal(audit_of(fx, p.id).n, 1);
+
+  /* Taken over and settled by the reconciler: one row, with its actor
+   * and reason. */
+  struct take_over t = {.scope = req.scope, .lease_ms = 60000};
+  assert_int_equal(take_over(fx, &t), IDEM_OK);
+  p.settle = (idemd_resource_update_t){.tenant_id = fx->tenant.id, .id = p.id,
+                                       .status = "succeeded", .state = IDEM_STATE_COMPLETED,
+                                       .who = {"reconciler", "looked up at the provider"}};
+  idem_complete_t c = {.scope = req.scope, .owner_token = t.rec.owner_token,
+                       .now_ms = idem_now_ms(), .ttl_ms = TTL_MS, .outcome = ok,
+                       .effect = {idemd_resource_update, &p.settle}};
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_OK);
+  idem_record_reset(&t.rec);
+  l = audit_of(fx, p.id);
+  snprintf(want, sizeof want,
+           "%s ->pending idemd -\n%s pending>succeeded reconciler looked up at the provider\n",
+           p.id, p.id);
+  assert_string_equal(l.text, want);
+
+  /* A creation that rolls back (the id is taken) leaves no row. */
+  new_payment(&dup);
+  memcpy(dup.id, p.id, sizeof dup.id);
+  req = request(fx, OP_PAY, "dup-id", "00000000000000000000000000000000000000000000000000000000000000bb");
+  with_payment(&req, &dup, 1);
+  dup.res.who = (idemd_actor_t){"req_dup", NULL};
+  assert_int_equal(idem_store_reserve(fx->store, &req, &rec, &(idem_reserve_result_t){0}),
+                   IDEM_EEXIST);
+  idem_record_reset(&rec);
+  assert_int_equal(audit_of(fx, p.id).n, 2);
+
+  /* An order put, then cancelled twice: a creation and one change. */
+  idemd_resource_t order = {.tenant_id = fx->tenant.id, .kind = "order", .id = "ord_audited",
+                            .status = "created",
+                            .body = "{\"id\":\"ord_audited\",\"status\":\"created\","
+                                    "\"created_at\":\"2026-01-01T00:00:00.000Z\"}",
+                            .who = {"req_put", "PUT /orders/{id}"}};
+  assert_int_equal(idemd_order_put(fx->store, &order, &body), IDEM_OK);
+  assert_int_equal(idemd_order_cancel(fx->store, fx->tenant.id, "ord_audited", &canceller,
+                                      &body, &changed),
+                   IDEM_OK);
+  assert_int_equal(changed, 1);
+  free(body);
+  assert_int_equal(idemd_order_cancel(fx->store, fx->tenant.id, "ord_audited", &canceller,
+                                      &body, &changed),
+                   IDEM_OK);
+  assert_int_equal(changed, 0);
+  free(body);
+  assert_string_equal(audit_of(fx, "ord_audited").text,
+                      "ord_audited ->created req_put PUT /orders/{id}\n"
+                      "ord_audited created>cancelled req_cancel POST /orders/{id}/cancel\n");
+  /* All of the tenant's: both resources, oldest first; another tenant's: none. */
+  assert_int_equal(audit_of(fx, NULL).n, 4);
+  idemd_tenant_t other;
+  idemd_api_key_t other_key;
+  new_tenant(fx->tenants, &other, &other_key);
+  struct audit_lines none = {.ordered = 1};
+  assert_int_equal(idemd_audit_list(fx->store, other.id, NULL, got_audit, &none), IDEM_OK);
+  assert_int_equal(none.n, 0);
+}
+
 /* A processing record whose lease ran out, or a pending one, is taken
  * over under a new owner token (the old owner is then refused); one held
  * under a live lease, a finished one or none is not; nor in a read. */
@@ -1659,6 +1775,34 @@ static void release_all(idem_record_t *recs, int n) {
     idem_record_reset(&recs[i]);
 }
 
+
+/* The reconciler's claim of a payment whose request died with its call
+ * (processing, its lease run out) writes a row of the take-over, though
+ * the payment stays pending; a claim of one left pending writes none. */
+static void test_audit_take_over(void **state) {
+  fixture_t *fx = *state;
+  char dead_token[IDEM_TOKEN_MAX + 1], left_token[IDEM_TOKEN_MAX + 1], want[256];
+  struct payment dead, left;
+  idem_record_t ours[MAX_OURS] = {{0}};
+  idem_outcome_t unknown = {.state = IDEM_STATE_PENDING, .status = 202, .body = "{}"};
+  int n;
+
+  fx->now = idem_now_ms() - 10000;
+  reserve_payment(fx, "died", 1000, &dead, dead_token);
+  idem_reserve_t l = reserve_payment(fx, "left", 1000, &left, left_token);
+  assert_int_equal(complete_payment(fx, &l.scope, left_token, fx->now, TTL_MS, &unknown, &left,
+                                    "pending", NULL),
+                   IDEM_OK);
+  n = claim_ours(fx, 60000, ours);
+  assert_int_equal(n, 2);
+  release_all(ours, n);
+  snprintf(want, sizeof want,
+           "%s ->pending idemd -\n"
+           "%s pending>pending reconciler taken over: the request's lease ran out\n",
+           dead.id, dead.id);
+  assert_string_equal(audit_of(fx, dead.id).text, want);
+  assert_int_equal(audit_of(fx, left.id).n, 1);
+}
 /* Pending payments and payments whose worker's lease ran out are claimed,
  * each under a new owner token, with its payment's id; nothing else is,
  * and the old owner loses the record. Written ten seconds in the past, so
@@ -2252,6 +2396,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_scope_isolation),
       STORE_TEST(test_key_bytes_round_trip),
       STORE_TEST(test_resource_outbox_and_complete),
+      STORE_TEST(test_audit_trail),
       STORE_TEST(test_complete_needs_the_owner),
       STORE_TEST(test_complete_row_is_a_hint),
       STORE_TEST(test_async_reserve_and_complete),
@@ -2268,6 +2413,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_caller_statements_kept),
       STORE_TEST(test_take_over),
       STORE_TEST(test_claim),
+      STORE_TEST(test_audit_take_over),
       STORE_TEST(test_claim_takes_turns),
       STORE_TEST(test_concurrent_same_key),
       STORE_TEST(test_failed_write_is_undone_alone),

@@ -120,6 +120,31 @@ static int old_resource_insert(void *arg, idem_tx_t *tx) {
                        o, 6, NULL, NULL, NULL);
 }
 
+/* Completes a payment as the released idemd did: its row and its outbox
+ * row, in the released schema's tables (which have no audit trail). */
+static int old_resource_update(void *arg, idem_tx_t *tx) {
+  const idemd_resource_update_t *u = arg;
+  int64_t now = idem_tx_now_ms(tx);
+  idemd_sql_param_t p[6] = {IDEMD_SQL_TEXT(u->status), IDEMD_SQL_TEXT(u->body),
+                            IDEMD_SQL_TEXT(u->provider_ref), IDEMD_SQL_NUM(now),
+                            IDEMD_SQL_TEXT(u->id), IDEMD_SQL_NUM(u->tenant_id)};
+  int rc = idemd_sql_run(tx, IDEMD_SQL_SCHEMA,
+                         "UPDATE resources SET status = COALESCE($1, status), "
+                         "body = COALESCE($2, body), provider_ref = COALESCE($3, "
+                         "provider_ref), updated_at = $4 WHERE id = $5 AND tenant_id = $6",
+                         p, 6, NULL, NULL, NULL);
+  if (rc != IDEM_OK)
+    return rc;
+  if (u->state == IDEM_STATE_PENDING)
+    return idemd_sql_run(tx, IDEMD_SQL_SCHEMA_CHECK,
+                         "UPDATE outbox SET next_attempt_at = $1 WHERE resource_id = $2 "
+                         "AND tenant_id = $3",
+                         p + 3, 3, NULL, NULL, NULL);
+  return idemd_sql_run(tx, IDEMD_SQL_SCHEMA_CHECK,
+                       "DELETE FROM outbox WHERE resource_id = $1 AND tenant_id = $2",
+                       p + 4, 2, NULL, NULL, NULL);
+}
+
 /* What old_fill() wrote, as the store read it back before the migration. */
 struct old_data {
   struct old_tenant tenant;
@@ -242,7 +267,7 @@ static void old_fill(idem_store_t *store, struct old_data *d) {
                            .outcome = out,
                            .row = rec.row};
       if (i != OLD_FAILED)
-        c.effect = (idem_effect_t){idemd_resource_update, &settle};
+        c.effect = (idem_effect_t){old_resource_update, &settle};
       assert_int_equal(idem_store_complete(store, &c), IDEM_OK);
     }
     idem_record_reset(&rec);

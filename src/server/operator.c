@@ -1,0 +1,263 @@
+/* An operator's tools for the ambiguous cases (docs/operations.md, "A
+ * payment that stays pending" and "The audit trail"): `idemd payments
+ * resolve` and `idemd refunds resolve` settle a pending payment or refund
+ * by hand, through the one settling path the reconciler and the webhooks
+ * take (provider/settle.h); `idemd audit` prints a tenant's audit trail
+ * as JSON lines. */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "data/audit.h"
+#include "data/tenants.h"
+#include "idem/clock.h"
+#include "provider/refund.h"
+#include "provider/settle.h"
+#include "server/auth.h"
+#include "server/commands.h"
+#include "server/server.h"
+
+/* How long a resolution holds the record it took over: if the command
+ * dies in between, the reconciler takes the record back after this. */
+#define RESOLVE_LEASE_MS 10000
+/* A worker or the reconciler at work on the payment holds it for its
+ * call: the command tries again for about this long before giving up. */
+#define RESOLVE_TRIES 50
+#define RESOLVE_PAUSE_MS 100
+
+/* Takes the flags named in `names` (each followed by its value) out of
+ * argv into `values`, and the words into `words` (at most `max_words`);
+ * the rest (the common flags, such as --db) stay in argv, in order.
+ * Returns how many are left, or -1 (a message printed). */
+static int take_flags(int argc, char **argv, const char *const *names,
+                      const char **values, const char **words, int max_words,
+                      int *nwords) {
+  int kept = 0;
+
+  *nwords = 0;
+  for (int i = 0; i < argc; i++) {
+    int k = -1;
+    for (int j = 0; names[j]; j++)
+      if (strcmp(argv[i], names[j]) == 0)
+        k = j;
+    if (k >= 0) {
+      if (i + 1 >= argc) {
+        fprintf(stderr, "idemd: option %s needs a value\n", argv[i]);
+        return -1;
+      }
+      values[k] = argv[++i];
+    } else if (strncmp(argv[i], "--", 2) != 0) {
+      if (*nwords >= max_words) {
+        fprintf(stderr, "idemd: unexpected argument '%s'\n", argv[i]);
+        return -1;
+      }
+      words[(*nwords)++] = argv[i];
+    } else {
+      argv[kept++] = argv[i];
+      if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0 &&
+          strchr(argv[i], '=') == NULL)
+        argv[kept++] = argv[++i]; /* a common flag's value */
+    }
+  }
+  return kept;
+}
+
+/* The common flags left over (--db and the like). 0, or -1 (printed). */
+static int common_flags(idemd_config_t *cfg, int argc, char **argv) {
+  int used = idemd_config_parse(cfg, argc, argv, stderr);
+  if (used < 0)
+    return -1;
+  if (used != argc) {
+    fprintf(stderr, "idemd: unexpected argument '%s'\n", argv[used]);
+    return -1;
+  }
+  return 0;
+}
+
+/* The tenant named `name` into `*id`. 0, or 1 (printed). */
+static int tenant_id(idem_store_t *store, const char *name, int64_t *id) {
+  idemd_tenants_t *tenants = NULL;
+  idemd_tenant_t t;
+  int rc = idemd_tenants_open(store, &tenants);
+
+  if (rc == IDEM_OK)
+    rc = idemd_tenant_by_name(tenants, name, &t);
+  idemd_tenants_close(tenants);
+  if (rc == IDEM_ENOTFOUND) {
+    fprintf(stderr, "idemd: no tenant named '%s'\n", name);
+    return 1;
+  }
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: reading the tenant failed: %s (%s)\n", idem_strerror(rc),
+            idem_store_last_error());
+    return 1;
+  }
+  *id = t.id;
+  return 0;
+}
+
+static int characters(const char *s) {
+  int n = 0;
+  for (; *s; s++)
+    n += ((unsigned char)*s & 0xc0) != 0x80;
+  return n;
+}
+
+static void pause_ms(int ms) {
+  struct timespec ts = {0, (long)ms * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+int idemd_cmd_resolve(idemd_config_t *cfg, int refund, int argc, char **argv) {
+  static const char *const names[] = {"--as", "--reason", "--operator", "--tenant", NULL};
+  const char *v[4] = {0}, *words[2] = {0};
+  const char *what = refund ? "refund" : "payment";
+  char actor[80];
+  int nwords = 0, left, rc, status = 0;
+  int64_t tenant = 0;
+  idemd_pending_t p;
+  idemd_claim_t found = IDEMD_CLAIM_UNKNOWN;
+  idem_store_t *store;
+
+  left = take_flags(argc, argv, names, v, words, 2, &nwords);
+  if (left < 0 || common_flags(cfg, left, argv) != 0)
+    return 2;
+  if (nwords != 2 || strcmp(words[0], "resolve") != 0 || !v[0] || !v[1] || !v[2]) {
+    fprintf(stderr,
+            "usage: idemd %ss resolve ID --as succeeded|declined --reason TEXT "
+            "--operator NAME [--tenant NAME] [--db ...]\n",
+            what);
+    return 2;
+  }
+  if (strcmp(v[0], "succeeded") != 0 && strcmp(v[0], "declined") != 0) {
+    fprintf(stderr, "idemd: --as is succeeded or declined\n");
+    return 2;
+  }
+  if (v[1][0] == '\0' || characters(v[1]) > IDEM_REFUND_REASON_MAX) {
+    fprintf(stderr, "idemd: --reason is 1 to %d characters\n", IDEM_REFUND_REASON_MAX);
+    return 2;
+  }
+  if (!idemd_name_valid(v[2])) {
+    fprintf(stderr, "idemd: --operator is 1 to 64 of A-Z a-z 0-9 . _ -\n");
+    return 2;
+  }
+  snprintf(actor, sizeof actor, "operator:%s", v[2]);
+  if ((store = idemd_open_store(cfg)) == NULL)
+    return 1;
+  if (v[3] && tenant_id(store, v[3], &tenant) != 0) {
+    idem_store_close(store);
+    return 1;
+  }
+  for (int i = 0; i < RESOLVE_TRIES; i++) {
+    rc = idemd_settle_claim(store, refund, tenant, words[1], NULL, 1, RESOLVE_LEASE_MS,
+                            &p, &found);
+    if (rc != IDEM_OK || found != IDEMD_CLAIM_BUSY)
+      break;
+    pause_ms(RESOLVE_PAUSE_MS);
+  }
+  if (rc == IDEM_OK && found == IDEMD_CLAIM_TAKEN) {
+    idem_charge_result_t res = {.outcome = strcmp(v[0], "succeeded") == 0
+                                               ? IDEM_CHARGE_SUCCEEDED
+                                               : IDEM_CHARGE_DECLINED};
+    idemd_actor_t who = {actor, v[1]};
+    rc = idemd_settle(store, &p.rec, p.body, &res, &who, NULL, cfg->key_ttl_ms, &status);
+    if (rc == IDEM_ELOST)
+      found = IDEMD_CLAIM_BUSY; /* taken from us meanwhile: nothing written */
+  }
+  if (rc != IDEM_OK && rc != IDEM_ELOST)
+    fprintf(stderr, "idemd: resolving failed, nothing changed: %s (%s)\n",
+            idem_strerror(rc), idem_store_last_error());
+  else if (found == IDEMD_CLAIM_UNKNOWN)
+    fprintf(stderr, "idemd: no %s '%s'%s\n", what, words[1],
+            v[3] ? " for that tenant" : "");
+  else if (found == IDEMD_CLAIM_SETTLED)
+    fprintf(stderr, "idemd: %s '%s' is %s, not pending; nothing changed\n", what,
+            words[1], p.status);
+  else if (found == IDEMD_CLAIM_BUSY)
+    fprintf(stderr,
+            "idemd: %s '%s' is being settled by idemd right now (a request or the "
+            "reconciler holds it); nothing changed: try again\n",
+            what, words[1]);
+  else
+    printf("%s %s\n", words[1], v[0]);
+  idemd_settle_reset(&p);
+  idem_store_close(store);
+  return rc == IDEM_OK && found == IDEMD_CLAIM_TAKEN && status != 202 ? 0 : 1;
+}
+
+/* ---- idemd audit --------------------------------------------------------- */
+
+struct printing {
+  const char *tenant;
+  int failed;
+};
+
+static json_t *text_or_null(const char *s) {
+  return s ? json_string(s) : json_null();
+}
+
+/* `ms` as UTC to the millisecond, "2026-12-06T01:22:51.412Z": rows of one
+ * second keep their order when read. */
+static void format_ms(int64_t ms, char *out, size_t cap) {
+  time_t secs = (time_t)(ms / 1000);
+  struct tm tm;
+  char base[24];
+
+  gmtime_r(&secs, &tm);
+  strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
+  snprintf(out, cap, "%s.%03dZ", base, (int)(ms % 1000));
+}
+
+static int print_row(void *arg, const idemd_audit_row_t *row) {
+  struct printing *pr = arg;
+  char at[40], *line;
+  json_t *o;
+
+  format_ms(row->at_ms, at, sizeof at);
+  o = json_pack("{s:s, s:s, s:s, s:o, s:s, s:s, s:o}", "at", at, "tenant", pr->tenant,
+                "resource", row->resource_id, "from", text_or_null(row->from), "to",
+                row->to, "actor", row->actor, "reason", text_or_null(row->reason));
+  line = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
+  json_decref(o);
+  if (line == NULL) {
+    pr->failed = 1;
+    return IDEM_ENOMEM;
+  }
+  printf("%s\n", line);
+  free(line);
+  return IDEM_OK;
+}
+
+int idemd_cmd_audit(idemd_config_t *cfg, int argc, char **argv) {
+  static const char *const names[] = {"--tenant", "--resource", NULL};
+  const char *v[2] = {0}, *words[1];
+  int nwords = 0, left, rc;
+  int64_t tenant = 0;
+  idem_store_t *store;
+  struct printing pr = {0};
+
+  left = take_flags(argc, argv, names, v, words, 0, &nwords);
+  if (left < 0 || common_flags(cfg, left, argv) != 0)
+    return 2;
+  if (v[0] == NULL) {
+    fprintf(stderr, "usage: idemd audit --tenant NAME [--resource ID] [--db ...]\n");
+    return 2;
+  }
+  if ((store = idemd_open_store(cfg)) == NULL)
+    return 1;
+  if (tenant_id(store, v[0], &tenant) != 0) {
+    idem_store_close(store);
+    return 1;
+  }
+  pr.tenant = v[0];
+  rc = idemd_audit_list(store, tenant, v[1], print_row, &pr);
+  idem_store_close(store);
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd: reading the audit failed: %s (%s)\n", idem_strerror(rc),
+            idem_store_last_error());
+    return 1;
+  }
+  return 0;
+}
