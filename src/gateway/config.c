@@ -136,7 +136,58 @@ static int text_value(char *dst, size_t cap, const char *v) {
   return v[0] == '\0' ? -1 : idem_copy(dst, cap, v);
 }
 
+/* The flags that take a value, each also read from IDEMD_GATEWAY_ and its
+ * name in capitals with '_' for '-' (IDEMD_GATEWAY_UPSTREAM_TIMEOUT). */
+static const char *const value_flags[] = {
+    "--upstream", "--route", "--replay-header", "--listen", "--admin-listen", "--db",
+    "--scope-header", "--log-key-secret", "--upstream-timeout",
+    "--upstream-connect-timeout", "--inflight-wait", "--key-ttl", "--lease", "--db-timeout",
+    "--max-body", "--max-answer", "--max-connections"};
+
+static int parse_args(gw_config_t *cfg, int argc, char **argv, FILE *err);
+
+/* Applies the IDEMD_GATEWAY_* variables as if they were flags given
+ * first; --route and --replay-header take several, separated by ';'
+ * (IDEMD_GATEWAY_ROUTE='POST /orders;POST /carts/{id}/checkout'), and
+ * IDEMD_GATEWAY_UPSTREAM_IDEMPOTENT=1 sets --upstream-idempotent. */
+static int parse_env(gw_config_t *cfg, FILE *err) {
+  const char *idem = getenv("IDEMD_GATEWAY_UPSTREAM_IDEMPOTENT");
+  int rc = 0;
+
+  if (idem && strcmp(idem, "1") == 0)
+    cfg->upstream_idempotent = 1;
+  for (size_t f = 0; f < sizeof value_flags / sizeof *value_flags && rc == 0; f++) {
+    char name[64] = "IDEMD_GATEWAY_";
+    size_t n = strlen(name);
+    const char *v;
+    char *copy, *part, *save = NULL;
+    int many = strcmp(value_flags[f], "--route") == 0 ||
+               strcmp(value_flags[f], "--replay-header") == 0;
+
+    for (const char *c = value_flags[f] + 2; *c && n + 1 < sizeof name; c++)
+      name[n++] = *c == '-' ? '_' : (char)toupper((unsigned char)*c);
+    name[n] = '\0';
+    if ((v = getenv(name)) == NULL)
+      continue;
+    if ((copy = strdup(v)) == NULL)
+      return -1;
+    for (part = many ? strtok_r(copy, ";", &save) : copy; part && rc == 0;
+         part = many ? strtok_r(NULL, ";", &save) : NULL) {
+      char *args[2] = {(char *)value_flags[f], part};
+      rc = parse_args(cfg, 2, args, err);
+    }
+    free(copy);
+  }
+  return rc;
+}
+
 int gw_config_parse(gw_config_t *cfg, int argc, char **argv, FILE *err) {
+  if (parse_env(cfg, err) != 0 || parse_args(cfg, argc, argv, err) != 0)
+    return -1;
+  return gw_config_check(cfg, err);
+}
+
+static int parse_args(gw_config_t *cfg, int argc, char **argv, FILE *err) {
   for (int i = 0; i < argc; i++) {
     const char *flag = argv[i];
     const char *v;
@@ -211,6 +262,10 @@ int gw_config_parse(gw_config_t *cfg, int argc, char **argv, FILE *err) {
     if (rc != 0)
       return bad(err, flag, v);
   }
+  return 0;
+}
+
+int gw_config_check(const gw_config_t *cfg, FILE *err) {
   if (cfg->upstream[0] == '\0') {
     fprintf(err, "idemd gateway: --upstream http://HOST:PORT is required\n");
     return -1;
@@ -256,5 +311,8 @@ void gw_config_usage(FILE *out) {
           "  --max-answer BYTES           upstream answers (1048576; beyond: 502)\n"
           "  --max-connections N          clients served at once (1000)\n"
           "  --log-key-secret SECRET      HMAC key of the key ids in logs "
-          "(default: kept in the db)\n");
+          "(default: kept in the db)\n"
+          "Each flag is also read from IDEMD_GATEWAY_ and its name (IDEMD_GATEWAY_UPSTREAM,\n"
+          "IDEMD_GATEWAY_ROUTE='POST /a;POST /b', IDEMD_GATEWAY_UPSTREAM_IDEMPOTENT=1);\n"
+          "flags win (a --route adds to the variable's).\n");
 }

@@ -58,9 +58,15 @@ typedef struct gw_config {
 /* Fills `cfg` with the defaults (docs/gateway.md, "Flags"). */
 void gw_config_defaults(gw_config_t *cfg);
 
-/* Reads the flags in argv[0..argc) into `cfg`. Returns 0, or -1 with a
- * message naming the flag on `err`. */
+/* Reads the IDEMD_GATEWAY_* variables, then the flags in argv[0..argc),
+ * into `cfg` (flags win), and checks the whole (gw_config_check()).
+ * Returns 0, or -1 with a message naming the flag or variable on `err`. */
 int gw_config_parse(gw_config_t *cfg, int argc, char **argv, FILE *err);
+
+/* Checks what no single flag can: --upstream given, --lease longer than
+ * --upstream-timeout, --admin-listen apart from --listen. Returns 0, or
+ * -1 with a message on `err`. */
+int gw_config_check(const gw_config_t *cfg, FILE *err);
 
 /* Prints the gateway's usage. */
 void gw_config_usage(FILE *out);

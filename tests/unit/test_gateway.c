@@ -128,6 +128,37 @@ static void test_flags(void **state) {
   }
 }
 
+static void test_env(void **state) {
+  gw_config_t cfg;
+  char *argv[] = {"--upstream", "http://127.0.0.1:2"};
+  FILE *err = fopen("/dev/null", "w");
+  (void)state;
+  setenv("IDEMD_GATEWAY_UPSTREAM", "http://127.0.0.1:1", 1);
+  setenv("IDEMD_GATEWAY_ROUTE", "POST /orders;POST /carts/{id}/checkout", 1);
+  setenv("IDEMD_GATEWAY_UPSTREAM_TIMEOUT", "3s", 1);
+  setenv("IDEMD_GATEWAY_UPSTREAM_IDEMPOTENT", "1", 1);
+  gw_config_defaults(&cfg);
+  assert_int_equal(gw_config_parse(&cfg, 0, NULL, err), 0);
+  assert_string_equal(cfg.upstream, "http://127.0.0.1:1");
+  assert_int_equal(cfg.nroutes, 2);
+  assert_string_equal(cfg.routes[1].pattern, "/carts/{id}/checkout");
+  assert_int_equal(cfg.upstream_timeout_ms, 3000);
+  assert_int_equal(cfg.upstream_idempotent, 1);
+  /* Flags win. */
+  gw_config_defaults(&cfg);
+  assert_int_equal(gw_config_parse(&cfg, 2, argv, err), 0);
+  assert_string_equal(cfg.upstream, "http://127.0.0.1:2");
+  /* A bad value in a variable is an error, as in a flag. */
+  setenv("IDEMD_GATEWAY_ROUTE", "POST /orders;orders", 1);
+  gw_config_defaults(&cfg);
+  assert_int_equal(gw_config_parse(&cfg, 0, NULL, err), -1);
+  unsetenv("IDEMD_GATEWAY_UPSTREAM");
+  unsetenv("IDEMD_GATEWAY_ROUTE");
+  unsetenv("IDEMD_GATEWAY_UPSTREAM_TIMEOUT");
+  unsetenv("IDEMD_GATEWAY_UPSTREAM_IDEMPOTENT");
+  fclose(err);
+}
+
 static void test_hop_by_hop(void **state) {
   (void)state;
   assert_true(gw_hop_by_hop("Connection", NULL));
@@ -239,6 +270,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_route_parse),        cmocka_unit_test(test_route_operation),
       cmocka_unit_test(test_route_match),        cmocka_unit_test(test_flags),
+      cmocka_unit_test(test_env),
       cmocka_unit_test(test_hop_by_hop),         cmocka_unit_test(test_answer_round_trip),
       cmocka_unit_test(test_answer_decode_refuses), cmocka_unit_test(test_request_round_trip),
   };
