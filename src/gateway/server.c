@@ -341,7 +341,6 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     }
     return ret;
   }
-  (void)method;
   route = gw_route_match(&r->gw->cfg, method, r->path);
   return route ? gw_keyed(r, route) : proxy(r);
 }
