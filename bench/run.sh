@@ -21,24 +21,30 @@
 #      each: idemd serving it itself (--tls-cert), and nginx terminating
 #      it in front of a plain idemd, against the same over plain HTTP, in
 #      three alternating rounds.
+#   6. (right after 1) idemd gateway on SQLite in front of that nginx,
+#      POST /payments a keyed route: new keys and replays as a ratio of
+#      nginx alone (docs/gateway.md, "Performance").
 #
-# Usage: bench/run.sh [--duration S] [--long N] [--skip-pg] [--tls]
+# Usage: bench/run.sh [--duration S] [--long N] [--skip-pg] [--tls] [--gateway-only]
 #   --duration S  seconds per wrk run after a 2 s warm-up (default 10)
 #   --long N      requests in the RSS run (default 1000000; 0 skips it)
 #   --tls         adds the TLS runs (5; 27 runs more)
+#   --gateway-only  runs 1 and 6 alone
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 duration=10
 long=1000000
 skip_pg=0
 tls=0
+gateway_only=0
 while [ $# -gt 0 ]; do
   case $1 in
     --duration) duration=$2; shift 2 ;;
     --long) long=$2; shift 2 ;;
     --skip-pg) skip_pg=1; shift ;;
     --tls) tls=1; shift ;;
-    *) echo "usage: bench/run.sh [--duration S] [--long N] [--skip-pg] [--tls]" >&2; exit 2 ;;
+    --gateway-only) gateway_only=1; shift ;;
+    *) echo "usage: bench/run.sh [--duration S] [--long N] [--skip-pg] [--tls] [--gateway-only]" >&2; exit 2 ;;
   esac
 done
 
@@ -198,7 +204,28 @@ wait_http "$port_ng" payments
 token=""
 wrk_run "nginx: fixed 201 for POST /payments" "$port_ng" new /payments "$pay" 201
 baseline=${rps:-0}
+
+# 6. idemd gateway in front of the same nginx: every new key a durable
+# record (reservation, the upstream's answer, completion) before its 201.
+port_gw=$(free_port)
+"$idemd" gateway --upstream "http://127.0.0.1:$port_ng" --route 'POST /payments' \
+  --listen "127.0.0.1:$port_gw" --admin-listen "127.0.0.1:$(free_port)" \
+  --db "$run/gateway.db" 2>"$run/gateway.log" &
+pids+=($!)
+gateway_pid=$!
+wait_http "$port_gw" payments
+curl -s -o /dev/null -X POST "http://127.0.0.1:$port_gw/payments" \
+  -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-key' -d "$pay"
+# (no CPU per thread: the gateway's threads are not idemd's writer and
+# event threads)
+wrk_run "idemd gateway: new-key POST /payments" "$port_gw" new /payments "$pay" 201
+wrk_run "idemd gateway: replays of one key" "$port_gw" replay /payments "$pay" 201 bench-key
+kill "$gateway_pid"; wait "$gateway_pid" 2>/dev/null || true
 kill "$(cat "$run/nginx.pid")"; rm -f "$run/nginx.pid"
+if [ "$gateway_only" = 1 ]; then
+  [ "$failures" = 0 ] || exit 1
+  exit 0
+fi
 
 # floor_run LABEL ARGS... -> idem-floor with ARGS, measured as nginx was.
 floor_run() {

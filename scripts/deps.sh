@@ -11,6 +11,7 @@ pkgs=(build-essential cmake pkg-config
       libsqlite3-dev libpq-dev libssl-dev libjemalloc-dev sqlite3 nginx-light
       postgresql postgresql-client  # throwaway clusters of the PostgreSQL tests
       python3 python3-yaml python3-jsonschema  # tests/api/check_openapi.py
+      php-cli php-sqlite3  # the PHP application behind idemd gateway (tests/gateway)
       curl tcl xz-utils patch  # scripts/sqlite-source.sh, scripts/mhd-source.sh
       libgnutls28-dev  # HTTPS in libmicrohttpd (scripts/mhd-source.sh), linked by idemd
       openssl  # throwaway certificates of tests/tls/test_tls.sh

@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-60}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(fuzz_key fuzz_body fuzz_request fuzz_webhook)
+[ ${#targets[@]} -gt 0 ] || targets=(fuzz_key fuzz_body fuzz_request fuzz_webhook fuzz_gateway)
 
 scripts/deps.sh clang libclang-rt-14-dev
 

@@ -10,6 +10,7 @@
  * connection) is UNKNOWN, because the provider may have charged (or
  * refunded). */
 #include "provider/provider.h"
+#include "util/curl_sent.h"
 
 #include <curl/curl.h>
 #include <jansson.h>
@@ -85,23 +86,11 @@ static void read_charge(const struct answer *a, idem_charge_result_t *out) {
   json_decref(v);
 }
 
-/* Whether a failed transfer certainly sent nothing: not one byte of the
- * request went out. The error code alone does not say so: a request sent
- * on a reused keep-alive connection that closes unanswered (the provider
- * charged, then crashed) is sent again by libcurl on a new connection, and
- * when that one is refused the transfer fails with CURLE_COULDNT_CONNECT
- * although the provider had the request. CURLINFO_REQUEST_SIZE counts the
- * bytes of every attempt of the transfer, and is 0 only when none went
- * out. The connect time says nothing either: 0 on a reused connection. */
-static int nothing_sent(CURL *c) {
-  long sent = -1;
-  return curl_easy_getinfo(c, CURLINFO_REQUEST_SIZE, &sent) == CURLE_OK && sent == 0;
-}
-
 /* POSTs `body` (JSON) to base_url + `path` under Idempotency-Key `key`
  * and fills `out`: 200, 201 or 402 with a charge's (or refund's) body is
  * its outcome (402 is DECLINED whatever the body), any other answer is
- * UNKNOWN, and a failed transfer is NOT_SENT only when nothing_sent(). */
+ * UNKNOWN, and a failed transfer is NOT_SENT only when
+ * idem__curl_nothing_sent(). */
 static void post_keyed(http_provider_t *p, const char *path, const char *key,
                        const char *body, idem_charge_result_t *out) {
   struct answer *a = calloc(1, sizeof *a);
@@ -136,7 +125,7 @@ static void post_keyed(http_provider_t *p, const char *path, const char *key,
 
   rc = curl_easy_perform(c);
   if (rc != CURLE_OK) {
-    out->outcome = nothing_sent(c) ? IDEM_CHARGE_NOT_SENT : IDEM_CHARGE_UNKNOWN;
+    out->outcome = idem__curl_nothing_sent(c) ? IDEM_CHARGE_NOT_SENT : IDEM_CHARGE_UNKNOWN;
   } else {
     curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
     if (code == 200 || code == 201 || code == 402)

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "data/resources.h"
+#include "idem/clock.h"
 #include "provider/payment.h"
 #include "provider/refund.h"
 #include "provider/settle.h"
@@ -23,13 +24,19 @@ static void emit(const idem_reconciler_options_t *o, idem_reconcile_event_t ev,
     o->on_event(o->ctx, ev, rec, status);
 }
 
+/* 1 when a provider call started now ends before `last_start` + the
+ * call's bound, that is within the claim's lease. */
+static int may_call(int64_t last_start) { return idem_now_ms() <= last_start; }
+
 /* Asks the provider what became of the payment or refund stored as
  * `body` (`refund` 1), and sends it again under the same key when the
  * provider never saw it (the worker died before its call, or the call was
  * lost on the way), so that a call still in flight and this one make one
- * charge or refund. IDEM_EJSON when `body` cannot be read. */
+ * charge or refund. Each call starts only up to `last_start` (within the
+ * lease); IDEM_ETIMEDOUT when one could not, and the record is left to
+ * the next pass. IDEM_EJSON when `body` cannot be read. */
 static int ask_provider(idem_provider_t *provider, int refund, const char *body,
-                        idem_charge_result_t *res) {
+                        int64_t last_start, idem_charge_result_t *res) {
   memset(res, 0, sizeof *res);
   if (refund) {
     idem_refund_t f;
@@ -37,8 +44,12 @@ static int ask_provider(idem_provider_t *provider, int refund, const char *body,
       return IDEM_EJSON;
     idem_refund_req_t req = {.provider_key = f.id, .charge_key = f.payment_id,
                              .amount = f.amount, .currency = f.currency};
+    if (!may_call(last_start))
+      return IDEM_ETIMEDOUT;
     provider->refund_lookup(provider, &req, res);
     if (res->outcome == IDEM_CHARGE_NOT_FOUND) {
+      if (!may_call(last_start))
+        return IDEM_ETIMEDOUT;
       memset(res, 0, sizeof *res);
       provider->refund(provider, &req, res);
     }
@@ -48,8 +59,12 @@ static int ask_provider(idem_provider_t *provider, int refund, const char *body,
   if (idem_payment_parse(body, &p) != IDEM_OK)
     return IDEM_EJSON;
   idem_charge_t charge = {.provider_key = p.id, .amount = p.amount, .currency = p.currency};
+  if (!may_call(last_start))
+    return IDEM_ETIMEDOUT;
   provider->lookup(provider, &charge, res);
   if (res->outcome == IDEM_CHARGE_NOT_FOUND) {
+    if (!may_call(last_start))
+      return IDEM_ETIMEDOUT;
     memset(res, 0, sizeof *res);
     provider->charge(provider, &charge, res);
   }
@@ -57,19 +72,27 @@ static int ask_provider(idem_provider_t *provider, int refund, const char *body,
 }
 
 /* Settles one claimed record with the provider's answer, as an operator or
- * a webhook would with theirs (provider/settle.h). Returns 1 when it was
- * settled, 0 when it is still unresolved, -1 on a store error. */
+ * a webhook would with theirs (provider/settle.h), calling the provider
+ * only up to `last_start`. Returns 1 when it was settled, 0 when it is
+ * still unresolved (or left to the next pass), -1 on a store error. */
 static int settle_one(idem_store_t *store, idem_provider_t *provider,
-                      const idem_reconciler_options_t *opts, idem_record_t *rec) {
+                      const idem_reconciler_options_t *opts, idem_record_t *rec,
+                      int64_t last_start) {
   static const idemd_actor_t who = {"reconciler", "looked up at the provider"};
   int refund = strcmp(rec->operation, "create_refund") == 0;
   idem_charge_result_t res;
   char *body = NULL;
   int status = 0, rc;
 
-  if (idemd_resource_get(store, rec->tenant_id, refund ? "refund" : "payment",
-                         rec->resource_id, &body) != IDEM_OK ||
-      ask_provider(provider, refund, body, &res) != IDEM_OK) {
+  if ((rc = idemd_resource_get(store, rec->tenant_id, refund ? "refund" : "payment",
+                               rec->resource_id, &body)) == IDEM_OK)
+    rc = ask_provider(provider, refund, body, last_start, &res);
+  if (rc == IDEM_ETIMEDOUT) { /* the lease is too short for a call now */
+    free(body);
+    emit(opts, IDEM_RECONCILE_UNRESOLVED, rec, 202);
+    return 0;
+  }
+  if (rc != IDEM_OK) {
     free(body);
     emit(opts, IDEM_RECONCILE_ERROR, rec, 0);
     return -1;
@@ -97,11 +120,18 @@ int idem_reconcile_once(idem_store_t *store, idem_provider_t *provider,
   idem_record_t *recs = calloc((size_t)batch, sizeof *recs);
   int n = 0, settled = 0, unresolved = 0, rc;
 
+  /* The claim's leases end no sooner than lease_ms from now: the last
+   * moment a call of at most call_ms may start. The records of a batch
+   * are handled one after another, and a slow provider can use up the
+   * lease of those near its end: they are left to the next pass. */
+  int64_t call_ms = opts->call_ms > 0 ? opts->call_ms : opts->lease_ms;
+  int64_t last_start = idem_now_ms() + opts->lease_ms - call_ms;
+
   if (recs == NULL)
     return IDEM_ENOMEM;
   rc = idemd_outbox_claim(store, opts->lease_ms, batch, recs, &n);
   for (int i = 0; i < n; i++) {
-    int r = settle_one(store, provider, opts, &recs[i]);
+    int r = settle_one(store, provider, opts, &recs[i], last_start);
     if (r > 0)
       settled++;
     else

@@ -25,6 +25,11 @@ typedef enum idem_reconcile_event {
 typedef struct idem_reconciler_options {
   int64_t interval_ms; /* between passes */
   int64_t lease_ms;    /* how long a claim keeps a record */
+  /* The longest one provider call may take (--provider-timeout): a call is
+   * started only while the claim's lease outlives it, so that no call of
+   * the reconciler is still under way once another owner (an operator,
+   * a webhook, the next pass) can take the record over. 0: lease_ms. */
+  int64_t call_ms;
   int64_t ttl_ms;      /* lifetime of records it completes */
   int batch;           /* records per pass at most */
   /* Optional: told about each record handled (for logs and metrics);

@@ -159,6 +159,8 @@ static int set_listen(idemd_addr_t *a, const char *v) {
   return 0;
 }
 
+int idemd_parse_listen(const char *v, idemd_addr_t *a) { return set_listen(a, v); }
+
 static int set_option(idemd_config_t *cfg, const struct option *o, const char *v) {
   char *field = (char *)cfg + o->offset;
   switch (o->kind) {
@@ -288,6 +290,7 @@ void idemd_config_usage(FILE *out) {
           "       idemd audit --tenant NAME [--resource ID] [--db ...]\n"
           "       idemd migrate [--db ...]\n"
           "       idemd sweep [--db ...]\n"
+          "       idemd gateway --upstream URL --route 'METHOD /pattern' ... (idemd gateway --help)\n"
           "       idemd --help | --version\n\n"
           "options (each also read from its environment variable):\n");
   for (size_t i = 0; i < NOPTIONS; i++)

@@ -61,6 +61,10 @@ int idemd_config_parse(idemd_config_t *cfg, int argc, char **argv, FILE *err);
  * means seconds). Returns 0 and sets `*ms`, or -1. */
 int idemd_parse_duration(const char *s, int64_t *ms);
 
+/* Parses HOST:PORT (a port from 0 to 65535) into `a`. Returns 0, or -1
+ * and `a` unchanged. */
+int idemd_parse_listen(const char *v, idemd_addr_t *a);
+
 /* Prints the flags, their variables and defaults. */
 void idemd_config_usage(FILE *out);
 

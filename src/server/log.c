@@ -100,6 +100,11 @@ static void write_lines(const char *text, size_t n, int batched) {
   pthread_mutex_unlock(&batch.lock);
 }
 
+void idemd_log_line(const char *line, size_t n) {
+  if (min_level <= 1)
+    write_lines(line, n, 1);
+}
+
 static int level_of(const char *name) {
   static const char *const names[] = {"debug", "info", "warn", "error"};
   for (int i = 0; i < 4; i++)

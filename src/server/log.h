@@ -6,6 +6,8 @@
 #ifndef IDEMD_LOG_H
 #define IDEMD_LOG_H
 
+#include <stddef.h>
+
 #include "server/server.h"
 
 /* Sets the lowest level written: "debug", "info", "warn" or "error".
@@ -15,6 +17,11 @@ void idemd_log_set_level(const char *level);
 /* Writes the request line of `r`: time, request id, tenant, operation,
  * key id (never the raw key), outcome, status, latency. */
 void idemd_log_request(const idemd_request_t *r);
+
+/* Writes `n` bytes of one whole request line (JSON and its newline, made
+ * by the caller: idemd gateway's) at level info, batched as
+ * idemd_log_request()'s are. */
+void idemd_log_line(const char *line, size_t n);
 
 /* Starts batching request lines, flushed every `every_ms` and whenever
  * the next line would not fit: in 64 KiB when stderr is a regular file,

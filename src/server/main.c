@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "idem_version.h"
+#include "gateway/gateway.h"
 #include "server/commands.h"
 
 static int parse_flags(idemd_config_t *cfg, int argc, char **argv) {
@@ -95,6 +96,8 @@ int main(int argc, char **argv) {
       return 2;
     return idemd_cmd_tenant(&cfg, words, argv + 2);
   }
+  if (strcmp(cmd, "gateway") == 0) /* docs/gateway.md */
+    return gw_cmd_gateway(argc - 2, argv + 2);
   if (strcmp(cmd, "records") == 0) {
     idemd_records_args_t a = {0};
     int first = 2, left;

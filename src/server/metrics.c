@@ -16,7 +16,7 @@
 static const char *const op_names[OP_COUNT_] = {
     "other",         "create_payment", "create_order",    "get_payment",  "get_order",
     "healthz",       "metrics",        "readyz",          "cancel_order", "put_order",
-    "create_refund", "get_refund",     "provider_webhook"};
+    "create_refund", "get_refund",     "provider_webhook", "gateway",       "proxy"};
 
 static const char *const webhook_results[WEBHOOK_RESULT_COUNT_] = {
     "applied", "duplicate", "ignored",   "unsigned", "forged",

@@ -20,6 +20,8 @@ typedef enum idemd_op {
   OP_CREATE_REFUND,    /* POST /payments/{id}/refunds */
   OP_GET_REFUND,       /* GET /refunds/{id} */
   OP_PROVIDER_WEBHOOK, /* POST /webhooks/provider */
+  OP_GATEWAY,          /* idemd gateway: a keyed route (docs/gateway.md) */
+  OP_PROXY,            /* idemd gateway: any other request, proxied */
   OP_COUNT_
 } idemd_op_t;
 

@@ -105,6 +105,19 @@ static int characters(const char *s) {
   return n;
 }
 
+/* 1 when `s` is valid UTF-8 without control characters: what a reason
+ * must be to be written into the audit and printed back as JSON. */
+static int printable_text(const char *s) {
+  json_t *j = json_string(s); /* NULL for invalid UTF-8 */
+  json_decref(j);
+  if (j == NULL)
+    return 0;
+  for (; *s; s++)
+    if ((unsigned char)*s < 0x20 || *s == 0x7f)
+      return 0;
+  return 1;
+}
+
 static void pause_ms(int ms) {
   struct timespec ts = {0, (long)ms * 1000000L};
   nanosleep(&ts, NULL);
@@ -135,8 +148,10 @@ int idemd_cmd_resolve(idemd_config_t *cfg, int refund, int argc, char **argv) {
     fprintf(stderr, "idemd: --as is succeeded or declined\n");
     return 2;
   }
-  if (v[1][0] == '\0' || characters(v[1]) > IDEM_REFUND_REASON_MAX) {
-    fprintf(stderr, "idemd: --reason is 1 to %d characters\n", IDEM_REFUND_REASON_MAX);
+  if (v[1][0] == '\0' || characters(v[1]) > IDEM_REFUND_REASON_MAX ||
+      !printable_text(v[1])) {
+    fprintf(stderr, "idemd: --reason is 1 to %d characters of UTF-8, none a control\n",
+            IDEM_REFUND_REASON_MAX);
     return 2;
   }
   if (!idemd_name_valid(v[2])) {
@@ -194,8 +209,24 @@ struct printing {
   int failed;
 };
 
+/* `s` as a JSON string (null for NULL). A text that is not UTF-8 (a row
+ * written by hand, or by another program, on SQLite, which does not check)
+ * is printed with its bytes above 0x7f as \xNN, rather than stopping the
+ * listing. */
 static json_t *text_or_null(const char *s) {
-  return s ? json_string(s) : json_null();
+  json_t *j;
+  char *esc, *o;
+
+  if (s == NULL)
+    return json_null();
+  if ((j = json_string(s)) != NULL || (esc = malloc(4 * strlen(s) + 1)) == NULL)
+    return j;
+  for (o = esc; *s; s++)
+    o += (unsigned char)*s < 0x80 ? sprintf(o, "%c", *s)
+                                  : sprintf(o, "\\x%02x", (unsigned char)*s);
+  j = json_string(esc);
+  free(esc);
+  return j;
 }
 
 /* `ms` as UTC to the millisecond, "2026-12-06T01:22:51.412Z": rows of one

@@ -163,6 +163,7 @@ int idemd_server_start(idemd_server_t *srv, const idemd_config_t *cfg) {
   idem_reconciler_options_t ropts = {
       .interval_ms = cfg->reconcile_interval_ms,
       .lease_ms = cfg->lease_ms,
+      .call_ms = cfg->provider_timeout_ms,
       .ttl_ms = cfg->key_ttl_ms,
       .batch = 64,
       .on_event = on_reconcile_event,

@@ -256,6 +256,9 @@ static void test_resolve_payment(void **state) {
     assert_int_equal(cli(s, no_id), 2);
     assert_int_equal(resolve(s, "payments", a_id, "maybe", "x", "alice"), 2);
     assert_int_equal(resolve(s, "payments", a_id, "succeeded", "", "alice"), 2);
+    /* Not UTF-8, or a control character: the audit could not print it. */
+    assert_int_equal(resolve(s, "payments", a_id, "succeeded", "caf\xe9", "alice"), 2);
+    assert_int_equal(resolve(s, "payments", a_id, "succeeded", "two\nlines", "alice"), 2);
     assert_int_equal(resolve(s, "payments", a_id, "succeeded", "x", "bad name!"), 2);
     h_assert_db(s, rows_before, AUDIT_ROWS);
     h_assert_db(s, 2, "SELECT count(*) FROM payments WHERE status = 'pending'");

@@ -1,0 +1,118 @@
+/* `idemd gateway` (docs/gateway.md): the idempotency rules of
+ * docs/idempotency.md, section 2, in front of an existing HTTP application.
+ * Requests on the configured routes are decided by libidem's engine and
+ * reach the upstream once per key; every other request is proxied
+ * unchanged. This header holds what the gateway's files share: its
+ * configuration, its routes and its running state. */
+#ifndef IDEM_GATEWAY_H
+#define IDEM_GATEWAY_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "idem/crypto.h"
+#include "idem/engine.h"
+#include "idem/record.h"
+#include "idem/store.h"
+#include "server/config.h"
+#include "server/metrics.h"
+
+#define GW_MAX_ROUTES 64
+#define GW_MAX_REPLAY_HEADERS 16
+#define GW_PATTERN_MAX 255
+
+/* One keyed route: 'METHOD /pattern/{param}'. */
+typedef struct gw_route {
+  char method[16];
+  char pattern[GW_PATTERN_MAX + 1];
+  /* The record's operation: "METHOD /pattern" when it fits, else its
+   * start and a hash of the whole (stable across restarts). */
+  char operation[IDEM_OPERATION_MAX + 1];
+} gw_route_t;
+
+typedef struct gw_config {
+  idemd_addr_t listen;       /* where clients connect */
+  idemd_addr_t admin_listen; /* GET /healthz and /metrics of the gateway */
+  char upstream[512];        /* http://HOST:PORT of the application */
+  char db[1024];
+  char scope_header[128];    /* its value's HMAC scopes the keys */
+  char log_key_secret[256];  /* "" : generated once, kept in the db */
+  int upstream_idempotent;   /* the upstream dedupes keys itself */
+  int64_t upstream_timeout_ms;
+  int64_t upstream_connect_timeout_ms;
+  int64_t inflight_wait_ms;
+  int64_t key_ttl_ms;
+  int64_t lease_ms;
+  int64_t db_timeout_ms;
+  int64_t max_body;   /* bytes of a request body; beyond: 413 */
+  int64_t max_answer; /* bytes of an upstream answer's body kept */
+  int max_connections;
+  gw_route_t routes[GW_MAX_ROUTES];
+  int nroutes;
+  char replay_headers[GW_MAX_REPLAY_HEADERS][64];
+  int nreplay_headers;
+} gw_config_t;
+
+/* Fills `cfg` with the defaults (docs/gateway.md, "Flags"). */
+void gw_config_defaults(gw_config_t *cfg);
+
+/* Reads the IDEMD_GATEWAY_* variables, then the flags in argv[0..argc),
+ * into `cfg` (flags win), and checks the whole (gw_config_check()).
+ * Returns 0, or -1 with a message naming the flag or variable on `err`. */
+int gw_config_parse(gw_config_t *cfg, int argc, char **argv, FILE *err);
+
+/* Checks what no single flag can: --upstream given, --lease longer than
+ * --upstream-timeout, --admin-listen apart from --listen. Returns 0, or
+ * -1 with a message on `err`. */
+int gw_config_check(const gw_config_t *cfg, FILE *err);
+
+/* Prints the gateway's usage. */
+void gw_config_usage(FILE *out);
+
+/* Parses the route spec `spec` ('METHOD /pattern', segments either
+ * literal or {name}) into `out`. Returns 0, or -1 when it is not one. */
+int gw_route_parse(const char *spec, gw_route_t *out);
+
+/* The keyed route among `cfg`'s that `method` and `path` (no query)
+ * match, or NULL. */
+const gw_route_t *gw_route_match(const gw_config_t *cfg, const char *method,
+                                 const char *path);
+
+struct gw_upstream;
+
+/* Counters of the gateway's own, beside idemd's request metrics. */
+typedef struct gw_counters {
+  atomic_uint_fast64_t upstream_not_sent;  /* refused before a byte went out */
+  atomic_uint_fast64_t upstream_no_answer; /* sent, no answer: pending */
+  atomic_uint_fast64_t answers_too_large;  /* answered, too large to keep */
+  atomic_uint_fast64_t store_errors;
+  atomic_uint_fast64_t resolved; /* pending records the resolver completed */
+} gw_counters_t;
+
+/* The running gateway. */
+typedef struct gw {
+  gw_config_t cfg;
+  idem_store_t *store;
+  idem_engine_t *engine;
+  struct gw_upstream *upstream;
+  struct idemd_workers *workers; /* run the steps that wait */
+  idem_hmac_t *scope_mac;  /* scopes keys by the --scope-header value */
+  idem_hmac_t *key_id_mac; /* key ids in logs */
+  idemd_metrics_t metrics;
+  gw_counters_t counters;
+} gw_t;
+
+/* `idemd gateway FLAGS...`: serves until SIGTERM or SIGINT. Returns the
+ * exit status: 0 after a clean stop, 1 when it cannot start, 2 for bad
+ * flags. */
+int gw_cmd_gateway(int argc, char **argv);
+
+/* `idemd gateway pending [--db ...]`: prints the unsettled keys (pending,
+ * or held by a gateway) with their route, key, attempts, creation, next
+ * attempt and scope number. Returns 0, 1 when the store fails, 2 for bad
+ * usage. */
+int gw_cmd_pending(int argc, char **argv);
+
+#endif

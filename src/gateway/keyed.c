@@ -1,0 +1,382 @@
+/* A keyed route through the gateway (docs/gateway.md, "Keyed routes"):
+ * the key is checked, the request fingerprinted, and libidem's engine
+ * decides; a request that wins its key goes to the upstream once, and
+ * what came back (or that nothing did) completes its record. */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "gateway/answer.h"
+#include "gateway/request.h"
+#include "gateway/requests.h"
+#include "idem/canon.h"
+#include "idem/clock.h"
+#include "idem/crypto.h"
+
+
+
+/* 1 when `v` holds a real anywhere: idem_canon_dump() is for integers
+ * and strings, so such a body is fingerprinted as its bytes. */
+static int has_real(const json_t *v) {
+  const char *k;
+  json_t *e;
+  size_t i;
+  if (json_is_real(v))
+    return 1;
+  if (json_is_object(v)) {
+    json_object_foreach((json_t *)v, k, e) if (has_real(e)) return 1;
+  } else if (json_is_array(v)) {
+    json_array_foreach(v, i, e) if (has_real(e)) return 1;
+  }
+  return 0;
+}
+
+static int is_json_type(const char *ct) {
+  const char *semi;
+  size_t n;
+  if (ct == NULL)
+    return 0;
+  semi = strchr(ct, ';');
+  n = semi ? (size_t)(semi - ct) : strlen(ct);
+  while (n > 0 && (ct[n - 1] == ' ' || ct[n - 1] == '\t'))
+    n--;
+  return (n == 16 && strncasecmp(ct, "application/json", 16) == 0) ||
+         (n > 5 && strncasecmp(ct + n - 5, "+json", 5) == 0);
+}
+
+/* The fingerprint: the route's operation over the method, the target
+ * (path and query), Content-Type and the body, in canonical form when it
+ * is JSON (key order and spacing do not count), else its bytes. */
+static int fingerprint(const gw_req_t *r, const gw_route_t *route,
+                       char fp[IDEM_FINGERPRINT_LEN]) {
+  const char *ct = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Content-Type");
+  char *canon = NULL, *text;
+  const char *body = r->body ? r->body : "";
+  size_t body_len = r->body_len, head, len;
+  int rc;
+
+  if (is_json_type(ct) && body_len > 0) {
+    json_t *v = json_loadb(body, body_len, JSON_REJECT_DUPLICATES, NULL);
+    if (v && !has_real(v) && (canon = idem_canon_dump(v)) != NULL) {
+      body = canon;
+      body_len = strlen(canon);
+    }
+    json_decref(v);
+  }
+  head = strlen(r->method) + strlen(r->target) + strlen(ct ? ct : "") + 3;
+  len = head + body_len;
+  if ((text = malloc(len + 1)) == NULL) {
+    free(canon);
+    return IDEM_ENOMEM;
+  }
+  snprintf(text, head + 1, "%s\n%s\n%s\n", r->method, r->target, ct ? ct : "");
+  memcpy(text + head, body, body_len);
+  rc = idem_fingerprint_text(route->operation, text, len, fp);
+  free(text);
+  free(canon);
+  return rc;
+}
+
+/* The scope's number: an HMAC of the --scope-header value (docs/gateway.md,
+ * "Scope"), in [2^62, 2^63) so it never meets a tenant id of idemd's. */
+static int scope_id(const gw_req_t *r, int64_t *out) {
+  const char *v = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                              r->gw->cfg.scope_header);
+  unsigned char mac[IDEM_SHA256_LEN];
+  uint64_t n = 0;
+  int rc = idem_hmac_compute(r->gw->scope_mac, v ? v : "", v ? strlen(v) : 0, mac);
+  if (rc != IDEM_OK)
+    return rc;
+  for (int i = 0; i < 8; i++)
+    n = n << 8 | mac[i];
+  *out = (int64_t)((n & ((UINT64_C(1) << 62) - 1)) | (UINT64_C(1) << 62));
+  return IDEM_OK;
+}
+
+/* The key id of the log line: as idemd's (server/log.h), never the key. */
+static void key_id(gw_req_t *r, const idem_scope_t *s) {
+  unsigned char mac[IDEM_SHA256_LEN];
+  char hex[IDEM_SHA256_HEX_LEN];
+  char msg[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
+  int n = snprintf(msg, sizeof msg, "%lld\n%s\n%s", (long long)s->tenant_id, s->operation,
+                   s->key);
+  if (n < 0 || idem_hmac_compute(r->gw->key_id_mac, msg, (size_t)n, mac) != IDEM_OK)
+    return;
+  idem_hex(mac, 8, hex);
+  memcpy(r->key_id, hex, 17);
+}
+
+static enum MHD_Result store_error(gw_req_t *r, int rc) {
+  atomic_fetch_add(&r->gw->counters.store_errors, 1);
+  atomic_fetch_add(&r->gw->metrics.store_errors, 1);
+  r->outcome = OUTCOME_ERROR;
+  (void)rc;
+  return gw_send_error(r, 503, "the gateway cannot reach its store; retry with the same key");
+}
+
+/* Answers a stored answer again, marked as a replay. */
+static enum MHD_Result replay(gw_req_t *r, const idem_record_t *rec, idemd_outcome_t outcome) {
+  static const char *const replayed[] = {"Idempotent-Replayed", "true", NULL};
+  static const char *const pending[] = {"Idempotent-Replayed", "true", "Retry-After", "5",
+                                        NULL};
+  gw_answer_t a;
+  enum MHD_Result ret;
+
+  if (gw_answer_decode(rec->response_body, &a) != IDEM_OK)
+    return store_error(r, IDEM_EINVAL);
+  r->outcome = outcome;
+  ret = gw_send(r, &a, outcome == OUTCOME_PENDING ? pending : replayed);
+  gw_answer_free(&a);
+  return ret;
+}
+
+/* Completes the record with `a` (state COMPLETED or PENDING) and, in the
+ * same transaction, drops its kept request (COMPLETED) or sets when it is
+ * next sent (PENDING: soon with --upstream-idempotent, else never).
+ * Returns IDEM_OK or the engine's error. */
+int gw_keep(gw_t *gw, const idem_record_t *rec, idem_state_t state, const gw_answer_t *a,
+            int attempts, int64_t next_attempt_at) {
+  idem_scope_t scope = {rec->tenant_id, rec->operation, rec->key};
+  gw_due_t due = {&scope, attempts, next_attempt_at};
+  idem_effect_t drop = {gw_drop_fn, &scope}, later = {gw_due_fn, &due};
+  char *stored = NULL;
+  int rc = gw_answer_encode(a, &gw->cfg, &stored);
+  const char *location = NULL;
+
+  for (int i = 0; i < a->nheaders && rc == IDEM_OK; i++)
+    if (strcasecmp(a->headers[i].name, "Location") == 0 &&
+        strlen(a->headers[i].value) <= IDEM_LOCATION_MAX)
+      location = a->headers[i].value;
+  if (rc == IDEM_OK) {
+    idem_outcome_t out = {.state = state, .status = a->status, .body = stored,
+                          .location = location};
+    rc = idem_engine_complete(gw->engine, rec, &out,
+                              state == IDEM_STATE_COMPLETED ? &drop : &later);
+  }
+  free(stored);
+  return rc;
+}
+
+int gw_release(gw_t *gw, const idem_record_t *rec) {
+  idem_scope_t scope = {rec->tenant_id, rec->operation, rec->key};
+  idem_effect_t drop = {gw_drop_fn, &scope};
+  idem_outcome_t failed = {.state = IDEM_STATE_FAILED};
+  return idem_engine_complete(gw->engine, rec, &failed, &drop);
+}
+
+/* When a pending request is first sent again. */
+static int64_t first_retry(const gw_t *gw) {
+  return gw->cfg.upstream_idempotent ? idem_now_ms() + GW_RETRY_FIRST_MS : GW_NEVER;
+}
+
+/* The request won its key: one call to the upstream, and its record
+ * completed with what became of it. */
+static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **headers) {
+  static const char *const retry_later[] = {"Retry-After", "5", NULL};
+  gw_up_request_t up = {.method = r->method, .target = r->target,
+                        .headers = (const char *const *)headers, .body = r->body,
+                        .body_len = r->body_len, .once = 1};
+  gw_answer_t a = {0}, own = {0};
+  gw_up_result_t res;
+  enum MHD_Result ret;
+  int rc;
+
+  idemd_workers_wait_begin(); /* on the application, not the store */
+  res = gw_upstream_call(r->gw->upstream, &up, &a);
+  idemd_workers_wait_end();
+  r->outcome = OUTCOME_NEW;
+  switch (res) {
+  case GW_UP_ANSWERED:
+    if (r->gw->cfg.upstream_idempotent && a.status >= 500) {
+      /* The upstream dedupes the key itself: its 5xx frees ours. */
+      rc = gw_release(r->gw, rec);
+    } else {
+      rc = gw_keep(r->gw, rec, IDEM_STATE_COMPLETED, &a, 0, 0);
+    }
+    ret = rc == IDEM_OK ? gw_send(r, &a, NULL) : store_error(r, rc);
+    break;
+  case GW_UP_TOO_LARGE:
+    /* Executed, and not kept: its replays say so, and it never runs
+     * again under the key. */
+    atomic_fetch_add(&r->gw->counters.answers_too_large, 1);
+    rc = gw_answer_own(502,
+                       "{\"error\":\"the upstream's answer was too large to keep; "
+                       "it is not replayed and the request is not sent again\"}",
+                       &own);
+    if (rc == IDEM_OK)
+      rc = gw_keep(r->gw, rec, IDEM_STATE_COMPLETED, &own, 0, 0);
+    ret = rc == IDEM_OK ? gw_send(r, &own, NULL) : store_error(r, rc);
+    break;
+  case GW_UP_NOT_SENT:
+    atomic_fetch_add(&r->gw->counters.upstream_not_sent, 1);
+    rc = gw_release(r->gw, rec);
+    r->outcome = OUTCOME_ERROR;
+    ret = rc == IDEM_OK ? gw_send_error(r, 503, "the upstream cannot be reached; nothing "
+                                               "was sent, retry with the same key")
+                        : store_error(r, rc);
+    break;
+  case GW_UP_NO_ANSWER:
+  default:
+    /* Sent, no answer: whether it took effect is unknown. */
+    atomic_fetch_add(&r->gw->counters.upstream_no_answer, 1);
+    r->outcome = OUTCOME_PENDING;
+    rc = gw_answer_own(202, GW_PENDING_BODY, &own);
+    if (rc == IDEM_OK)
+      rc = gw_keep(r->gw, rec, IDEM_STATE_PENDING, &own, 0, first_retry(r->gw));
+    ret = rc == IDEM_OK ? gw_send(r, &own, retry_later) : store_error(r, rc);
+    break;
+  }
+  gw_answer_free(&a);
+  gw_answer_free(&own);
+  return ret;
+}
+
+/* What a request that wins its key sends and keeps for a take-over: made
+ * only then (the engine's prepare), so a replay never pays for it. */
+struct to_save {
+  gw_req_t *r;
+  char **headers;
+  char *text;
+  gw_save_t save;
+};
+
+static int encode_request(void *arg) {
+  struct to_save *ts = arg;
+  if (ts->headers == NULL && (ts->headers = gw_forward_headers(ts->r)) == NULL)
+    return IDEM_ENOMEM;
+  free(ts->text);
+  ts->text = gw_request_encode(ts->r->method, ts->r->target, ts->headers, ts->r->body,
+                               ts->r->body_len);
+  ts->save.text = ts->text;
+  return ts->text ? IDEM_OK : IDEM_ENOMEM;
+}
+
+static enum MHD_Result count_keys(void *arg, enum MHD_ValueKind kind, const char *name,
+                                  const char *value) {
+  (void)kind;
+  (void)value;
+  if (strcasecmp(name, "Idempotency-Key") == 0)
+    (*(int *)arg)++;
+  return MHD_YES;
+}
+
+/* The keyed flow's state, kept on the request across the hand-over to
+ * a worker. */
+typedef struct keyed {
+  const gw_route_t *route;
+  char key[IDEM_KEY_MAX + 1];
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_scope_t scope;
+  int none_seen; /* the event thread found no record: most likely a new key */
+  struct to_save ts;
+} keyed_t;
+
+void gw_keyed_free(gw_req_t *r) {
+  keyed_t *k = r->keyed;
+  if (k == NULL)
+    return;
+  gw_free_lines(k->ts.headers);
+  free(k->ts.text);
+  free(k);
+  r->keyed = NULL;
+}
+
+/* Where the request may wait: the engine decides, and a request that
+ * wins its key goes to the upstream. */
+static enum MHD_Result decide(gw_req_t *r) {
+  keyed_t *k = r->keyed;
+  idem_record_t rec = {0};
+  idem_decision_t d;
+  enum MHD_Result ret;
+  idem_begin_t b = {.scope = k->scope,
+                    .fingerprint = k->fp,
+                    .correlation_id = r->request_id,
+                    .effect = {gw_save_fn, &k->ts.save},
+                    .prepare = encode_request,
+                    .arg = &k->ts,
+                    /* the read was just made; the reservation reports
+                     * any record there is now (engine.h) */
+                    .skip_read = k->none_seen};
+  int rc;
+
+  k->ts.save.scope = &k->scope;
+  k->ts.save.due_in_ms = r->gw->cfg.lease_ms; /* taken over once the lease ran out */
+  rc = idem_engine_begin(r->gw->engine, &b, &rec, &d); /* may wait for a duplicate */
+  if (rc != IDEM_OK) {
+    ret = store_error(r, rc);
+  } else if (d == IDEM_DECIDE_EXECUTE) {
+    ret = execute(r, &rec, k->ts.headers);
+  } else if (d == IDEM_DECIDE_REPLAY) {
+    ret = replay(r, &rec, OUTCOME_REPLAY);
+  } else if (d == IDEM_DECIDE_PENDING) {
+    ret = replay(r, &rec, OUTCOME_PENDING);
+  } else if (d == IDEM_DECIDE_MISMATCH) {
+    r->outcome = OUTCOME_MISMATCH;
+    ret = gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
+  } else {
+    r->outcome = OUTCOME_IN_FLIGHT;
+    atomic_fetch_add(&r->gw->metrics.inflight_timeouts, 1);
+    ret = gw_send_error(r, 409, "a request with this Idempotency-Key is still in flight");
+  }
+  idem_record_reset(&rec);
+  return ret;
+}
+
+enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
+  keyed_t *k;
+  const char *raw;
+  size_t key_len;
+  int keys, rc;
+
+  r->op = OP_GATEWAY;
+  r->route = route->operation;
+  r->outcome = OUTCOME_INVALID;
+  if (r->body_too_large)
+    return gw_send_error(r, 413, "request body too large");
+  keys = 0;
+  MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_keys, &keys);
+  if (keys > 1)
+    return gw_send_error(r, 400, "Idempotency-Key must be sent once");
+  if ((k = calloc(1, sizeof *k)) == NULL)
+    return MHD_NO;
+  r->keyed = k;
+  k->route = route;
+  k->ts.r = r;
+  raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
+  rc = idem_key_parse(raw, raw ? strlen(raw) : 0, k->key, &key_len);
+  if (rc != IDEM_OK)
+    return gw_send_error(r, 400, idem_strerror(rc));
+  k->scope = (idem_scope_t){.operation = route->operation, .key = k->key};
+  if ((rc = scope_id(r, &k->scope.tenant_id)) != IDEM_OK ||
+      (rc = fingerprint(r, route, k->fp)) != IDEM_OK) {
+    r->outcome = OUTCOME_ERROR;
+    return gw_send_error(r, 500, "internal error");
+  }
+  key_id(r, &k->scope);
+  /* A finished key is answered here when reading costs no wait (SQLite):
+   * the engine's own decision table on the record as it stands. */
+  if (idem_store_local_reads(r->gw->store)) {
+    idem_record_t rec = {0};
+    int64_t now = idem_now_ms();
+    enum MHD_Result ret = MHD_NO;
+    int answered = 1;
+
+    rc = idem_store_lookup(r->gw->store, &k->scope, now, &rec);
+    k->none_seen = rc == IDEM_ENOTFOUND;
+    idem_decision_t d = rc == IDEM_OK ? idem_decide(&rec, k->fp, now) : IDEM_DECIDE_RESERVE;
+    if (rc == IDEM_OK && d == IDEM_DECIDE_REPLAY)
+      ret = replay(r, &rec, OUTCOME_REPLAY);
+    else if (rc == IDEM_OK && d == IDEM_DECIDE_PENDING)
+      ret = replay(r, &rec, OUTCOME_PENDING);
+    else if (rc == IDEM_OK && d == IDEM_DECIDE_MISMATCH) {
+      r->outcome = OUTCOME_MISMATCH;
+      ret = gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
+    } else
+      answered = 0;
+    idem_record_reset(&rec);
+    if (answered)
+      return ret;
+  }
+  return gw_defer(r, decide);
+}

@@ -1,0 +1,687 @@
+/* The gateway's HTTP side (docs/gateway.md): libmicrohttpd's event
+ * threads, which hand every step that waits (a write, the upstream) to
+ * idemd's workers (server/workers.h) with the connection suspended, the
+ * proxy for requests outside the keyed routes, the admin
+ * listener (GET /healthz, /metrics) on a port of its own, the log line of
+ * each request, start-up and shutdown. */
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/time.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gateway/answer.h"
+#include "gateway/request.h"
+#include "gateway/requests.h"
+#include "gateway/resolver.h"
+#include "idem/clock.h"
+#include "server/log.h"
+#include "util/ticker.h"
+
+/* How long SIGTERM lets requests in flight finish. */
+#define DRAIN_MS 10000
+/* Threads for the steps that wait (store writes, the application, a
+ * duplicate in flight); of them, eight per core at work at once, those
+ * waiting on the application or a duplicate not counted: eight per core
+ * measured best for new keys of 4, 8, 32 and 128 (docs/gateway.md). */
+#define WORKERS 256
+/* How often the resolver looks for unsettled keys that are due. */
+#define RESOLVE_EVERY_MS 500
+
+static atomic_int inflight;
+
+/* ---- headers, both ways ---- */
+
+struct gather_headers {
+  char **lines;
+  int n, cap;
+  const char *connection; /* the request's Connection header */
+  int failed;
+};
+
+static int push_line(struct gather_headers *g, const char *name, const char *value) {
+  size_t len = strlen(name) + strlen(value) + 3;
+  char *line;
+  if (g->n + 2 > g->cap) {
+    int cap = g->cap ? g->cap * 2 : 32;
+    char **l = realloc(g->lines, (size_t)cap * sizeof *l);
+    if (l == NULL)
+      return -1;
+    g->lines = l;
+    g->cap = cap;
+  }
+  if ((line = malloc(len)) == NULL)
+    return -1;
+  snprintf(line, len, "%s: %s", name, value);
+  g->lines[g->n++] = line;
+  g->lines[g->n] = NULL;
+  return 0;
+}
+
+static enum MHD_Result collect_header(void *arg, enum MHD_ValueKind kind, const char *name,
+                                      const char *value) {
+  struct gather_headers *g = arg;
+  (void)kind;
+  /* The body goes as curl frames it; an Expect is answered here. */
+  if (gw_hop_by_hop(name, g->connection) || strcasecmp(name, "Content-Length") == 0 ||
+      strcasecmp(name, "Expect") == 0)
+    return MHD_YES;
+  if (push_line(g, name, value ? value : "") != 0) {
+    g->failed = 1;
+    return MHD_NO;
+  }
+  return MHD_YES;
+}
+
+char **gw_forward_headers(const gw_req_t *r) {
+  struct gather_headers g = {0};
+  const union MHD_ConnectionInfo *ci =
+      MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
+  char ip[INET6_ADDRSTRLEN] = "unknown", fwd[INET6_ADDRSTRLEN + 32];
+
+  g.connection = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Connection");
+  MHD_get_connection_values(r->conn, MHD_HEADER_KIND, collect_header, &g);
+  if (ci && ci->client_addr) {
+    const struct sockaddr *sa = ci->client_addr;
+    if (sa->sa_family == AF_INET)
+      inet_ntop(AF_INET, &((const struct sockaddr_in *)sa)->sin_addr, ip, sizeof ip);
+    else if (sa->sa_family == AF_INET6)
+      inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)sa)->sin6_addr, ip, sizeof ip);
+  }
+  /* RFC 7239: an IPv6 address is quoted and bracketed. */
+  if (strchr(ip, ':'))
+    snprintf(fwd, sizeof fwd, "for=\"[%s]\";proto=http", ip);
+  else
+    snprintf(fwd, sizeof fwd, "for=%s;proto=http", ip);
+  if (g.failed || push_line(&g, "X-Forwarded-For", ip) != 0 ||
+      push_line(&g, "Forwarded", fwd) != 0) {
+    gw_free_lines(g.lines);
+    return NULL;
+  }
+  return g.lines;
+}
+
+void gw_free_lines(char **lines) {
+  for (char **l = lines; l && *l; l++)
+    free(*l);
+  free(lines);
+}
+
+/* An answer to HEAD has no body; its Content-Length is the one the
+ * application sent, or -1. */
+static long long head_length(const gw_req_t *r, const gw_answer_t *a) {
+  if (r->method == NULL || strcmp(r->method, "HEAD") != 0)
+    return -1;
+  for (int i = 0; i < a->nheaders; i++)
+    if (strcasecmp(a->headers[i].name, "Content-Length") == 0) {
+      char *end;
+      long long n = strtoll(a->headers[i].value, &end, 10);
+      return *end == '\0' && n >= 0 && end != a->headers[i].value ? n : -1;
+    }
+  return -1;
+}
+
+/* Never called: libmicrohttpd sends no body for HEAD, only the size. */
+static ssize_t no_body(void *cls, uint64_t pos, char *buf, size_t max) {
+  (void)cls;
+  (void)pos;
+  (void)buf;
+  (void)max;
+  return MHD_CONTENT_READER_END_OF_STREAM;
+}
+
+enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra) {
+  long long head = head_length(r, a);
+  struct MHD_Response *resp =
+      head >= 0 ? MHD_create_response_from_callback((uint64_t)head, 4096, no_body, NULL, NULL)
+                : MHD_create_response_from_buffer(a->len, a->body ? a->body : (void *)"",
+                                                  MHD_RESPMEM_MUST_COPY);
+  const char *connection = NULL;
+  enum MHD_Result ret;
+
+  if (resp == NULL)
+    return MHD_NO;
+  for (int i = 0; i < a->nheaders; i++)
+    if (strcasecmp(a->headers[i].name, "Connection") == 0)
+      connection = a->headers[i].value;
+  for (int i = 0; i < a->nheaders; i++) {
+    const char *name = a->headers[i].name;
+    if (gw_hop_by_hop(name, connection))
+      continue;
+    if (strcasecmp(name, "Content-Length") == 0)
+      continue; /* libmicrohttpd frames the body (for HEAD: head_length()) */
+    MHD_add_response_header(resp, name, a->headers[i].value);
+  }
+  for (const char *const *e = extra; e && e[0] && e[1]; e += 2)
+    MHD_add_response_header(resp, e[0], e[1]);
+  r->status = a->status;
+  if (r->in_worker) { /* queued once the connection is resumed */
+    r->response = resp;
+    return MHD_YES;
+  }
+  ret = MHD_queue_response(r->conn, (unsigned)a->status, resp);
+  MHD_destroy_response(resp);
+  return ret;
+}
+
+#define GW_REQ_OF(w) ((gw_req_t *)((char *)(w) - offsetof(gw_req_t, work)))
+
+static void run_step(idemd_work_t *w) {
+  gw_req_t *r = GW_REQ_OF(w);
+  enum MHD_Result (*step)(gw_req_t *) = r->step;
+
+  r->step = NULL;
+  r->in_worker = 1;
+  if (step(r) != MHD_YES || r->response == NULL) {
+    /* No answer could be made (out of memory): the connection is cut. */
+    if (r->response)
+      MHD_destroy_response(r->response);
+    r->response = NULL;
+    r->status = -1;
+  }
+  r->in_worker = 0;
+  MHD_resume_connection(r->conn);
+}
+
+enum MHD_Result gw_defer(gw_req_t *r, enum MHD_Result (*step)(gw_req_t *r)) {
+  r->step = step;
+  r->work.run = run_step;
+  MHD_suspend_connection(r->conn);
+  if (idemd_workers_submit(r->gw->workers, &r->work) == 0)
+    return MHD_YES;
+  /* Shutting down: no worker takes it. */
+  r->step = NULL;
+  r->in_worker = 1;
+  r->outcome = OUTCOME_ERROR;
+  (void)gw_send_error(r, 503, "the gateway is stopping; retry");
+  r->in_worker = 0;
+  MHD_resume_connection(r->conn);
+  return MHD_YES;
+}
+
+enum MHD_Result gw_send_error(gw_req_t *r, int status, const char *msg) {
+  static const char *const retry[] = {"Retry-After", "1", NULL};
+  json_t *doc = json_pack("{s:s}", "error", msg);
+  char *body = doc ? json_dumps(doc, JSON_COMPACT) : NULL;
+  gw_answer_t a = {0};
+  enum MHD_Result ret = MHD_NO;
+
+  json_decref(doc);
+  if (body && gw_answer_own(status, body, &a) == IDEM_OK)
+    ret = gw_send(r, &a, status == 409 || status == 503 ? retry : NULL);
+  gw_answer_free(&a);
+  free(body);
+  return ret;
+}
+
+/* ---- the proxy ---- */
+
+/* RFC 9110, section 9.2.2: a request with such a method may be sent
+ * again after a connection failed. */
+static int idempotent_method(const char *m) {
+  static const char *const ok[] = {"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"};
+  for (size_t i = 0; i < sizeof ok / sizeof *ok; i++)
+    if (strcmp(m, ok[i]) == 0)
+      return 1;
+  return 0;
+}
+
+/* Any request outside the keyed routes: sent on as it came, its answer
+ * sent back as it came (docs/gateway.md, "Everything else"). */
+static enum MHD_Result proxy_run(gw_req_t *r) {
+  char **headers;
+  gw_up_request_t up;
+  gw_answer_t a;
+  gw_up_result_t res;
+  enum MHD_Result ret;
+
+  if ((headers = gw_forward_headers(r)) == NULL)
+    return gw_send_error(r, 500, "internal error");
+  up = (gw_up_request_t){.method = r->method, .target = r->target,
+                         .headers = (const char *const *)headers, .body = r->body,
+                         .body_len = r->body_len, .once = !idempotent_method(r->method)};
+  idemd_workers_wait_begin(); /* on the application, not the store */
+  res = gw_upstream_call(r->gw->upstream, &up, &a);
+  idemd_workers_wait_end();
+  gw_free_lines(headers);
+  if (res == GW_UP_ANSWERED)
+    ret = gw_send(r, &a, NULL);
+  else if (res == GW_UP_TOO_LARGE)
+    ret = gw_send_error(r, 502, "the upstream's answer was too large");
+  else if (res == GW_UP_NOT_SENT)
+    ret = gw_send_error(r, 502, "the upstream cannot be reached");
+  else
+    ret = gw_send_error(r, 504, "the upstream did not answer");
+  gw_answer_free(&a);
+  return ret;
+}
+
+static enum MHD_Result proxy(gw_req_t *r) {
+  r->op = OP_PROXY;
+  r->outcome = OUTCOME_NONE;
+  if (r->body_too_large)
+    return gw_send_error(r, 413, "request body too large");
+  return gw_defer(r, proxy_run);
+}
+
+/* ---- requests ---- */
+
+/* Before the headers are parsed: the request-target exactly as sent. */
+static void *on_uri(void *cls, const char *uri, struct MHD_Connection *conn) {
+  gw_req_t *r = calloc(1, sizeof *r);
+  const char *q;
+  if (r == NULL)
+    return NULL;
+  r->gw = cls;
+  r->conn = conn;
+  r->start_us = idem_mono_us();
+  r->target = strdup(uri ? uri : "/");
+  q = r->target ? strchr(r->target, '?') : NULL;
+  r->path = r->target ? strndup(r->target, q ? (size_t)(q - r->target) : strlen(r->target))
+                      : NULL;
+  if (idem_random_token(r->request_id, 16) != IDEM_OK)
+    snprintf(r->request_id, sizeof r->request_id, "0");
+  atomic_fetch_add(&inflight, 1);
+  return r;
+}
+
+static int append_body(gw_req_t *r, const char *data, size_t n) {
+  if (r->body_too_large || r->body_len + n > (size_t)r->gw->cfg.max_body) {
+    r->body_too_large = 1;
+    return 0;
+  }
+  if (r->body_len + n + 1 > r->body_cap) {
+    size_t cap = r->body_cap ? r->body_cap : 1024;
+    char *b;
+    while (cap < r->body_len + n + 1)
+      cap *= 2;
+    if ((b = realloc(r->body, cap)) == NULL)
+      return -1;
+    r->body = b;
+    r->body_cap = cap;
+  }
+  memcpy(r->body + r->body_len, data, n);
+  r->body_len += n;
+  r->body[r->body_len] = '\0';
+  return 0;
+}
+
+static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char *url,
+                              const char *method, const char *version, const char *upload,
+                              size_t *upload_size, void **con_cls) {
+  gw_req_t *r = *con_cls;
+  const gw_route_t *route;
+  (void)cls;
+  (void)url;
+  (void)version;
+
+  if (r == NULL || r->target == NULL || r->path == NULL)
+    return MHD_NO;
+  /* The first call has the headers only. */
+  if (r->method == NULL) {
+    r->method = method;
+    return MHD_YES;
+  }
+  if (*upload_size > 0) {
+    if (append_body(r, upload, *upload_size) != 0)
+      return MHD_NO;
+    *upload_size = 0;
+    return MHD_YES;
+  }
+  if (r->response || r->status < 0) { /* resumed, with a worker's answer */
+    enum MHD_Result ret = MHD_NO;
+    if (r->response) {
+      ret = MHD_queue_response(conn, (unsigned)r->status, r->response);
+      MHD_destroy_response(r->response);
+      r->response = NULL;
+    }
+    return ret;
+  }
+  route = gw_route_match(&r->gw->cfg, method, r->path);
+  return route ? gw_keyed(r, route) : proxy(r);
+}
+
+static void log_request(const gw_req_t *r) {
+  char ts[40], base[24];
+  struct timeval tv;
+  struct tm tm;
+  int64_t us = idem_mono_us() - r->start_us;
+  json_t *line;
+  char *text;
+
+  gettimeofday(&tv, NULL);
+  gmtime_r(&tv.tv_sec, &tm);
+  strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
+  snprintf(ts, sizeof ts, "%s.%03dZ", base, (int)(tv.tv_usec / 1000));
+  line = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:f, s:s%}", "ts", ts, "level",
+                   "info", "msg", "request", "request_id", r->request_id, "method",
+                   r->method ? r->method : "", "operation", idemd_op_name(r->op), "outcome",
+                   idemd_outcome_name(r->outcome), "status", r->status, "latency_ms",
+                   (double)(us < 0 ? 0 : us) / 1000.0, "path", r->path ? r->path : "",
+                   r->path ? strnlen(r->path, 256) : 0);
+  if (line == NULL)
+    return;
+  if (r->route)
+    json_object_set_new(line, "route", json_string(r->route));
+  if (r->key_id[0])
+    json_object_set_new(line, "key_id", json_string(r->key_id));
+  /* A path is the client's bytes: escaped to ASCII, so the line is JSON. */
+  text = json_dumps(line, JSON_COMPACT | JSON_ENSURE_ASCII | JSON_REAL_PRECISION(6));
+  json_decref(line);
+  if (text) {
+    size_t n = strlen(text);
+    text[n] = '\n'; /* json_dumps leaves room for the NUL replaced */
+    idemd_log_line(text, n + 1);
+    free(text);
+  }
+}
+
+static void on_done(void *cls, struct MHD_Connection *conn, void **con_cls,
+                    enum MHD_RequestTerminationCode code) {
+  gw_req_t *r = *con_cls;
+  (void)cls;
+  (void)conn;
+  if (r == NULL)
+    return;
+  if (r->method && r->status > 0) {
+    idemd_metrics_request(&r->gw->metrics, r->op, r->outcome, idem_mono_us() - r->start_us);
+    log_request(r);
+  }
+  (void)code;
+  if (r->response)
+    MHD_destroy_response(r->response);
+  gw_keyed_free(r);
+  free(r->body);
+  free(r->target);
+  free(r->path);
+  free(r);
+  *con_cls = NULL;
+  atomic_fetch_sub(&inflight, 1);
+}
+
+/* ---- the admin listener ---- */
+
+static char *render_metrics(gw_t *gw) {
+  idemd_store_gauges_t g = {.pending = -1, .processing = -1,
+                            .store_backend = idem_store_backend(gw->store)};
+  idem_store_stats_t st;
+  int64_t oldest = 0;
+  char *base, *out;
+  size_t len;
+
+  if (idem_store_count(gw->store, "pending", 0, &g.pending) != IDEM_OK)
+    g.pending = -1;
+  if (idem_store_count(gw->store, "processing", 0, &g.processing) != IDEM_OK)
+    g.processing = -1;
+  if (idem_store_count(gw->store, "oldest_pending", 0, &oldest) == IDEM_OK && oldest > 0)
+    g.oldest_pending_seconds = (double)(idem_now_ms() - oldest) / 1000.0;
+  idem_store_stats(gw->store, &st);
+  g.store_commits = st.commits;
+  g.store_writes = st.writes;
+  g.store_batch_reruns = st.batch_reruns;
+  if ((base = idemd_metrics_render(&gw->metrics, &g)) == NULL)
+    return NULL;
+  len = strlen(base) + 1024;
+  if ((out = malloc(len)) == NULL) {
+    free(base);
+    return NULL;
+  }
+  snprintf(out, len,
+           "%s# HELP idem_gateway_upstream_not_sent_total Keyed requests the upstream "
+           "refused before anything was sent (503, key free).\n"
+           "# TYPE idem_gateway_upstream_not_sent_total counter\n"
+           "idem_gateway_upstream_not_sent_total %llu\n"
+           "# HELP idem_gateway_upstream_no_answer_total Keyed requests sent with no "
+           "answer (pending).\n# TYPE idem_gateway_upstream_no_answer_total counter\n"
+           "idem_gateway_upstream_no_answer_total %llu\n"
+           "# HELP idem_gateway_answers_too_large_total Keyed answers over --max-answer "
+           "(kept as 502).\n# TYPE idem_gateway_answers_too_large_total counter\n"
+           "idem_gateway_answers_too_large_total %llu\n"
+           "# HELP idem_gateway_resolved_total Pending records the resolver completed "
+           "with the upstream's answer.\n# TYPE idem_gateway_resolved_total counter\n"
+           "idem_gateway_resolved_total %llu\n",
+           base, (unsigned long long)atomic_load(&gw->counters.upstream_not_sent),
+           (unsigned long long)atomic_load(&gw->counters.upstream_no_answer),
+           (unsigned long long)atomic_load(&gw->counters.answers_too_large),
+           (unsigned long long)atomic_load(&gw->counters.resolved));
+  free(base);
+  return out;
+}
+
+static enum MHD_Result admin_reply(struct MHD_Connection *conn, unsigned status,
+                                   const char *type, char *body) {
+  struct MHD_Response *resp =
+      MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
+  enum MHD_Result ret;
+  if (resp == NULL) {
+    free(body);
+    return MHD_NO;
+  }
+  MHD_add_response_header(resp, "Content-Type", type);
+  ret = MHD_queue_response(conn, status, resp);
+  MHD_destroy_response(resp);
+  return ret;
+}
+
+static enum MHD_Result admin(void *cls, struct MHD_Connection *conn, const char *url,
+                             const char *method, const char *version, const char *upload,
+                             size_t *upload_size, void **con_cls) {
+  gw_t *gw = cls;
+  char *body;
+  (void)version;
+  (void)upload;
+  if (*con_cls == NULL) {
+    *con_cls = (void *)1;
+    return MHD_YES;
+  }
+  if (*upload_size > 0) {
+    *upload_size = 0;
+    return MHD_YES;
+  }
+  if (strcmp(method, "GET") != 0 && strcmp(method, "HEAD") != 0)
+    return admin_reply(conn, 405, "application/json",
+                       strdup("{\"error\":\"method not allowed\"}"));
+  if (strcmp(url, "/healthz") == 0) {
+    int ok = idem_store_ping(gw->store) == IDEM_OK;
+    return admin_reply(conn, ok ? 200 : 503, "application/json",
+                       strdup(ok ? "{\"status\":\"ok\"}" : "{\"status\":\"unavailable\"}"));
+  }
+  if (strcmp(url, "/metrics") == 0 && (body = render_metrics(gw)) != NULL)
+    return admin_reply(conn, 200, "text/plain; version=0.0.4", body);
+  return admin_reply(conn, 404, "application/json", strdup("{\"error\":\"not found\"}"));
+}
+
+/* ---- start and stop ---- */
+
+/* libmicrohttpd's event threads: one per core. They never wait on the
+ * store's writes or the application: those steps go to the workers. */
+static unsigned event_threads(void) {
+  long n = sysconf(_SC_NPROCESSORS_ONLN);
+  return n < 1 ? 1u : n > 64 ? 64u : (unsigned)n;
+}
+
+static struct MHD_Daemon *listen_on(const idemd_addr_t *a, unsigned flags,
+                                    MHD_AccessHandlerCallback fn, gw_t *gw, int extra,
+                                    int *port) {
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_PASSIVE};
+  struct addrinfo *ai = NULL;
+  struct MHD_Daemon *d;
+  const union MHD_DaemonInfo *info;
+  char portstr[8];
+
+  snprintf(portstr, sizeof portstr, "%d", a->port);
+  if (getaddrinfo(a->host, portstr, &hints, &ai) != 0 || ai == NULL)
+    return NULL;
+  if (ai->ai_family == AF_INET6)
+    flags |= MHD_USE_IPv6;
+  if (extra)
+    d = MHD_start_daemon(flags, 0, NULL, NULL, fn, gw, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                         MHD_OPTION_THREAD_POOL_SIZE, event_threads(),
+                         MHD_OPTION_CONNECTION_LIMIT, (unsigned)gw->cfg.max_connections,
+                         MHD_OPTION_CONNECTION_TIMEOUT, 60u, MHD_OPTION_URI_LOG_CALLBACK,
+                         on_uri, gw, MHD_OPTION_NOTIFY_COMPLETED, on_done, gw,
+                         MHD_OPTION_END);
+  else
+    d = MHD_start_daemon(flags, 0, NULL, NULL, fn, gw, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                         MHD_OPTION_CONNECTION_TIMEOUT, 10u, MHD_OPTION_END);
+  freeaddrinfo(ai);
+  if (d && (info = MHD_get_daemon_info(d, MHD_DAEMON_INFO_BIND_PORT)) != NULL)
+    *port = info->port;
+  return d;
+}
+
+/* The HMAC keys, from the database (made once, shared by every gateway
+ * on it) or, for key ids in logs, --log-key-secret. */
+static int load_secret(gw_t *gw, const char *name, const char *given, idem_hmac_t **out) {
+  unsigned char raw[32], key[IDEM_SHA256_LEN];
+  char hex[65];
+  char *secret = NULL;
+  int rc;
+
+  if (given && given[0]) {
+    rc = idem_sha256(given, strlen(given), key);
+  } else {
+    if ((rc = idem_random_bytes(raw, sizeof raw)) != IDEM_OK)
+      return rc;
+    idem_hex(raw, sizeof raw, hex);
+    if ((rc = idem_store_meta_get_or_put(gw->store, name, hex, &secret)) != IDEM_OK)
+      return rc;
+    rc = idem_sha256(secret, strlen(secret), key);
+    free(secret);
+  }
+  if (rc == IDEM_OK && (*out = idem_hmac_new(key, sizeof key)) == NULL)
+    rc = IDEM_ENOMEM;
+  return rc;
+}
+
+/* A worker waiting on a duplicate in flight does not count as at work. */
+static void on_wait(void *arg, int waiting) {
+  (void)arg;
+  if (waiting)
+    idemd_workers_wait_begin();
+  else
+    idemd_workers_wait_end();
+}
+
+static int open_store(gw_t *gw) {
+  idem_store_options_t opts = {.db_timeout_ms = (int)gw->cfg.db_timeout_ms};
+  idem_engine_config_t ecfg = {.on_wait = on_wait,
+                               .lease_ms = gw->cfg.lease_ms,
+                               .ttl_ms = gw->cfg.key_ttl_ms,
+                               .inflight_wait_ms = gw->cfg.inflight_wait_ms > 0
+                                                       ? gw->cfg.inflight_wait_ms
+                                                       : -1};
+  char why[256] = "";
+  int rc = idem_store_open(gw->cfg.db, &opts, &gw->store);
+
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd gateway: cannot open database: %s (%s)\n", idem_strerror(rc),
+            idem_store_last_error());
+    return -1;
+  }
+  if ((rc = idem_store_migrate(gw->store)) != IDEM_OK ||
+      (rc = gw_schema_migrate(gw->store, why, sizeof why)) != IDEM_OK ||
+      (rc = load_secret(gw, "gateway_scope_secret", NULL, &gw->scope_mac)) != IDEM_OK ||
+      (rc = load_secret(gw, "log_key_secret", gw->cfg.log_key_secret, &gw->key_id_mac)) !=
+          IDEM_OK ||
+      (rc = idem_engine_new(gw->store, &ecfg, &gw->engine)) != IDEM_OK) {
+    fprintf(stderr, "idemd gateway: cannot set up the database: %s (%s)\n",
+            idem_strerror(rc), why[0] ? why : idem_store_last_error());
+    return -1;
+  }
+  return 0;
+}
+
+static void close_all(gw_t *gw) {
+  idemd_workers_free(gw->workers);
+  idem_engine_free(gw->engine);
+  if (gw->store)
+    idem_store_close(gw->store);
+  idem_hmac_free(gw->scope_mac);
+  idem_hmac_free(gw->key_id_mac);
+  gw_upstream_free(gw->upstream);
+}
+
+int gw_cmd_gateway(int argc, char **argv) {
+  static gw_t gw; /* its metrics are large; one per process */
+  struct MHD_Daemon *d = NULL, *ad = NULL;
+  struct idem__ticker *resolver = NULL;
+  int port = 0, aport = 0, sig = 0;
+  char lport[16], aportstr[16];
+  sigset_t set;
+
+  if (argc > 0 && strcmp(argv[0], "pending") == 0)
+    return gw_cmd_pending(argc - 1, argv + 1);
+  for (int i = 0; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      gw_config_usage(stdout);
+      return 0;
+    }
+  gw_config_defaults(&gw.cfg);
+  if (gw_config_parse(&gw.cfg, argc, argv, stderr) != 0)
+    return 2;
+  /* Signals are taken by sigwait() below; every thread inherits the mask. */
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, NULL);
+  signal(SIGPIPE, SIG_IGN);
+  if (open_store(&gw) != 0)
+    goto fail;
+  if ((gw.workers = idemd_workers_start(WORKERS, (int)event_threads() * 8)) == NULL)
+    goto fail;
+  gw.upstream = gw_upstream_new(gw.cfg.upstream, gw.cfg.upstream_connect_timeout_ms,
+                                gw.cfg.upstream_timeout_ms, (size_t)gw.cfg.max_answer);
+  if (gw.upstream == NULL)
+    goto fail;
+  d = listen_on(&gw.cfg.listen,
+                MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME,
+                handle, &gw, 1, &port);
+  ad = d ? listen_on(&gw.cfg.admin_listen, MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_POLL,
+                     admin, &gw, 0, &aport)
+         : NULL;
+  if (d == NULL || ad == NULL) {
+    fprintf(stderr, "idemd gateway: cannot listen on %s:%d and %s:%d\n", gw.cfg.listen.host,
+            gw.cfg.listen.port, gw.cfg.admin_listen.host, gw.cfg.admin_listen.port);
+    goto fail;
+  }
+  if ((resolver = gw_resolver_start(&gw, RESOLVE_EVERY_MS)) == NULL) {
+    fprintf(stderr, "idemd gateway: cannot start the resolver\n");
+    goto fail;
+  }
+  snprintf(lport, sizeof lport, "%d", port);
+  snprintf(aportstr, sizeof aportstr, "%d", aport);
+  /* Request lines written together, as idemd's (server/log.h). */
+  if (idemd_log_batch_start(50) != 0)
+    goto fail;
+  idemd_log_event("info", "gateway started", "listen_port", lport, "admin_port", aportstr,
+                  "upstream", gw.cfg.upstream, "store", idem_store_backend(gw.store), NULL);
+  sigwait(&set, &sig);
+  /* New connections are refused from here; requests in flight finish. */
+  MHD_quiesce_daemon(d);
+  for (int64_t until = idem_mono_ms() + DRAIN_MS;
+       atomic_load(&inflight) > 0 && idem_mono_ms() < until;)
+    usleep(10000);
+  idem__ticker_stop(resolver);
+  idemd_workers_stop(gw.workers); /* what was handed on is answered */
+  MHD_stop_daemon(d);
+  MHD_stop_daemon(ad);
+  idemd_log_event("info", "gateway stopped", NULL);
+  idemd_log_batch_stop();
+  close_all(&gw);
+  return 0;
+fail:
+  idem__ticker_stop(resolver);
+  idemd_workers_stop(gw.workers);
+  if (d)
+    MHD_stop_daemon(d);
+  if (ad)
+    MHD_stop_daemon(ad);
+  close_all(&gw);
+  return 1;
+}

@@ -1,0 +1,320 @@
+/* The gateway's upstream client (gateway/upstream.h): a pool of libcurl
+ * handles, each keeping its connections alive, taken by one call at a
+ * time; answers gathered within caps. */
+#include "gateway/upstream.h"
+
+#include <curl/curl.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "util/curl_sent.h"
+
+/* Idle handles kept; beyond, a returned handle is closed. */
+#define POOL_MAX 256
+/* Bytes of an answer's header lines. */
+#define MAX_HEADER_BYTES (64 * 1024)
+
+struct gw_upstream {
+  char *base_url;
+  long connect_timeout_ms;
+  long timeout_ms;
+  size_t max_answer;
+  pthread_mutex_t lock;
+  CURL *idle[POOL_MAX];
+  int nidle;
+};
+
+gw_upstream_t *gw_upstream_new(const char *base_url, int64_t connect_timeout_ms,
+                               int64_t timeout_ms, size_t max_answer) {
+  gw_upstream_t *u = calloc(1, sizeof *u);
+  if (u == NULL || (u->base_url = strdup(base_url)) == NULL) {
+    free(u);
+    return NULL;
+  }
+  pthread_mutex_init(&u->lock, NULL);
+  u->connect_timeout_ms = (long)connect_timeout_ms;
+  u->timeout_ms = (long)timeout_ms;
+  u->max_answer = max_answer;
+  return u;
+}
+
+void gw_upstream_free(gw_upstream_t *u) {
+  if (u == NULL)
+    return;
+  for (int i = 0; i < u->nidle; i++)
+    curl_easy_cleanup(u->idle[i]);
+  pthread_mutex_destroy(&u->lock);
+  free(u->base_url);
+  free(u);
+}
+
+static CURL *take(gw_upstream_t *u) {
+  CURL *c = NULL;
+  pthread_mutex_lock(&u->lock);
+  if (u->nidle > 0)
+    c = u->idle[--u->nidle];
+  pthread_mutex_unlock(&u->lock);
+  if (c == NULL)
+    return curl_easy_init();
+  curl_easy_reset(c); /* its connections stay */
+  return c;
+}
+
+static void give_back(gw_upstream_t *u, CURL *c) {
+  pthread_mutex_lock(&u->lock);
+  if (u->nidle < POOL_MAX) {
+    u->idle[u->nidle++] = c;
+    c = NULL;
+  }
+  pthread_mutex_unlock(&u->lock);
+  if (c)
+    curl_easy_cleanup(c);
+}
+
+void gw_answer_free(gw_answer_t *a) {
+  for (int i = 0; i < a->nheaders; i++) {
+    free(a->headers[i].name);
+    free(a->headers[i].value);
+  }
+  free(a->headers);
+  free(a->body);
+  memset(a, 0, sizeof *a);
+}
+
+static int has_token(const char *list, const char *name) {
+  size_t n = strlen(name);
+  const char *p = list;
+  while (p && *p) {
+    while (*p == ' ' || *p == '\t' || *p == ',')
+      p++;
+    const char *end = p;
+    while (*end && *end != ',' && *end != ' ' && *end != '\t')
+      end++;
+    if ((size_t)(end - p) == n && strncasecmp(p, name, n) == 0)
+      return 1;
+    p = end;
+  }
+  return 0;
+}
+
+int gw_hop_by_hop(const char *name, const char *connection) {
+  static const char *const hop[] = {"Connection", "Proxy-Connection", "Keep-Alive",
+                                    "TE", "Transfer-Encoding", "Upgrade"};
+  for (size_t i = 0; i < sizeof hop / sizeof *hop; i++)
+    if (strcasecmp(name, hop[i]) == 0)
+      return 1;
+  return connection != NULL && has_token(connection, name);
+}
+
+/* What one call gathers. */
+struct gather {
+  gw_upstream_t *u;
+  gw_answer_t *a;
+  size_t cap; /* bytes allocated at a->body */
+  size_t header_bytes;
+  int too_large;
+  int once;     /* the request may not be sent a second time */
+  int attempts; /* times libcurl was about to send it */
+};
+
+/* Called by libcurl each time it is about to send the request on a
+ * connection. libcurl sends a request again on a new connection when a
+ * reused one closed without an answer: the upstream may have acted on the
+ * first (it got the request, then died or closed). For a request that
+ * must not run twice, that second send is refused here; the transfer
+ * fails, having sent bytes, so it counts as sent with no answer. */
+static int on_prereq(void *arg, char *ip, char *local_ip, int port, int local_port) {
+  struct gather *g = arg;
+  (void)ip;
+  (void)local_ip;
+  (void)port;
+  (void)local_port;
+  return ++g->attempts > 1 && g->once ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
+}
+
+static size_t on_body(char *data, size_t size, size_t n, void *arg) {
+  struct gather *g = arg;
+  gw_answer_t *a = g->a;
+  size_t len = size * n;
+
+  if (a->len + len > g->u->max_answer) {
+    g->too_large = 1;
+    return 0; /* ends the transfer: CURLE_WRITE_ERROR */
+  }
+  if (a->len + len + 1 > g->cap) {
+    size_t cap = g->cap ? g->cap : 4096;
+    char *b;
+    while (cap < a->len + len + 1)
+      cap *= 2;
+    if ((b = realloc(a->body, cap)) == NULL)
+      return 0;
+    a->body = b;
+    g->cap = cap;
+  }
+  memcpy(a->body + a->len, data, len);
+  a->len += len;
+  a->body[a->len] = '\0';
+  return len;
+}
+
+static void drop_headers(gw_answer_t *a) {
+  for (int i = 0; i < a->nheaders; i++) {
+    free(a->headers[i].name);
+    free(a->headers[i].value);
+  }
+  a->nheaders = 0;
+}
+
+/* One header line of the answer; a status line starts the headers anew
+ * (an interim 1xx answer's are dropped). */
+static size_t on_header(char *data, size_t size, size_t n, void *arg) {
+  struct gather *g = arg;
+  gw_answer_t *a = g->a;
+  size_t len = size * n;
+  const char *colon;
+  gw_header_t *h;
+
+  g->header_bytes += len;
+  if (g->header_bytes > MAX_HEADER_BYTES) {
+    g->too_large = 1;
+    return 0;
+  }
+  if (len >= 5 && strncmp(data, "HTTP/", 5) == 0) {
+    drop_headers(a);
+    return len;
+  }
+  while (len > 0 && (data[len - 1] == '\n' || data[len - 1] == '\r'))
+    len--;
+  if (len == 0 || (colon = memchr(data, ':', len)) == NULL || colon == data)
+    return size * n;
+  h = realloc(a->headers, (size_t)(a->nheaders + 1) * sizeof *h);
+  if (h == NULL)
+    return 0;
+  a->headers = h;
+  h = &a->headers[a->nheaders];
+  const char *v = colon + 1;
+  const char *end = data + len;
+  while (v < end && (*v == ' ' || *v == '\t'))
+    v++;
+  while (end > v && (end[-1] == ' ' || end[-1] == '\t'))
+    end--;
+  h->name = strndup(data, (size_t)(colon - data));
+  h->value = strndup(v, (size_t)(end - v));
+  if (h->name == NULL || h->value == NULL) {
+    free(h->name);
+    free(h->value);
+    return 0;
+  }
+  a->nheaders++;
+  return size * n;
+}
+
+/* The header list of `req`, with the ones curl would add on its own
+ * blanked ("Name:" removes it) unless the client sent them. */
+static struct curl_slist *header_list(const gw_up_request_t *req) {
+  static const char *const curl_adds[] = {"Accept", "Content-Type", "Expect"};
+  struct curl_slist *l = NULL, *t;
+
+  for (const char *const *h = req->headers; h && *h; h++) {
+    if ((t = curl_slist_append(l, *h)) == NULL)
+      goto fail;
+    l = t;
+  }
+  for (size_t i = 0; i < sizeof curl_adds / sizeof *curl_adds; i++) {
+    size_t n = strlen(curl_adds[i]);
+    int sent = 0;
+    char blank[32];
+    for (const char *const *h = req->headers; h && *h && !sent; h++)
+      sent = strncasecmp(*h, curl_adds[i], n) == 0 && (*h)[n] == ':' &&
+             strcasecmp(curl_adds[i], "Expect") != 0;
+    if (sent)
+      continue;
+    snprintf(blank, sizeof blank, "%s:", curl_adds[i]);
+    if ((t = curl_slist_append(l, blank)) == NULL)
+      goto fail;
+    l = t;
+  }
+  return l;
+fail:
+  curl_slist_free_all(l);
+  return NULL;
+}
+
+gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
+                                gw_answer_t *out) {
+  struct gather g = {.u = u, .a = out, .once = req->once};
+  struct curl_slist *hdrs;
+  gw_up_result_t result;
+  size_t ulen = strlen(u->base_url) + strlen(req->target) + 1;
+  char *url = malloc(ulen);
+  CURL *c = take(u);
+  CURLcode rc;
+  long code = 0;
+
+  memset(out, 0, sizeof *out);
+  hdrs = header_list(req);
+  if (c == NULL || url == NULL || hdrs == NULL) {
+    /* Nothing went out. */
+    curl_slist_free_all(hdrs);
+    free(url);
+    if (c)
+      give_back(u, c);
+    return GW_UP_NOT_SENT;
+  }
+  snprintf(url, ulen, "%s%s", u->base_url, req->target);
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
+  curl_easy_setopt(c, CURLOPT_URL, url);
+  curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
+  curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
+  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, u->connect_timeout_ms);
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, u->timeout_ms);
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, &g);
+  curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
+  curl_easy_setopt(c, CURLOPT_HEADERDATA, &g);
+  curl_easy_setopt(c, CURLOPT_PREREQFUNCTION, on_prereq);
+  curl_easy_setopt(c, CURLOPT_PREREQDATA, &g);
+  /* A connection idle for longer is not reused: fewer of the races where
+   * the upstream closes it as a request goes out (which, for a request
+   * sent once, leaves its outcome unknown). Most servers keep an idle
+   * connection 5 s or more. */
+  curl_easy_setopt(c, CURLOPT_MAXAGE_CONN, 2L);
+  /* Bodies and their encodings pass as they are. */
+  curl_easy_setopt(c, CURLOPT_HTTP_CONTENT_DECODING, 0L);
+  if (strcmp(req->method, "HEAD") == 0) {
+    curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+  } else if (strcmp(req->method, "GET") == 0 && req->body_len == 0) {
+    curl_easy_setopt(c, CURLOPT_HTTPGET, 1L);
+  } else {
+    if (req->body_len > 0 || strcmp(req->method, "POST") == 0 ||
+        strcmp(req->method, "PUT") == 0 || strcmp(req->method, "PATCH") == 0) {
+      curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)req->body_len);
+      curl_easy_setopt(c, CURLOPT_POSTFIELDS, req->body_len ? req->body : "");
+    }
+    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, req->method);
+  }
+
+  rc = curl_easy_perform(c);
+  curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
+  if (rc == CURLE_OK && code >= 100) {
+    result = GW_UP_ANSWERED;
+  } else if (g.too_large && code >= 100) {
+    result = GW_UP_TOO_LARGE;
+  } else {
+    result = idem__curl_nothing_sent(c) ? GW_UP_NOT_SENT : GW_UP_NO_ANSWER;
+  }
+  out->status = (int)code;
+  if (result != GW_UP_ANSWERED) {
+    int status = out->status;
+    gw_answer_free(out);
+    out->status = status;
+  }
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, NULL);
+  curl_slist_free_all(hdrs);
+  free(url);
+  give_back(u, c);
+  return result;
+}

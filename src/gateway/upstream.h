@@ -1,0 +1,77 @@
+/* The gateway's HTTP client to its upstream, on libcurl: kept-alive
+ * connections, a deadline, and what became of each call, telling "nothing
+ * was sent" from "sent, no answer" as the provider client does
+ * (util/curl_sent.h; docs/gateway.md, "When the upstream does not
+ * answer"). */
+#ifndef IDEM_GATEWAY_UPSTREAM_H
+#define IDEM_GATEWAY_UPSTREAM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct gw_upstream gw_upstream_t;
+
+typedef enum gw_up_result {
+  GW_UP_ANSWERED = 1, /* a whole answer, within the caps */
+  GW_UP_NOT_SENT,     /* not one byte went out: safe to send again */
+  GW_UP_NO_ANSWER,    /* sent, and no whole answer (timeout, connection lost) */
+  GW_UP_TOO_LARGE     /* answered, but beyond the cap: not kept */
+} gw_up_result_t;
+
+/* One header, name and value as they came. */
+typedef struct gw_header {
+  char *name;
+  char *value;
+} gw_header_t;
+
+/* An answer. Owned: free with gw_answer_free(). */
+typedef struct gw_answer {
+  int status;
+  gw_header_t *headers;
+  int nheaders;
+  char *body; /* NUL-terminated after `len` bytes (NULL when empty) */
+  size_t len;
+} gw_answer_t;
+
+/* One call: `target` is the path and query as the client sent them;
+ * `headers` is a NULL-terminated list of "Name: value" lines sent as they
+ * are (curl adds none of its own: Host comes from the list when it holds
+ * one). Borrowed for the call. */
+typedef struct gw_up_request {
+  const char *method;
+  const char *target;
+  const char *const *headers;
+  const char *body;
+  size_t body_len;
+  /* 1: never sent twice, not even by libcurl's own second try of a
+   * request that a kept-alive connection dropped unanswered (a keyed
+   * request, or one whose method is not idempotent, RFC 9110 9.2.2). */
+  int once;
+} gw_up_request_t;
+
+/* Makes a client of `base_url` ("http://host:port", no trailing slash).
+ * Answers over `max_answer` body bytes are GW_UP_TOO_LARGE. Returns NULL
+ * when out of memory. Free with gw_upstream_free(). */
+gw_upstream_t *gw_upstream_new(const char *base_url, int64_t connect_timeout_ms,
+                               int64_t timeout_ms, size_t max_answer);
+
+/* Frees the client and its kept connections. */
+void gw_upstream_free(gw_upstream_t *u);
+
+/* Sends `req` and fills `out` (zeroed first; free it with
+ * gw_answer_free() whatever the result): its status, headers and body for
+ * GW_UP_ANSWERED, the status alone for GW_UP_TOO_LARGE. Safe from many
+ * threads at once. */
+gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
+                                gw_answer_t *out);
+
+/* Frees what `a` owns and zeroes it. */
+void gw_answer_free(gw_answer_t *a);
+
+/* 1 when `name` is a hop-by-hop header of RFC 9110, section 7.6.1
+ * (Connection, Proxy-Connection, Keep-Alive, TE, Transfer-Encoding,
+ * Upgrade), or is named in the `connection` header value (may be NULL):
+ * a proxy never forwards those. */
+int gw_hop_by_hop(const char *name, const char *connection);
+
+#endif

@@ -1,0 +1,613 @@
+#!/usr/bin/env python3
+"""`idemd gateway` against applications idem did not write in C
+(docs/gateway.md, "Tests"): the naive PHP orders application
+(examples/gateway/orders.php, under `php -S`) and a Python one (upstream.py).
+
+Run by ctest as gateway_apps (SQLite) and gateway_apps_pg (through
+scripts/with-pg.sh, IDEM_TEST_STORE_URL naming the cluster). Needs
+IDEM_TEST_IDEMD (the idemd binary), php with its sqlite3 module, python3.
+Every server listens on 127.0.0.1; every wait is a bounded loop.
+"""
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from urllib.parse import urlsplit
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ORDERS_PHP = os.path.join(HERE, "..", "..", "examples", "gateway", "orders.php")
+IDEMD = os.environ["IDEM_TEST_IDEMD"]
+STORE_URL = os.environ.get("IDEM_TEST_STORE_URL") or ""
+TMP = tempfile.mkdtemp(prefix="idem-gw-test.")
+procs = []
+
+
+def start(args, env=None, log=None):
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    p = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT if log else out,
+                         start_new_session=True)
+    procs.append(p)
+    return p
+
+
+def stop(p, sig=signal.SIGTERM):
+    try:
+        os.killpg(p.pid, sig)  # the process group this test started
+    except ProcessLookupError:
+        pass
+    try:
+        p.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(pred, what, tries=200):
+    for _ in range(tries):
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for " + what)
+
+
+def req(port, method, target, headers=None, body=None, timeout=30):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request(method, target, body=body, headers=headers or {})
+        r = c.getresponse()
+        return r.status, r.getheaders(), r.read()
+    finally:
+        c.close()
+
+
+def header(headers, name):
+    vals = [v for k, v in headers if k.lower() == name.lower()]
+    return vals[0] if vals else None
+
+
+def answers(port):
+    def ok():
+        try:
+            req(port, "GET", "/count", timeout=2)
+            return True
+        except OSError:
+            return False
+    return ok
+
+
+def start_php(work_ms=3000, port=None, workers=40, die_marker=None):
+    port = port or free_port()
+    env = dict(os.environ, ORDERS_DB=os.path.join(TMP, "orders-%d.db" % port),
+               ORDERS_WORK_MS=str(work_ms))
+    if workers:
+        env["PHP_CLI_SERVER_WORKERS"] = str(workers)
+    if die_marker:
+        env["ORDERS_DIE_MARKER"] = die_marker
+    p = start(["php", "-S", "127.0.0.1:%d" % port, ORDERS_PHP],
+              env=env)
+    wait_until(answers(port), "php -S")
+    return port if not die_marker else (port, p)
+
+
+def start_python_upstream():
+    port_file = os.path.join(TMP, "py-%s.port" % uuid.uuid4().hex)
+    start([sys.executable, os.path.join(HERE, "upstream.py"), port_file])
+    wait_until(lambda: os.path.exists(port_file), "upstream.py")
+    with open(port_file) as f:
+        return int(f.read())
+
+
+def fresh_db():
+    """A database of its own: a SQLite file, or one made on the cluster
+    IDEM_TEST_STORE_URL names (gateways on one database share their
+    unsettled keys, as they should when they front one application)."""
+    name = "gw_" + uuid.uuid4().hex[:12]
+    if not STORE_URL:
+        return os.path.join(TMP, name + ".db")
+    subprocess.run(["psql", "-q", STORE_URL, "-c", "CREATE DATABASE " + name], check=True,
+                   stdout=subprocess.DEVNULL)
+    u = urlsplit(STORE_URL)
+    return "%s://%s/%s%s" % (u.scheme, u.netloc, name, "?" + u.query if u.query else "")
+
+
+def start_gateway(upstream_port, routes, *flags, db=None, upstream=None):
+    log = os.path.join(TMP, "gw-%s.log" % uuid.uuid4().hex)
+    args = [IDEMD, "gateway", "--upstream",
+            upstream or "http://127.0.0.1:%d" % upstream_port,
+            "--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0",
+            "--db", db or fresh_db()]
+    for r in routes:
+        args += ["--route", r]
+    p = start(args + list(flags), log=log)
+    ports = {}
+
+    def started():
+        with open(log) as f:
+            m = re.search(r'"listen_port":"(\d+)","admin_port":"(\d+)"', f.read())
+        if m:
+            ports["listen"], ports["admin"] = int(m.group(1)), int(m.group(2))
+        assert p.poll() is None, "the gateway exited: " + open(log).read()
+        return bool(m)
+    wait_until(started, "the gateway to start")
+    gateway_logs[p.pid] = log
+    return p, ports["listen"], ports["admin"], log
+
+
+gateway_logs = {}
+
+
+def stop_gateway(p):
+    """SIGTERM: the gateway exits 0 (under ASan, also with no leak)."""
+    stop(p)
+    assert p.returncode == 0, "the gateway exited %s: %s" % (
+        p.returncode, open(gateway_logs[p.pid]).read()[-3000:])
+
+
+def php_count(port):
+    return json.loads(req(port, "GET", "/count")[2])["orders"]
+
+
+def executions(port, key):
+    return json.loads(req(port, "GET", "/executions?key=" + key)[2])["executions"]
+
+
+def order(key, item="book", quantity=2, spaced=False):
+    body = ('{ "quantity" : %d, "item" : "%s" }' % (quantity, item) if spaced
+            else json.dumps({"item": item, "quantity": quantity}))
+    h = {"Content-Type": "application/json"}
+    if key is not None:
+        h["Idempotency-Key"] = key
+    return h, body
+
+
+def together(n, fn):
+    barrier = threading.Barrier(n)
+    results = [None] * n
+
+    def run(i):
+        barrier.wait()
+        results[i] = fn()
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+KEYS_SEEN = []
+
+
+def new_key():
+    k = uuid.uuid4().hex
+    KEYS_SEEN.append(k)
+    return k
+
+
+# ---- the tests ----
+
+def test_naive_app_duplicates_alone(php):
+    """The premise: without the gateway, 20 requests with one key at once
+    make duplicates in the naive application: each that looked the key up
+    before the first inserted makes a row of its own (20 when php -S hands
+    each to a worker of its own; a worker that took two connections serves
+    the second after the first, which then finds the row)."""
+    before = php_count(php)
+    key = new_key()
+    res = together(20, lambda: req(php, "POST", "/orders", *order(key)))
+    made = php_count(php) - before
+    assert made == sum(s == 201 for s, _, _ in res), made
+    assert made > 1, "the naive app made one row: the premise does not hold"
+    print("     without the gateway: %d rows from 20 requests with one key" % made)
+
+
+def test_twenty_at_once_make_one(php, gw):
+    before = php_count(php)
+    key = new_key()
+    res = together(20, lambda: req(gw, "POST", "/orders", *order(key)))
+    assert php_count(php) - before == 1, php_count(php) - before
+    statuses = {s for s, _, _ in res}
+    bodies = {b for _, _, b in res}
+    assert statuses == {201}, statuses
+    assert len(bodies) == 1, bodies
+    replayed = [header(h, "Idempotent-Replayed") for _, h, _ in res]
+    assert replayed.count("true") == 19, replayed
+    locations = {header(h, "Location") for _, h, _ in res}
+    assert len(locations) == 1 and None not in locations, locations
+    # Set-Cookie went to the first client only; never replayed.
+    cookies = [header(h, "Set-Cookie") for _, h, _ in res]
+    assert sum(c is not None for c in cookies) == 1, cookies
+
+
+def test_same_request_spelled_otherwise_replays(php, gw):
+    key = new_key()
+    s1, h1, b1 = req(gw, "POST", "/orders", *order(key))
+    s2, h2, b2 = req(gw, "POST", "/orders", *order(key, spaced=True))
+    assert (s1, s2) == (201, 201) and b1 == b2, (s1, s2, b1, b2)
+    assert header(h1, "Idempotent-Replayed") is None
+    assert header(h2, "Idempotent-Replayed") == "true"
+    assert header(h2, "Content-Type") == "application/json"
+
+
+def test_different_body_is_422(php, gw):
+    key = new_key()
+    assert req(gw, "POST", "/orders", *order(key))[0] == 201
+    before = php_count(php)
+    for h, body in (order(key, quantity=3), order(key, item="pen")):
+        s, _, b = req(gw, "POST", "/orders", h, body)
+        assert s == 422, (s, b)
+        assert json.loads(b) == {
+            "error": "Idempotency-Key was already used with a different request"}, b
+    # Another query under the key is another request too.
+    s, _, b = req(gw, "POST", "/orders?x=1", *order(key))
+    assert s == 422, (s, b)
+    assert php_count(php) == before
+
+
+def test_bad_keys_never_reach_the_upstream(php, gw):
+    before = php_count(php)
+    bad = [None, "", "   ", "a" * 256, "caf\u00e9", "tab\there", '"unterminated']
+    for key in bad:
+        h, body = order(None)
+        if key is not None:
+            h["Idempotency-Key"] = key.encode("utf-8").decode("latin-1")
+        s, _, b = req(gw, "POST", "/orders", h, body)
+        doc = json.loads(b)
+        assert s == 400 and list(doc) == ["error"], (key, s, b)
+    # Twice in one request.
+    c = http.client.HTTPConnection("127.0.0.1", gw, timeout=10)
+    c.putrequest("POST", "/orders")
+    c.putheader("Content-Type", "application/json")
+    c.putheader("Idempotency-Key", "one")
+    c.putheader("Idempotency-Key", "two")
+    body = order(None)[1].encode()
+    c.putheader("Content-Length", str(len(body)))
+    c.endheaders(body)
+    r = c.getresponse()
+    assert r.status == 400, r.status
+    r.read()
+    c.close()
+    assert php_count(php) == before, "a bad key reached the application"
+
+
+def test_scope_header_separates_keys(py, gw_py):
+    key = new_key()
+    for auth in ("Bearer alice", "Bearer bob", "Bearer alice"):
+        s, _, _ = req(gw_py, "POST", "/charges", {"Idempotency-Key": key,
+                                                  "Authorization": auth,
+                                                  "Content-Type": "application/json"}, "{}")
+        assert s == 201, s
+    assert executions(py, key) == 2, executions(py, key)
+
+
+def test_replay_headers(py, gw_py):
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    s1, h1, b1 = req(gw_py, "POST", "/charges", h, '{"amount": 5}')
+    s2, h2, b2 = req(gw_py, "POST", "/charges", h, '{"amount":5}')
+    assert (s1, s2) == (201, 201) and b1 == b2
+    assert header(h1, "Set-Cookie") == "sid=1" and header(h2, "Set-Cookie") is None
+    assert header(h2, "X-Trace") == header(h1, "X-Trace") == "t-1"
+    assert header(h2, "Location") == header(h1, "Location")
+    assert header(h2, "Idempotent-Replayed") == "true"
+    assert executions(py, key) == 1, "executed %d times" % executions(py, key)
+
+
+def test_pass_through_byte_for_byte(py, gw_py):
+    for target in ("/chunked", "/binary", "/big?n=70000", "/status/418", "/status/500",
+                   "/status/204", "/nothing-here"):
+        direct = req(py, "GET", target)
+        through = req(gw_py, "GET", target)
+        assert through[0] == direct[0], (target, through[0], direct[0])
+        assert through[2] == direct[2], (target, len(through[2]), len(direct[2]))
+        skip = {"date", "content-length", "transfer-encoding", "connection"}
+        dh = sorted((k.lower(), v) for k, v in direct[1] if k.lower() not in skip)
+        th = sorted((k.lower(), v) for k, v in through[1] if k.lower() not in skip)
+        assert dh == th, (target, dh, th)
+    # HEAD: no body, and the application's Content-Length.
+    for target in ("/binary", "/big?n=70000"):
+        direct = req(py, "HEAD", target)
+        through = req(gw_py, "HEAD", target)
+        assert through[0] == direct[0] == 200 and through[2] == b"", (target, through)
+        assert header(through[1], "Content-Length") == header(direct[1], "Content-Length"), \
+            (target, through[1], direct[1])
+        assert [k.lower() for k, _ in through[1]].count("content-length") == 1, through[1]
+    # The request: method, target, headers (hop-by-hop ones dropped) and body.
+    body = bytes(range(1, 256)) * 3
+    h = {"Content-Type": "application/octet-stream", "X-One": "1",
+         "Connection": "keep-alive, X-Hop", "X-Hop": "dropped", "Keep-Alive": "timeout=5",
+         "Authorization": "Bearer x"}
+    for method in ("POST", "PUT", "DELETE", "PATCH"):
+        s, _, b = req(gw_py, method, "/echo/a%20b?q=1&q=2", h, body)
+        doc = json.loads(b)
+        assert s == 200 and doc["method"] == method, (s, doc)
+        assert doc["target"] == "/echo/a%20b?q=1&q=2", doc["target"]
+        assert doc["body"].encode("latin-1") == body
+        names = {k.lower(): v for k, v in doc["headers"]}
+        assert names.get("x-one") == "1" and names.get("authorization") == "Bearer x"
+        for hop in ("connection", "x-hop", "keep-alive", "te", "upgrade"):
+            assert hop not in names, (hop, names)
+        assert names.get("x-forwarded-for") == "127.0.0.1", names
+        assert names.get("forwarded") == "for=127.0.0.1;proto=http", names
+    s, _, b = req(gw_py, "GET", "/echo", {"X-Forwarded-For": "10.0.0.1"})
+    names = [(k.lower(), v) for k, v in json.loads(b)["headers"]]
+    assert ("x-forwarded-for", "10.0.0.1") in names and \
+        ("x-forwarded-for", "127.0.0.1") in names, names
+
+
+def test_lost_answer_is_pending(py, gw_py, admin_py):
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    s, hs, b = req(gw_py, "POST", "/charges?lose=1", h, "{}")
+    assert s == 202 and header(hs, "Retry-After"), (s, b)
+    s, hs, b = req(gw_py, "POST", "/charges?lose=1", h, "{}")
+    assert s == 202 and header(hs, "Idempotent-Replayed") == "true", (s, b)
+    assert executions(py, key) == 1, "executed %d times" % executions(py, key)
+    metrics = req(admin_py, "GET", "/metrics")[2].decode()
+    assert re.search(r"^idem_records_pending [1-9]", metrics, re.M), metrics
+    assert re.search(r"^idem_gateway_upstream_no_answer_total [1-9]", metrics, re.M)
+
+
+def test_too_large_answer_blocks_a_second_run(py, gw_small):
+    h = {"Idempotency-Key": new_key()}
+    s, _, b = req(gw_small, "GET", "/big?n=900", h)
+    assert s == 200 and b == b"x" * 900, s  # within --max-answer
+    h = {"Idempotency-Key": new_key()}
+    s1, _, b1 = req(gw_small, "GET", "/big?n=5000", h)
+    s2, h2, b2 = req(gw_small, "GET", "/big?n=5000", h)
+    assert s1 == 502 and s2 == 502 and b1 == b2, (s1, s2)
+    assert list(json.loads(b2)) == ["error"], b2
+    assert header(h2, "Idempotent-Replayed") == "true"
+
+
+def test_refused_frees_the_key(py):
+    dead = free_port()
+    key = new_key()
+    db = fresh_db()
+    p, port, _, _ = start_gateway(0, ["POST /charges"], db=db,
+                                  upstream="http://127.0.0.1:%d" % dead)
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    s, hs, b = req(port, "POST", "/charges", h, "{}")
+    assert s == 503 and header(hs, "Retry-After") == "1", (s, b)
+    stop_gateway(p)
+    p, port, _, _ = start_gateway(py, ["POST /charges"], db=db)
+    s, hs, b = req(port, "POST", "/charges", h, "{}")
+    assert s == 201 and header(hs, "Idempotent-Replayed") is None, (s, b)
+    assert executions(py, key) == 1, "executed %d times" % executions(py, key)
+    stop_gateway(p)
+
+
+def test_5xx_kept_unless_upstream_idempotent(py, gw_py):
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    s1, _, _ = req(gw_py, "POST", "/charges?fail=503", h, "{}")
+    s2, h2, _ = req(gw_py, "POST", "/charges?fail=503", h, "{}")
+    assert (s1, s2) == (503, 503) and header(h2, "Idempotent-Replayed") == "true"
+    p, port, _, _ = start_gateway(py, ["POST /charges"], "--upstream-idempotent")
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    s1, _, _ = req(port, "POST", "/charges?fail=503", h, "{}")
+    s2, h2, _ = req(port, "POST", "/charges?fail=503", h, "{}")
+    assert (s1, s2) == (503, 503) and header(h2, "Idempotent-Replayed") is None
+    stop_gateway(p)
+
+
+def metric(admin, name):
+    text = req(admin, "GET", "/metrics")[2].decode()
+    m = re.search(r"^%s (\S+)$" % re.escape(name), text, re.M)
+    return float(m.group(1)) if m else None
+
+
+def test_killed_upstream_resolves_to_one_row():
+    """The PHP application killed after its INSERT and before its answer:
+    the record is pending (202); with --upstream-idempotent the resolver
+    sends the request again under its key once the application is back,
+    and the naive application, which finds the key now, answers its row:
+    one row, and every retry gets that answer."""
+    marker = os.path.join(TMP, "die-once")
+    open(marker, "w").close()
+    port, php_p = start_php(work_ms=0, workers=0, die_marker=marker)
+    db = fresh_db()
+    g, gw, admin, _ = start_gateway(port, ["POST /orders"], "--upstream-idempotent",
+                                    "--upstream-timeout", "2s", "--lease", "3s", db=db)
+    key = new_key()
+    s, hs, b = req(gw, "POST", "/orders", *order(key))
+    assert s == 202 and header(hs, "Retry-After"), (s, b)
+    assert not os.path.exists(marker), "the application was not killed"
+    php_p.wait(timeout=10)
+    # Back, on its port and database.
+    start_php(work_ms=0, port=port, workers=0)
+    answers_seen = []
+
+    def settled():
+        s, hs, b = req(gw, "POST", "/orders", *order(key))
+        answers_seen.append(s)
+        return s != 202
+    wait_until(settled, "the pending record to resolve", tries=400)
+    s, hs, b = req(gw, "POST", "/orders", *order(key))
+    assert s == 200 and header(hs, "Idempotent-Replayed") == "true", (s, b)
+    assert json.loads(b)["id"] == 1, b
+    assert php_count(port) == 1, php_count(port)
+    assert metric(admin, "idem_gateway_resolved_total") >= 1
+    stop_gateway(g)
+
+
+def test_pending_stays_without_upstream_idempotent(py):
+    """Without --upstream-idempotent nothing is sent again: a lost answer
+    stays pending, and metrics and `idemd gateway pending` show it."""
+    db = fresh_db()
+    g, gw, admin, _ = start_gateway(py, ["POST /charges"], db=db)
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    assert req(gw, "POST", "/charges?lose=1&honour=1", h, "{}")[0] == 202
+    for _ in range(3):
+        s, _, _ = req(gw, "POST", "/charges?lose=1&honour=1", h, "{}")
+        assert s == 202, s
+        time.sleep(0.6)  # over the resolver's interval; asserts nothing on time
+    assert executions(py, key) == 1, executions(py, key)
+    assert metric(admin, "idem_records_pending") == 1
+    out = subprocess.run([IDEMD, "gateway", "pending", "--db", db], check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert out[0].split()[:3] == ["STATE", "ROUTE", "KEY"], out
+    rows = [l.split() for l in out[1:]]
+    assert len(rows) == 1 and rows[0][0] == "pending" and key in rows[0], out
+    assert rows[0][4] == "0", out  # never sent again
+    stop_gateway(g)
+
+
+def test_kill9_under_load_loses_nothing_acknowledged(py):
+    """kill -9 of the gateway while clients send new keys: every answer a
+    client got is replayed as it was by a gateway started again on the
+    database, and no key ran twice at the upstream."""
+    db = fresh_db()
+    g, gw, _, _ = start_gateway(py, ["POST /charges"], "--lease", "2s",
+                                "--upstream-timeout", "1s", db=db)
+    acked, tried = {}, []
+    lock = threading.Lock()
+    stop_flag = threading.Event()
+
+    def client(n):
+        i = 0
+        while not stop_flag.is_set() and i < 2000:
+            key = "k9-%d-%d-%s" % (n, i, uuid.uuid4().hex[:8])
+            i += 1
+            with lock:
+                tried.append(key)
+            try:
+                s, hs, b = req(gw, "POST", "/charges", {
+                    "Idempotency-Key": key, "Content-Type": "application/json"}, "{}",
+                    timeout=5)
+            except OSError:
+                continue
+            if 200 <= s < 300:
+                with lock:
+                    acked[key] = (s, b)
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: len(acked) >= 200, "answers under load", tries=1200)
+    os.killpg(g.pid, signal.SIGKILL)
+    g.wait()
+    stop_flag.set()
+    for t in threads:
+        t.join()
+    g, gw, _, _ = start_gateway(py, ["POST /charges"], "--lease", "2s",
+                                "--upstream-timeout", "1s", db=db)
+    for key, (s, b) in acked.items():
+        s2, hs, b2 = req(gw, "POST", "/charges", {
+            "Idempotency-Key": key, "Content-Type": "application/json"}, "{}")
+        assert (s2, b2) == (s, b), (key, s, s2)
+        assert header(hs, "Idempotent-Replayed") == "true"
+    for key in tried:
+        assert executions(py, key) <= 1, key
+    print("     %d answers acknowledged before kill -9, all replayed" % len(acked))
+    stop_gateway(g)
+
+
+def test_dead_gateway_taken_over_by_lease(py):
+    """kill -9 of the gateway while its request is at the application:
+    once its lease has run out, another gateway on the database takes the
+    key over and, with --upstream-idempotent, sends it again under its
+    key; the application, which honours keys, ran it once."""
+    db = fresh_db()
+    flags = ("--upstream-idempotent", "--lease", "2s", "--upstream-timeout", "1s")
+    a, gw_a, _, _ = start_gateway(py, ["POST /charges"], *flags, db=db)
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+
+    def first():
+        try:
+            req(gw_a, "POST", "/charges?honour=1&sleep=800", h, "{}")
+        except OSError:
+            pass  # its gateway died
+    t = threading.Thread(target=first)
+    t.start()
+    wait_until(lambda: executions(py, key) == 1, "the application to act")
+    os.killpg(a.pid, signal.SIGKILL)
+    a.wait()
+    t.join()
+    b, gw_b, admin_b, _ = start_gateway(py, ["POST /charges"], *flags, db=db)
+    statuses = []
+
+    def settled():
+        s, hs, body = req(gw_b, "POST", "/charges?honour=1&sleep=800", h, "{}")
+        statuses.append(s)
+        return s == 201
+    wait_until(settled, "the key to be taken over and settled", tries=400)
+    assert set(statuses) <= {409, 202, 201}, statuses  # in flight, pending, done
+    s, hs, body = req(gw_b, "POST", "/charges?honour=1&sleep=800", h, "{}")
+    assert s == 201 and header(hs, "Idempotent-Replayed") == "true", (s, body)
+    assert json.loads(body) == {"charge": 1, "key": key}, body
+    assert executions(py, key) == 1, executions(py, key)
+    assert metric(admin_b, "idem_gateway_resolved_total") == 1
+    stop_gateway(b)
+
+
+def test_logs_hold_key_ids_not_keys(log):
+    text = open(log).read()
+    lines = [json.loads(l) for l in text.splitlines() if l.startswith("{")]
+    keyed = [l for l in lines if l.get("operation") == "gateway" and l.get("key_id")]
+    assert keyed, "no keyed request lines"
+    assert all(re.fullmatch(r"[0-9a-f]{16}", l["key_id"]) for l in keyed)
+    for k in KEYS_SEEN:
+        assert k not in text, "a raw key is in the log"
+
+
+
+
+def main():
+    failed = 0
+    php = start_php()
+    py = start_python_upstream()
+    gw_p, gw, _, gw_log = start_gateway(php, ["POST /orders", "PUT /orders/{id}"])
+    gwp_p, gw_py, admin_py, _ = start_gateway(py, ["POST /charges"], "--replay-header",
+                                              "X-Trace")
+    small_p, gw_small, _, _ = start_gateway(py, ["POST /charges", "GET /big"],
+                                            "--max-answer", "1000")
+    ctx = {"php": php, "py": py, "gw": gw, "gw_py": gw_py, "admin_py": admin_py,
+           "gw_small": gw_small, "log": gw_log}
+    tests = [v for k, v in globals().items() if k.startswith("test_")]
+    only = sys.argv[1:]
+    for t in tests:
+        if only and t.__name__ not in only:
+            continue
+        args = [ctx[a] for a in t.__code__.co_varnames[:t.__code__.co_argcount]]
+        try:
+            t(*args)
+            print("ok   %s" % t.__name__, flush=True)
+        except Exception as e:  # report every test, then fail
+            failed += 1
+            print("FAIL %s: %r" % (t.__name__, e), flush=True)
+    for p in (gw_p, gwp_p, small_p):
+        try:
+            stop_gateway(p)
+        except AssertionError as e:
+            failed += 1
+            print("FAIL stopping a gateway: %s" % e, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    try:
+        rc = main()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                stop(p)
+        shutil.rmtree(TMP, ignore_errors=True)
+    sys.exit(rc)

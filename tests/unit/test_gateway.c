@@ -1,0 +1,278 @@
+/* Tests the gateway's pure parts (src/gateway/): route specs and their
+ * matching, flags, hop-by-hop headers, and the stored forms of answers
+ * and requests, which must give back every byte. */
+#include "gateway/answer.h"
+#include "gateway/gateway.h"
+#include "gateway/requests.h"
+#include "gateway/upstream.h"
+#include "support.h"
+
+#include <stdlib.h>
+
+struct route_case {
+  const char *spec;
+  int ok;
+};
+
+static const struct route_case route_cases[] = {
+    {"POST /orders", 1},
+    {"POST /carts/{id}/checkout", 1},
+    {"PUT /a/{x}/b/{y}", 1},
+    {"POST /", 1},
+    {"post /orders", 0},          /* methods are upper case */
+    {"POST orders", 0},           /* a path starts with / */
+    {"POST", 0},                  /* no path */
+    {" /orders", 0},              /* no method */
+    {"POST /orders?x=1", 0},      /* no query */
+    {"POST /a/{id", 0},           /* unclosed */
+    {"POST /a/x{id}", 0},         /* a parameter is a whole segment */
+    {"POST /a/{id}x", 0},
+    {"POST /a/{}", 0},            /* unnamed */
+    {"POST /a/}", 0},
+    {"POST /a b", 0},
+};
+
+static void test_route_parse(void **state) {
+  (void)state;
+  for (size_t i = 0; i < ARRAY_LEN(route_cases); i++) {
+    gw_route_t r;
+    int rc = gw_route_parse(route_cases[i].spec, &r);
+    if ((rc == 0) != route_cases[i].ok)
+      fail_msg("'%s': got %d", route_cases[i].spec, rc);
+  }
+}
+
+static void test_route_operation(void **state) {
+  gw_route_t a, b, c;
+  (void)state;
+  assert_int_equal(gw_route_parse("POST /orders", &a), 0);
+  assert_string_equal(a.operation, "POST /orders");
+  /* Too long for an operation: its start and a hash of all of it, so two
+   * long routes with one start still differ. */
+  assert_int_equal(gw_route_parse("POST /carts/{id}/checkout/confirm/now", &b), 0);
+  assert_int_equal(gw_route_parse("POST /carts/{id}/checkout/confirm/later", &c), 0);
+  assert_true(strlen(b.operation) <= IDEM_OPERATION_MAX);
+  assert_string_not_equal(b.operation, c.operation);
+  assert_memory_equal(b.operation, "POST /carts/{id}/checko", 23);
+}
+
+struct match_case {
+  const char *method, *path;
+  const char *route; /* the matched route's operation, or NULL */
+};
+
+static const struct match_case match_cases[] = {
+    {"POST", "/orders", "POST /orders"},
+    {"GET", "/orders", NULL},
+    {"POST", "/orders/", NULL},
+    {"POST", "/orders/1", NULL},
+    {"POST", "/carts/42/checkout", "POST /carts/{id}/checkout"},
+    {"POST", "/carts//checkout", NULL}, /* an empty segment is no parameter */
+    {"POST", "/carts/4/2/checkout", NULL},
+    {"POST", "/carts/42/checkout/x", NULL},
+    {"PUT", "/orders/ord_1", "PUT /orders/{id}"},
+};
+
+static void test_route_match(void **state) {
+  gw_config_t cfg;
+  (void)state;
+  gw_config_defaults(&cfg);
+  assert_int_equal(gw_route_parse("POST /orders", &cfg.routes[0]), 0);
+  assert_int_equal(gw_route_parse("POST /carts/{id}/checkout", &cfg.routes[1]), 0);
+  assert_int_equal(gw_route_parse("PUT /orders/{id}", &cfg.routes[2]), 0);
+  cfg.nroutes = 3;
+  for (size_t i = 0; i < ARRAY_LEN(match_cases); i++) {
+    const gw_route_t *r = gw_route_match(&cfg, match_cases[i].method, match_cases[i].path);
+    const char *want = match_cases[i].route;
+    if ((r == NULL) != (want == NULL) || (r && strcmp(r->operation, want) != 0))
+      fail_msg("%s %s: got %s", match_cases[i].method, match_cases[i].path,
+               r ? r->operation : "none");
+  }
+}
+
+struct flags_case {
+  const char *args[8];
+  int ok;
+};
+
+static const struct flags_case flags_cases[] = {
+    {{"--upstream", "http://127.0.0.1:9000", "--route", "POST /orders"}, 1},
+    {{"--route", "POST /orders"}, 0}, /* --upstream is required */
+    {{"--upstream", "ftp://x"}, 0},
+    {{"--upstream", "http://x", "--route", "POST orders"}, 0},
+    {{"--upstream", "http://x", "--replay-header", "Set-Cookie"}, 0},
+    {{"--upstream", "http://x", "--replay-header", "X Trace"}, 0},
+    {{"--upstream", "http://x", "--scope-header", "X-Api-Key"}, 1},
+    {{"--upstream", "http://x", "--upstream-timeout", "40s"}, 0}, /* not under --lease */
+    {{"--upstream", "http://x", "--upstream-timeout", "40s", "--lease", "1m"}, 1},
+    {{"--upstream", "http://x", "--max-body", "0"}, 0},
+    {{"--upstream", "http://x", "--bogus", "1"}, 0},
+    {{"--upstream", "http://x", "--upstream-idempotent", "--listen", "127.0.0.1:0"}, 1},
+    {{"--upstream", "http://x", "--listen", "1.2.3.4:9", "--admin-listen", "1.2.3.4:9"}, 0},
+};
+
+static void test_flags(void **state) {
+  (void)state;
+  for (size_t i = 0; i < ARRAY_LEN(flags_cases); i++) {
+    gw_config_t cfg;
+    char *argv[8];
+    int argc = 0;
+    FILE *err = fopen("/dev/null", "w");
+    for (; argc < 8 && flags_cases[i].args[argc]; argc++)
+      argv[argc] = (char *)flags_cases[i].args[argc];
+    gw_config_defaults(&cfg);
+    int rc = gw_config_parse(&cfg, argc, argv, err);
+    fclose(err);
+    if ((rc == 0) != flags_cases[i].ok)
+      fail_msg("case %zu (%s %s ...): got %d", i, argv[0], argc > 1 ? argv[1] : "", rc);
+  }
+}
+
+static void test_env(void **state) {
+  gw_config_t cfg;
+  char *argv[] = {"--upstream", "http://127.0.0.1:2"};
+  FILE *err = fopen("/dev/null", "w");
+  (void)state;
+  setenv("IDEMD_GATEWAY_UPSTREAM", "http://127.0.0.1:1", 1);
+  setenv("IDEMD_GATEWAY_ROUTE", "POST /orders;POST /carts/{id}/checkout", 1);
+  setenv("IDEMD_GATEWAY_UPSTREAM_TIMEOUT", "3s", 1);
+  setenv("IDEMD_GATEWAY_UPSTREAM_IDEMPOTENT", "1", 1);
+  gw_config_defaults(&cfg);
+  assert_int_equal(gw_config_parse(&cfg, 0, NULL, err), 0);
+  assert_string_equal(cfg.upstream, "http://127.0.0.1:1");
+  assert_int_equal(cfg.nroutes, 2);
+  assert_string_equal(cfg.routes[1].pattern, "/carts/{id}/checkout");
+  assert_int_equal(cfg.upstream_timeout_ms, 3000);
+  assert_int_equal(cfg.upstream_idempotent, 1);
+  /* Flags win. */
+  gw_config_defaults(&cfg);
+  assert_int_equal(gw_config_parse(&cfg, 2, argv, err), 0);
+  assert_string_equal(cfg.upstream, "http://127.0.0.1:2");
+  /* A bad value in a variable is an error, as in a flag. */
+  setenv("IDEMD_GATEWAY_ROUTE", "POST /orders;orders", 1);
+  gw_config_defaults(&cfg);
+  assert_int_equal(gw_config_parse(&cfg, 0, NULL, err), -1);
+  unsetenv("IDEMD_GATEWAY_UPSTREAM");
+  unsetenv("IDEMD_GATEWAY_ROUTE");
+  unsetenv("IDEMD_GATEWAY_UPSTREAM_TIMEOUT");
+  unsetenv("IDEMD_GATEWAY_UPSTREAM_IDEMPOTENT");
+  fclose(err);
+}
+
+static void test_hop_by_hop(void **state) {
+  (void)state;
+  assert_true(gw_hop_by_hop("Connection", NULL));
+  assert_true(gw_hop_by_hop("transfer-encoding", NULL));
+  assert_true(gw_hop_by_hop("Keep-Alive", NULL));
+  assert_true(gw_hop_by_hop("TE", NULL));
+  assert_true(gw_hop_by_hop("Upgrade", NULL));
+  assert_true(gw_hop_by_hop("Proxy-Connection", NULL));
+  assert_true(gw_hop_by_hop("X-Hop", "keep-alive, X-Hop"));
+  assert_true(gw_hop_by_hop("x-hop", "X-Hop,close"));
+  assert_false(gw_hop_by_hop("X-Hop", "keep-alive, X-Hopper"));
+  assert_false(gw_hop_by_hop("Content-Type", "close"));
+  assert_false(gw_hop_by_hop("Trailer-X", NULL));
+}
+
+static void add(gw_answer_t *a, const char *name, const char *value) {
+  a->headers = realloc(a->headers, (size_t)(a->nheaders + 1) * sizeof *a->headers);
+  a->headers[a->nheaders].name = strdup(name);
+  a->headers[a->nheaders].value = strdup(value);
+  a->nheaders++;
+}
+
+static void round_trip(const char *body, size_t len, const char *want_field) {
+  gw_config_t cfg;
+  gw_answer_t a = {.status = 201}, back;
+  char *text = NULL;
+
+  gw_config_defaults(&cfg);
+  snprintf(cfg.replay_headers[0], sizeof cfg.replay_headers[0], "X-Trace");
+  cfg.nreplay_headers = 1;
+  add(&a, "Content-Type", "application/octet-stream");
+  add(&a, "Set-Cookie", "sid=1");
+  add(&a, "X-Trace", "t-1");
+  add(&a, "Location", "/orders/1");
+  add(&a, "Server", "app");
+  a.body = malloc(len + 1);
+  memcpy(a.body, body, len);
+  a.body[len] = '\0';
+  a.len = len;
+  assert_int_equal(gw_answer_encode(&a, &cfg, &text), IDEM_OK);
+  assert_non_null(strstr(text, want_field));
+  assert_int_equal(gw_answer_decode(text, &back), IDEM_OK);
+  assert_int_equal(back.status, 201);
+  assert_int_equal(back.len, len);
+  assert_memory_equal(back.body, body, len);
+  /* Kept: Content-Type, Location and the --replay-header; never
+   * Set-Cookie, nor anything else. */
+  assert_int_equal(back.nheaders, 3);
+  for (int i = 0; i < back.nheaders; i++) {
+    assert_string_not_equal(back.headers[i].name, "Set-Cookie");
+    assert_string_not_equal(back.headers[i].name, "Server");
+  }
+  gw_answer_free(&a);
+  gw_answer_free(&back);
+  free(text);
+}
+
+static void test_answer_round_trip(void **state) {
+  static const char binary[] = {'a', 0, (char)0xff, (char)0xfe, '\n', 'z'};
+  static const char latin1[] = {'c', 'a', 'f', (char)0xe9};
+  (void)state;
+  round_trip("{\"id\":1}", 8, "\"body\":");
+  round_trip("caf\xc3\xa9 \xe2\x82\xac", 9, "\"body\":");  /* UTF-8 text */
+  round_trip(binary, sizeof binary, "\"body_b64\":");       /* a NUL */
+  round_trip(latin1, sizeof latin1, "\"body_b64\":");       /* not UTF-8 */
+  round_trip("x", 1, "\"body\":");
+  round_trip("", 0, "\"body\":\"\"");
+}
+
+static void test_answer_decode_refuses(void **state) {
+  static const char *const bad[] = {
+      NULL, "", "[]", "{}", "{\"status\":201}", "{\"status\":\"201\",\"headers\":[],\"body\":\"\"}",
+      "{\"status\":201,\"headers\":[]}", "{\"status\":201,\"headers\":[],\"body_b64\":\"abc\"}"};
+  (void)state;
+  for (size_t i = 0; i < ARRAY_LEN(bad); i++) {
+    gw_answer_t a;
+    if (gw_answer_decode(bad[i], &a) == IDEM_OK)
+      fail_msg("decoded '%s'", bad[i] ? bad[i] : "(null)");
+  }
+}
+
+static void test_request_round_trip(void **state) {
+  static const char body[] = {'{', 0, (char)0x80, '}'};
+  char *lines[] = {"Host: example", "Idempotency-Key: k1", "X-Forwarded-For: 127.0.0.1", NULL};
+  char *text = gw_request_encode("POST", "/orders?a=%20b", lines, body, sizeof body);
+  char *method, *target, *got_body, **headers;
+  size_t len;
+  (void)state;
+  assert_non_null(text);
+  assert_int_equal(gw_request_decode(text, &method, &target, &headers, &got_body, &len),
+                   IDEM_OK);
+  assert_string_equal(method, "POST");
+  assert_string_equal(target, "/orders?a=%20b");
+  assert_int_equal(len, sizeof body);
+  assert_memory_equal(got_body, body, sizeof body);
+  for (int i = 0; i < 3; i++)
+    assert_string_equal(headers[i], lines[i]);
+  assert_null(headers[3]);
+  for (int i = 0; headers[i]; i++)
+    free(headers[i]);
+  free(headers);
+  free(method);
+  free(target);
+  free(got_body);
+  free(text);
+}
+
+int main(void) {
+  const struct CMUnitTest tests[] = {
+      cmocka_unit_test(test_route_parse),        cmocka_unit_test(test_route_operation),
+      cmocka_unit_test(test_route_match),        cmocka_unit_test(test_flags),
+      cmocka_unit_test(test_env),
+      cmocka_unit_test(test_hop_by_hop),         cmocka_unit_test(test_answer_round_trip),
+      cmocka_unit_test(test_answer_decode_refuses), cmocka_unit_test(test_request_round_trip),
+  };
+  return cmocka_run_group_tests(tests, NULL, NULL);
+}
