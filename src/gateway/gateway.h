@@ -115,4 +115,18 @@ int gw_cmd_gateway(int argc, char **argv);
  * usage. */
 int gw_cmd_pending(int argc, char **argv);
 
+/* `idemd gateway resolve KEY --route R --status N [--body TEXT |
+ * --body-file F] [--content-type T] --reason TEXT --operator NAME
+ * [--scope N] [--key-ttl D] [--db ...]` (docs/gateway.md, "Resolving a
+ * pending key"): completes the one unsettled record of KEY on route R
+ * (in scope N) with that answer, audited. Returns 0 when it did; 1, with
+ * nothing changed, when there is no such record, it is not pending, a
+ * gateway holds it, or the store fails; 2 for bad usage. */
+int gw_cmd_resolve(int argc, char **argv);
+
+/* `idemd gateway audit [--key K] [--db ...]`: prints the gateway's audit
+ * rows (of key K only), oldest first, as JSON lines. Returns 0, 1 when
+ * the store fails, 2 for bad usage. */
+int gw_cmd_audit(int argc, char **argv);
+
 #endif

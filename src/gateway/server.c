@@ -617,6 +617,10 @@ int gw_cmd_gateway(int argc, char **argv) {
 
   if (argc > 0 && strcmp(argv[0], "pending") == 0)
     return gw_cmd_pending(argc - 1, argv + 1);
+  if (argc > 0 && strcmp(argv[0], "resolve") == 0)
+    return gw_cmd_resolve(argc - 1, argv + 1);
+  if (argc > 0 && strcmp(argv[0], "audit") == 0)
+    return gw_cmd_audit(argc - 1, argv + 1);
   for (int i = 0; i < argc; i++)
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       gw_config_usage(stdout);
