@@ -305,6 +305,7 @@ struct claim {
   int64_t scopes[MAX_SCOPES];
   char ops[MAX_SCOPES][IDEM_OPERATION_MAX + 1];
   int attempts;
+  int64_t next_attempt_at;
   idem_record_t rec;
   char from[16];
   found_t found;
@@ -315,8 +316,10 @@ static int got_request(void *arg, const char *const *cols) {
   if (cols[0] && cols[1] && c->rows < MAX_SCOPES) {
     c->scopes[c->rows] = strtoll(cols[0], NULL, 10);
     snprintf(c->ops[c->rows], sizeof c->ops[0], "%s", cols[1]);
-    if (c->rows == 0)
+    if (c->rows == 0) {
       c->attempts = cols[2] ? atoi(cols[2]) : 0;
+      c->next_attempt_at = cols[3] ? strtoll(cols[3], NULL, 10) : 0;
+    }
   }
   c->rows++;
   return IDEM_OK;
@@ -324,8 +327,8 @@ static int got_request(void *arg, const char *const *cols) {
 
 /* In one write (it may run again: it starts afresh): the one unsettled
  * key the operator named, taken over for RESOLVE_LEASE_MS, and its kept
- * request not due before that ends, so that no resolver sends it
- * meanwhile. */
+ * request not due before that ends (one never sent again stays so), so
+ * that no resolver sends it meanwhile. */
 static int claim_fn(void *arg, idem_tx_t *tx) {
   struct claim *c = arg;
   const resolution_t *r = c->r;
@@ -339,7 +342,7 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
   c->found = FOUND_NONE;
   /* A tool's question: the slot of rare statements (data/sql.h). */
   rc = idemd_sql_run(tx, IDEMD_SQL_COUNT,
-                     "SELECT tenant_id, operation, attempts FROM gateway_requests "
+                     "SELECT tenant_id, operation, attempts, next_attempt_at FROM gateway_requests "
                      "WHERE key = $1 AND (operation = $2 OR operation = $3) "
                      "AND (CAST($4 AS BIGINT) = 0 OR tenant_id = $4) "
                      "ORDER BY tenant_id, operation",
@@ -359,7 +362,8 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
   if (rc != IDEM_OK)
     return rc;
   snprintf(c->from, sizeof c->from, "%s", idem_state_name(c->rec.state));
-  gw_due_t due = {&scope, c->attempts, idem_tx_now_ms(tx) + RESOLVE_LEASE_MS};
+  int64_t until = idem_tx_now_ms(tx) + RESOLVE_LEASE_MS;
+  gw_due_t due = {&scope, c->attempts, c->next_attempt_at > until ? c->next_attempt_at : until};
   if ((rc = gw_due_fn(&due, tx)) != IDEM_OK)
     return rc;
   c->found = FOUND_TAKEN;
@@ -441,6 +445,11 @@ int gw_cmd_resolve(int argc, char **argv) {
 
   memset(&r, 0, sizeof r);
   memset(&c, 0, sizeof c);
+  for (int i = 0; i < argc; i++)
+    if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+      fputs(usage_text, stdout);
+      return 0;
+    }
   if (parse_args(argc, argv, &a) != 0 || check_args(&a, &r) != 0) {
     free(r.body);
     return 2;
