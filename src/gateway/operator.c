@@ -49,21 +49,21 @@ static const char usage_text[] =
     "         [--db FILE|postgresql://...]\n";
 
 typedef struct resolve_args {
-  const char *key, *route, *status, *body, *body_file, *content_type, *reason, *operator_name,
-      *scope, *key_ttl, *db;
+  const char *key, *route, *status, *body, *body_file, *content_type, *reason,
+      *operator_name, *scope, *key_ttl, *db;
 } resolve_args_t;
 
 /* ---- checking what was asked ------------------------------------------ */
 
 /* The flags of `idemd gateway resolve` into `a`. 0, or -1 (printed). */
 static int parse_args(int argc, char **argv, resolve_args_t *a) {
-  static const char *const names[] = {"--route",     "--status",       "--body",
-                                      "--body-file", "--content-type", "--reason",
-                                      "--operator",  "--scope",        "--key-ttl",
-                                      "--db",        NULL};
-  const char **slots[] = {&a->route,  &a->status,        &a->body,   &a->body_file,
-                          &a->content_type, &a->reason,  &a->operator_name,
-                          &a->scope,  &a->key_ttl,       &a->db};
+  static const char *const names[] = {
+      "--route",        "--status", "--body",     "--body-file",
+      "--content-type", "--reason", "--operator", "--scope",
+      "--key-ttl",      "--db",     NULL};
+  const char **slots[] = {&a->route,        &a->status, &a->body,          &a->body_file,
+                          &a->content_type, &a->reason, &a->operator_name, &a->scope,
+                          &a->key_ttl,      &a->db};
 
   memset(a, 0, sizeof *a);
   for (int i = 0; i < argc; i++) {
@@ -120,7 +120,8 @@ static int read_body_file(const char *path, char **out, size_t *len) {
   size_t n;
 
   if (f == NULL) {
-    fprintf(stderr, "idemd gateway: cannot read --body-file %s: %s\n", path, strerror(errno));
+    fprintf(stderr, "idemd gateway: cannot read --body-file %s: %s\n", path,
+            strerror(errno));
     return -1;
   }
   if ((buf = malloc(RESOLVE_BODY_MAX + 2)) == NULL) {
@@ -145,7 +146,7 @@ static int read_body_file(const char *path, char **out, size_t *len) {
 
 /* What a resolution writes, checked. */
 typedef struct resolution {
-  idem_scope_t scope;      /* tenant_id: --scope, or 0 for any */
+  idem_scope_t scope; /* tenant_id: --scope, or 0 for any */
   char key[IDEM_KEY_MAX + 1];
   char ops[2][IDEM_OPERATION_MAX + 1]; /* the route as parsed, and as given */
   int status;
@@ -168,8 +169,9 @@ static int check_args(const resolve_args_t *a, resolution_t *r) {
   }
   if (idem_key_parse(a->key, strlen(a->key), r->key, &key_len) != IDEM_OK ||
       strcmp(r->key, a->key) != 0) {
-    fprintf(stderr, "idemd gateway: KEY is the key as `idemd gateway pending` lists it: 1 "
-                    "to %d visible ASCII characters\n",
+    fprintf(stderr,
+            "idemd gateway: KEY is the key as `idemd gateway pending` lists it: 1 "
+            "to %d visible ASCII characters\n",
             IDEM_KEY_MAX);
     return -1;
   }
@@ -180,8 +182,9 @@ static int check_args(const resolve_args_t *a, resolution_t *r) {
   if (strlen(a->route) <= IDEM_OPERATION_MAX && strchr(a->route, ' ') != NULL)
     snprintf(r->ops[1], sizeof r->ops[1], "%s", a->route);
   if (r->ops[0][0] == '\0' && r->ops[1][0] == '\0') {
-    fprintf(stderr, "idemd gateway: --route is 'METHOD /pattern' as the gateway was given "
-                    "it, or the ROUTE `idemd gateway pending` lists\n");
+    fprintf(stderr,
+            "idemd gateway: --route is 'METHOD /pattern' as the gateway was given "
+            "it, or the ROUTE `idemd gateway pending` lists\n");
     return -1;
   }
   if (r->ops[0][0] == '\0')
@@ -196,8 +199,9 @@ static int check_args(const resolve_args_t *a, resolution_t *r) {
     return -1;
   }
   if (status < 200) {
-    fprintf(stderr, "idemd gateway: --status %ld is interim (1xx), not an answer a request "
-                    "ends with; give 200 to 599\n",
+    fprintf(stderr,
+            "idemd gateway: --status %ld is interim (1xx), not an answer a request "
+            "ends with; give 200 to 599\n",
             status);
     return -1;
   }
@@ -221,8 +225,9 @@ static int check_args(const resolve_args_t *a, resolution_t *r) {
     return -1;
   }
   if (a->content_type && !content_type_ok(a->content_type)) {
-    fprintf(stderr, "idemd gateway: --content-type is a media type such as "
-                    "application/json: 1 to %d characters of visible ASCII and spaces\n",
+    fprintf(stderr,
+            "idemd gateway: --content-type is a media type such as "
+            "application/json: 1 to %d characters of visible ASCII and spaces\n",
             CONTENT_TYPE_MAX);
     return -1;
   }
@@ -242,8 +247,9 @@ static int check_args(const resolve_args_t *a, resolution_t *r) {
     }
   }
   if (!idemd_audit_text_valid(a->reason, REASON_MAX)) {
-    fprintf(stderr, "idemd gateway: --reason is 1 to %d characters of UTF-8, none a "
-                    "control\n",
+    fprintf(stderr,
+            "idemd gateway: --reason is 1 to %d characters of UTF-8, none a "
+            "control\n",
             REASON_MAX);
     return -1;
   }
@@ -257,14 +263,16 @@ static int check_args(const resolve_args_t *a, resolution_t *r) {
     errno = 0;
     n = strtoll(a->scope, &end, 10);
     if (errno || end == a->scope || *end || n <= 0 || a->scope[0] == '+') {
-      fprintf(stderr, "idemd gateway: --scope is the SCOPE number `idemd gateway pending` "
-                      "lists\n");
+      fprintf(stderr,
+              "idemd gateway: --scope is the SCOPE number `idemd gateway pending` "
+              "lists\n");
       return -1;
     }
     r->scope.tenant_id = n;
   }
   r->ttl_ms = 24LL * 3600 * 1000; /* the gateway's --key-ttl default */
-  if (a->key_ttl && (idemd_parse_duration(a->key_ttl, &r->ttl_ms) != 0 || r->ttl_ms <= 0)) {
+  if (a->key_ttl &&
+      (idemd_parse_duration(a->key_ttl, &r->ttl_ms) != 0 || r->ttl_ms <= 0)) {
     fprintf(stderr, "idemd gateway: --key-ttl is a duration such as 24h\n");
     return -1;
   }
@@ -341,12 +349,13 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
   c->rows = 0;
   c->found = FOUND_NONE;
   /* A tool's question: the slot of rare statements (data/sql.h). */
-  rc = idemd_sql_run(tx, IDEMD_SQL_COUNT,
-                     "SELECT tenant_id, operation, attempts, next_attempt_at FROM gateway_requests "
-                     "WHERE key = $1 AND (operation = $2 OR operation = $3) "
-                     "AND (CAST($4 AS BIGINT) = 0 OR tenant_id = $4) "
-                     "ORDER BY tenant_id, operation",
-                     p, 4, got_request, c, NULL);
+  rc = idemd_sql_run(
+      tx, IDEMD_SQL_COUNT,
+      "SELECT tenant_id, operation, attempts, next_attempt_at FROM gateway_requests "
+      "WHERE key = $1 AND (operation = $2 OR operation = $3) "
+      "AND (CAST($4 AS BIGINT) = 0 OR tenant_id = $4) "
+      "ORDER BY tenant_id, operation",
+      p, 4, got_request, c, NULL);
   if (rc != IDEM_OK || c->rows == 0)
     return rc;
   if (c->rows > 1) {
@@ -363,7 +372,8 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
     return rc;
   snprintf(c->from, sizeof c->from, "%s", idem_state_name(c->rec.state));
   int64_t until = idem_tx_now_ms(tx) + RESOLVE_LEASE_MS;
-  gw_due_t due = {&scope, c->attempts, c->next_attempt_at > until ? c->next_attempt_at : until};
+  gw_due_t due = {&scope, c->attempts,
+                  c->next_attempt_at > until ? c->next_attempt_at : until};
   if ((rc = gw_due_fn(&due, tx)) != IDEM_OK)
     return rc;
   c->found = FOUND_TAKEN;
@@ -381,8 +391,9 @@ struct resolved {
 static int resolved_fn(void *arg, idem_tx_t *tx) {
   struct resolved *d = arg;
   int rc = gw_drop_fn(&d->scope, tx);
-  return rc == IDEM_OK ? idemd_audit_append_key(tx, &d->scope, d->from, "completed", &d->who)
-                       : rc;
+  return rc == IDEM_OK
+             ? idemd_audit_append_key(tx, &d->scope, d->from, "completed", &d->who)
+             : rc;
 }
 
 /* Completes the taken record `rec` with the answer of `r`, in one
@@ -390,10 +401,12 @@ static int resolved_fn(void *arg, idem_tx_t *tx) {
  * since: nothing written) or a store error. */
 static int complete(idem_store_t *store, const resolution_t *r, const idem_record_t *rec,
                     const char *from, const char *content_type, const char *reason) {
-  gw_header_t ct = {"Content-Type", (char *)(content_type ? content_type : "application/json")};
+  gw_header_t ct = {"Content-Type",
+                    (char *)(content_type ? content_type : "application/json")};
   gw_answer_t a = {.status = r->status, .body = r->body, .len = r->body_len};
   gw_config_t cfg;
-  struct resolved d = {{rec->tenant_id, rec->operation, rec->key}, from, {r->actor, reason}};
+  struct resolved d = {
+      {rec->tenant_id, rec->operation, rec->key}, from, {r->actor, reason}};
   char *stored = NULL;
   int rc;
 
@@ -404,15 +417,14 @@ static int complete(idem_store_t *store, const resolution_t *r, const idem_recor
   gw_config_defaults(&cfg); /* Content-Type is kept whatever the flags */
   if ((rc = gw_answer_encode(&a, &cfg, &stored)) != IDEM_OK)
     return rc;
-  idem_complete_t c = {.scope = d.scope,
-                       .owner_token = rec->owner_token,
-                       .now_ms = idem_now_ms(),
-                       .ttl_ms = r->ttl_ms,
-                       .outcome = {.state = IDEM_STATE_COMPLETED,
-                                   .status = r->status,
-                                   .body = stored},
-                       .row = rec->row,
-                       .effect = {resolved_fn, &d}};
+  idem_complete_t c = {
+      .scope = d.scope,
+      .owner_token = rec->owner_token,
+      .now_ms = idem_now_ms(),
+      .ttl_ms = r->ttl_ms,
+      .outcome = {.state = IDEM_STATE_COMPLETED, .status = r->status, .body = stored},
+      .row = rec->row,
+      .effect = {resolved_fn, &d}};
   rc = idem_store_complete(store, &c);
   free(stored);
   return rc;
@@ -481,18 +493,22 @@ int gw_cmd_resolve(int argc, char **argv) {
   } else if (c.found == FOUND_NONE) {
     const char *state =
         r.scope.tenant_id ? state_now(store, r.scope.tenant_id, r.ops[0], r.key) : "none";
-    if (strcmp(state, "none") == 0 && r.scope.tenant_id && strcmp(r.ops[0], r.ops[1]) != 0)
+    if (strcmp(state, "none") == 0 && r.scope.tenant_id &&
+        strcmp(r.ops[0], r.ops[1]) != 0)
       state = state_now(store, r.scope.tenant_id, r.ops[1], r.key);
     if (strcmp(state, "none") != 0)
-      fprintf(stderr, "idemd gateway: key '%s' on '%s' is %s, not pending; nothing changed\n",
+      fprintf(stderr,
+              "idemd gateway: key '%s' on '%s' is %s, not pending; nothing changed\n",
               r.key, a.route, state);
     else
-      fprintf(stderr, "idemd gateway: no pending key '%s' on '%s'%s; nothing changed "
-                      "(`idemd gateway pending` lists them)\n",
+      fprintf(stderr,
+              "idemd gateway: no pending key '%s' on '%s'%s; nothing changed "
+              "(`idemd gateway pending` lists them)\n",
               r.key, a.route, r.scope.tenant_id ? " in that scope" : "");
   } else if (c.found == FOUND_AMBIGUOUS) {
-    fprintf(stderr, "idemd gateway: key '%s' on '%s' is unsettled in %d scopes or routes; "
-                    "nothing changed: name one with --scope N (and --route):",
+    fprintf(stderr,
+            "idemd gateway: key '%s' on '%s' is unsettled in %d scopes or routes; "
+            "nothing changed: name one with --scope N (and --route):",
             r.key, a.route, c.rows);
     for (int i = 0; i < c.rows && i < MAX_SCOPES; i++)
       fprintf(stderr, " %lld (%s)", (long long)c.scopes[i], c.ops[i]);
@@ -500,13 +516,15 @@ int gw_cmd_resolve(int argc, char **argv) {
   } else if (c.found == FOUND_HELD) {
     const char *state = state_now(store, c.scopes[0], c.ops[0], r.key);
     if (strcmp(state, "processing") == 0 || strcmp(state, "pending") == 0)
-      fprintf(stderr, "idemd gateway: key '%s' on '%s' is held by a gateway right now (a "
-                      "request or the resolver is at the upstream with it); nothing "
-                      "changed: try again\n",
+      fprintf(stderr,
+              "idemd gateway: key '%s' on '%s' is held by a gateway right now (a "
+              "request or the resolver is at the upstream with it); nothing "
+              "changed: try again\n",
               r.key, a.route);
     else
-      fprintf(stderr, "idemd gateway: key '%s' on '%s' is %s, not pending (a gateway "
-                      "settled it); nothing changed\n",
+      fprintf(stderr,
+              "idemd gateway: key '%s' on '%s' is %s, not pending (a gateway "
+              "settled it); nothing changed\n",
               r.key, a.route, state);
   } else {
     printf("%s %s %lld completed with %d\n", c.rec.operation, r.key,
@@ -542,7 +560,8 @@ int gw_cmd_audit(int argc, char **argv) {
     } else if (strcmp(argv[i], "--key") == 0 && i + 1 < argc && !key) {
       key = argv[++i];
     } else {
-      fprintf(stderr, "usage: idemd gateway audit [--key KEY] [--db FILE|postgresql://...]\n");
+      fprintf(stderr,
+              "usage: idemd gateway audit [--key KEY] [--db FILE|postgresql://...]\n");
       return 2;
     }
   }
@@ -551,8 +570,8 @@ int gw_cmd_audit(int argc, char **argv) {
   rc = idemd_audit_list_keys(store, key, print_row, NULL);
   idem_store_close(store);
   if (rc != IDEM_OK) {
-    fprintf(stderr, "idemd gateway: reading the audit failed: %s (%s)\n", idem_strerror(rc),
-            idem_store_last_error());
+    fprintf(stderr, "idemd gateway: reading the audit failed: %s (%s)\n",
+            idem_strerror(rc), idem_store_last_error());
     return 1;
   }
   return 0;
