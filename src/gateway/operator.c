@@ -45,12 +45,12 @@
 static const char usage_text[] =
     "usage: idemd gateway resolve KEY --route 'METHOD /pattern' --status N\n"
     "         [--body TEXT | --body-file FILE] [--content-type TYPE]\n"
-    "         --reason TEXT --operator NAME [--scope N] [--key-ttl DURATION]\n"
-    "         [--db FILE|postgresql://...]\n";
+    "         --reason TEXT --operator NAME [--scope N | --scope-value TEXT]\n"
+    "         [--key-ttl DURATION] [--db FILE|postgresql://...]\n";
 
 typedef struct resolve_args {
   const char *key, *route, *status, *body, *body_file, *content_type, *reason,
-      *operator_name, *scope, *key_ttl, *db;
+      *operator_name, *scope, *scope_value, *key_ttl, *db;
 } resolve_args_t;
 
 /* ---- checking what was asked ------------------------------------------ */
@@ -58,12 +58,11 @@ typedef struct resolve_args {
 /* The flags of `idemd gateway resolve` into `a`. 0, or -1 (printed). */
 static int parse_args(int argc, char **argv, resolve_args_t *a) {
   static const char *const names[] = {
-      "--route",        "--status", "--body",     "--body-file",
-      "--content-type", "--reason", "--operator", "--scope",
-      "--key-ttl",      "--db",     NULL};
+      "--route",    "--status", "--body",    "--body-file", "--content-type", "--reason",
+      "--operator", "--scope",  "--key-ttl", "--db",        "--scope-value",  NULL};
   const char **slots[] = {&a->route,        &a->status, &a->body,          &a->body_file,
                           &a->content_type, &a->reason, &a->operator_name, &a->scope,
-                          &a->key_ttl,      &a->db};
+                          &a->key_ttl,      &a->db,     &a->scope_value};
 
   memset(a, 0, sizeof *a);
   for (int i = 0; i < argc; i++) {
@@ -258,6 +257,10 @@ static int check_args(const resolve_args_t *a, resolution_t *r) {
     return -1;
   }
   snprintf(r->actor, sizeof r->actor, "operator:%s", a->operator_name);
+  if (a->scope && a->scope_value) {
+    fprintf(stderr, "idemd gateway: --scope and --scope-value: give one\n");
+    return -1;
+  }
   if (a->scope) {
     long long n;
     errno = 0;
@@ -430,6 +433,23 @@ static int complete(idem_store_t *store, const resolution_t *r, const idem_recor
   return rc;
 }
 
+/* The scope number of the --scope-header value `value`, as the gateways
+ * on `store` make it (under the secret they share). 0, or -1 (printed). */
+static int scope_of_value(idem_store_t *store, const char *value, int64_t *out) {
+  idem_hmac_t *mac = NULL;
+  int rc = gw_secret_mac(store, GW_SCOPE_SECRET, NULL, &mac);
+
+  if (rc == IDEM_OK)
+    rc = gw_scope_number(mac, value, out);
+  idem_hmac_free(mac);
+  if (rc != IDEM_OK) {
+    fprintf(stderr, "idemd gateway: cannot read the scope secret: %s (%s)\n",
+            idem_strerror(rc), idem_store_last_error());
+    return -1;
+  }
+  return 0;
+}
+
 static void pause_ms(int ms) {
   struct timespec ts = {0, (long)ms * 1000000L};
   nanosleep(&ts, NULL);
@@ -467,6 +487,11 @@ int gw_cmd_resolve(int argc, char **argv) {
     return 2;
   }
   if ((store = open_db(a.db)) == NULL) {
+    free(r.body);
+    return 1;
+  }
+  if (a.scope_value && scope_of_value(store, a.scope_value, &r.scope.tenant_id) != 0) {
+    idem_store_close(store);
     free(r.body);
     return 1;
   }
@@ -508,7 +533,7 @@ int gw_cmd_resolve(int argc, char **argv) {
   } else if (c.found == FOUND_AMBIGUOUS) {
     fprintf(stderr,
             "idemd gateway: key '%s' on '%s' is unsettled in %d scopes or routes; "
-            "nothing changed: name one with --scope N (and --route):",
+            "nothing changed: name one with --scope N or --scope-value (and --route):",
             r.key, a.route, c.rows);
     for (int i = 0; i < c.rows && i < MAX_SCOPES; i++)
       fprintf(stderr, " %lld (%s)", (long long)c.scopes[i], c.ops[i]);

@@ -144,6 +144,7 @@ def test_refusals_change_nothing(py):
         dict(extra=["--content-type", "plain"]),
         dict(extra=["--scope", "-4"]), dict(extra=["--scope", "x"]),
         dict(extra=["--key-ttl", "soon"]), dict(extra=["--bogus", "1"]),
+        dict(extra=["--scope", scope, "--scope-value", "Bearer a"]),
         dict(status="204", extra=["--body", "{}"]),
         dict(key="has space"), dict(key=""),
     ]
@@ -191,6 +192,41 @@ def test_refusals_change_nothing(py):
     assert (s, b) == (200, b"\xff\x00binary"), (s, b)
     assert g.header(hs, "Content-Type") == "application/octet-stream"
     assert g.header(hs, "Idempotent-Replayed") == "true"
+    g.stop_gateway(gw_p)
+
+
+def test_a_key_in_two_scopes(py):
+    """Two clients (two Authorization values) left the same key pending:
+    without a scope the operator is told both and nothing changes; with
+    --scope-value (the client's header value) or --scope (the number
+    listed) each is resolved alone, and only its client gets the answer."""
+    db = g.fresh_db()
+    gw_p, gw, _, _ = g.start_gateway(py, ["POST /charges"], db=db)
+    key = g.new_key()
+    h = {name: dict(charge(key)[0], Authorization="Bearer " + name) for name in "ab"}
+    for name in "ab":
+        assert g.req(gw, "POST", "/charges?lose=1", h[name], "{}")[0] == 202
+    rows = pending(db)
+    assert len(rows) == 2 and {r[3] for r in rows} == {key}, rows
+    rc, out, err = resolve(db, key, route="POST /charges")
+    assert rc == 1 and "2 scopes" in err and all(r[-1] in err for r in rows), (rc, err)
+    assert pending(db) == rows and audit(db) == []
+    rc, out, err = resolve(db, key, "--scope-value", "Bearer a", "--body", '{"for":"a"}',
+                           route="POST /charges")
+    assert rc == 0, (rc, err)
+    s, hs, b = g.req(gw, "POST", "/charges?lose=1", h["a"], "{}")
+    assert (s, b) == (201, b'{"for":"a"}') and g.header(hs, "Idempotent-Replayed") == "true"
+    assert g.req(gw, "POST", "/charges?lose=1", h["b"], "{}")[0] == 202
+    left = pending(db)
+    assert len(left) == 1, left
+    [row] = audit(db)
+    assert row["scope"] != left[0][-1] and row["scope"] in {r[-1] for r in rows}, (row, left)
+    rc, out, err = resolve(db, key, "--scope", left[0][-1], "--body", '{"for":"b"}',
+                           route="POST /charges")
+    assert rc == 0, (rc, err)
+    s, _, b = g.req(gw, "POST", "/charges?lose=1", h["b"], "{}")
+    assert (s, b) == (201, b'{"for":"b"}'), (s, b)
+    assert pending(db) == [] and len(audit(db, key)) == 2
     g.stop_gateway(gw_p)
 
 
