@@ -542,9 +542,9 @@ int gw_cmd_resolve(int argc, char **argv) {
     const char *state = state_now(store, c.scopes[0], c.ops[0], r.key);
     if (strcmp(state, "processing") == 0 || strcmp(state, "pending") == 0)
       fprintf(stderr,
-              "idemd gateway: key '%s' on '%s' is held by a gateway right now (a "
-              "request or the resolver is at the upstream with it); nothing "
-              "changed: try again\n",
+              "idemd gateway: key '%s' on '%s' is held right now (a gateway's "
+              "request or resolver is at the upstream with it, or another operator "
+              "is resolving it); nothing changed: try again\n",
               r.key, a.route);
     else
       fprintf(stderr,

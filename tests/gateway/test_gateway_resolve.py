@@ -174,7 +174,7 @@ def test_refusals_change_nothing(py):
     t.start()
     g.wait_until(lambda: g.executions(py, busy) == 1, "the application to act")
     rc, out, err = resolve(db, busy, route=route)
-    assert rc == 1 and "held by a gateway" in err, (rc, err)
+    assert rc == 1 and "is held right now" in err, (rc, err)
     t.join()
     s, hs, b = g.req(gw, "POST", "/charges?sleep=8000", *charge(busy))
     assert s == 201 and json.loads(b) == {"charge": 1, "key": busy}, (s, b)
