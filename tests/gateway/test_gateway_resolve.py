@@ -120,7 +120,10 @@ def test_refusals_change_nothing(py):
     them the pending key is as it was: still pending, still listed, no
     audit row, and the application ran it once."""
     db = g.fresh_db()
-    gw_p, gw, _, _ = g.start_gateway(py, ["POST /charges"], db=db)
+    # Time enough for a request at the application to outlast the
+    # command's wait for it (about 5 s) on a busy machine.
+    gw_p, gw, _, _ = g.start_gateway(py, ["POST /charges"], "--upstream-timeout", "30s",
+                                     "--lease", "40s", db=db)
     key = g.new_key()
     assert g.req(gw, "POST", "/charges?lose=1", *charge(key))[0] == 202
     before = pending(db)
@@ -169,14 +172,14 @@ def test_refusals_change_nothing(py):
 
     # In flight: its gateway holds the record under a live lease.
     busy = g.new_key()
-    t = threading.Thread(target=lambda: g.req(gw, "POST", "/charges?sleep=8000",
+    t = threading.Thread(target=lambda: g.req(gw, "POST", "/charges?sleep=15000",
                                               *charge(busy)))
     t.start()
     g.wait_until(lambda: g.executions(py, busy) == 1, "the application to act")
     rc, out, err = resolve(db, busy, route=route)
     assert rc == 1 and "is held right now" in err, (rc, err)
     t.join()
-    s, hs, b = g.req(gw, "POST", "/charges?sleep=8000", *charge(busy))
+    s, hs, b = g.req(gw, "POST", "/charges?sleep=15000", *charge(busy))
     assert s == 201 and json.loads(b) == {"charge": 1, "key": busy}, (s, b)
 
     assert pending(db) == before, (pending(db), before)
