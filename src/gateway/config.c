@@ -289,6 +289,12 @@ void gw_config_usage(FILE *out) {
   fprintf(out,
           "usage: idemd gateway --upstream http://HOST:PORT --route 'METHOD /path/{param}'...\n"
           "       idemd gateway pending [--db ...]   the keys not settled yet\n"
+          "       idemd gateway resolve KEY --route 'METHOD /pattern' --status N\n"
+          "             [--body TEXT | --body-file FILE] [--content-type TYPE] --reason TEXT\n"
+          "             --operator NAME [--scope N | --scope-value TEXT] [--key-ttl DURATION]\n"
+          "             [--db ...]\n"
+          "                                      complete a pending key by hand, audited\n"
+          "       idemd gateway audit [--key KEY] [--db ...]   the audit trail, JSON lines\n"
           "  --upstream URL               the application behind the gateway (required)\n"
           "  --route 'METHOD /pattern'    a keyed route (repeatable); {name} is one segment\n"
           "  --listen HOST:PORT           where clients connect (127.0.0.1:8080)\n"

@@ -80,6 +80,24 @@ int gw_route_parse(const char *spec, gw_route_t *out);
 const gw_route_t *gw_route_match(const gw_config_t *cfg, const char *method,
                                  const char *path);
 
+/* The name of the secret, kept in the database, under which the
+ * --scope-header value's HMAC gives a key's scope (docs/gateway.md,
+ * "Scope"). */
+#define GW_SCOPE_SECRET "gateway_scope_secret"
+
+/* An HMAC keyed by the secret `name` kept in `store`'s database (made
+ * there once, at random, and shared by every gateway on it), or by
+ * `given` when it is not NULL or empty, into `*out` (free with
+ * idem_hmac_free()). Returns IDEM_OK, or a store error or IDEM_ENOMEM. */
+int gw_secret_mac(idem_store_t *store, const char *name, const char *given,
+                  idem_hmac_t **out);
+
+/* The scope number of the --scope-header value `value` (NULL: no such
+ * header) under `scope_mac` (the GW_SCOPE_SECRET's): an HMAC of it, in
+ * [2^62, 2^63) so it never meets a tenant id of idemd's, into `*out`.
+ * Returns IDEM_OK or IDEM_ENOMEM. */
+int gw_scope_number(const idem_hmac_t *scope_mac, const char *value, int64_t *out);
+
 struct gw_upstream;
 
 /* Counters of the gateway's own, beside idemd's request metrics. */
@@ -114,5 +132,19 @@ int gw_cmd_gateway(int argc, char **argv);
  * attempt and scope number. Returns 0, 1 when the store fails, 2 for bad
  * usage. */
 int gw_cmd_pending(int argc, char **argv);
+
+/* `idemd gateway resolve KEY --route R --status N [--body TEXT |
+ * --body-file F] [--content-type T] --reason TEXT --operator NAME
+ * [--scope N] [--key-ttl D] [--db ...]` (docs/gateway.md, "Resolving a
+ * pending key"): completes the one unsettled record of KEY on route R
+ * (in scope N) with that answer, audited. Returns 0 when it did; 1, with
+ * nothing changed, when there is no such record, it is not pending, a
+ * gateway holds it, or the store fails; 2 for bad usage. */
+int gw_cmd_resolve(int argc, char **argv);
+
+/* `idemd gateway audit [--key K] [--db ...]`: prints the gateway's audit
+ * rows (of key K only), oldest first, as JSON lines. Returns 0, 1 when
+ * the store fails, 2 for bad usage. */
+int gw_cmd_audit(int argc, char **argv);
 
 #endif

@@ -78,20 +78,23 @@ static int fingerprint(const gw_req_t *r, const gw_route_t *route,
   return rc;
 }
 
-/* The scope's number: an HMAC of the --scope-header value (docs/gateway.md,
- * "Scope"), in [2^62, 2^63) so it never meets a tenant id of idemd's. */
-static int scope_id(const gw_req_t *r, int64_t *out) {
-  const char *v = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
-                                              r->gw->cfg.scope_header);
+int gw_scope_number(const idem_hmac_t *scope_mac, const char *value, int64_t *out) {
   unsigned char mac[IDEM_SHA256_LEN];
   uint64_t n = 0;
-  int rc = idem_hmac_compute(r->gw->scope_mac, v ? v : "", v ? strlen(v) : 0, mac);
+  int rc = idem_hmac_compute(scope_mac, value ? value : "", value ? strlen(value) : 0, mac);
   if (rc != IDEM_OK)
     return rc;
   for (int i = 0; i < 8; i++)
     n = n << 8 | mac[i];
   *out = (int64_t)((n & ((UINT64_C(1) << 62) - 1)) | (UINT64_C(1) << 62));
   return IDEM_OK;
+}
+
+/* The request's scope number, from its --scope-header value. */
+static int scope_id(const gw_req_t *r, int64_t *out) {
+  const char *v = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                              r->gw->cfg.scope_header);
+  return gw_scope_number(r->gw->scope_mac, v, out);
 }
 
 /* The key id of the log line: as idemd's (server/log.h), never the key. */

@@ -19,18 +19,47 @@ enum gw_sql_slot { GW_SQL_SAVE, GW_SQL_DROP, GW_SQL_DUE_SET, GW_SQL_DUE_LIST, GW
  * database at once. */
 #define MIGRATE_LOCK "5216104432"
 
-/* Version 1: the requests of unsettled keys. Their types read the same
- * on both backends (SQLite takes BIGINT as INTEGER). */
-static const char *const versions[GW_SCHEMA_VERSION] = {
-    "CREATE TABLE gateway_requests ("
-    " tenant_id BIGINT NOT NULL,"
-    " operation TEXT NOT NULL,"
-    " key TEXT NOT NULL,"
-    " request TEXT NOT NULL,"
-    " attempts INTEGER NOT NULL DEFAULT 0,"
-    " next_attempt_at BIGINT NOT NULL,"
-    " PRIMARY KEY (tenant_id, operation, key));"
-    "CREATE INDEX gateway_requests_due ON gateway_requests (next_attempt_at);"};
+/* The gateway's versions; each entry is { SQLite, PostgreSQL }. */
+static const char *const versions[GW_SCHEMA_VERSION][2] = {
+    /* 1: the requests of unsettled keys. Their types read the same on
+     * both backends (SQLite takes BIGINT as INTEGER). */
+    {"CREATE TABLE gateway_requests ("
+     " tenant_id BIGINT NOT NULL,"
+     " operation TEXT NOT NULL,"
+     " key TEXT NOT NULL,"
+     " request TEXT NOT NULL,"
+     " attempts INTEGER NOT NULL DEFAULT 0,"
+     " next_attempt_at BIGINT NOT NULL,"
+     " PRIMARY KEY (tenant_id, operation, key));"
+     "CREATE INDEX gateway_requests_due ON gateway_requests (next_attempt_at);",
+     NULL},
+    /* 2: the gateway's audit trail (data/audit.h): a row per change an
+     * operator makes to a key's record (`idemd gateway resolve`), in the
+     * change's transaction; `seq` keeps the order of rows of one
+     * millisecond. A new table: nothing else changes. */
+    {"CREATE TABLE gateway_audit ("
+     " seq INTEGER PRIMARY KEY,"
+     " created_at INTEGER NOT NULL,"
+     " scope INTEGER NOT NULL,"
+     " route TEXT NOT NULL,"
+     " key TEXT NOT NULL,"
+     " from_status TEXT,"
+     " to_status TEXT NOT NULL,"
+     " actor TEXT NOT NULL,"
+     " reason TEXT);"
+     "CREATE INDEX gateway_audit_key ON gateway_audit (key);",
+     "CREATE TABLE gateway_audit ("
+     " seq BIGSERIAL PRIMARY KEY,"
+     " created_at BIGINT NOT NULL,"
+     " scope BIGINT NOT NULL,"
+     " route TEXT NOT NULL,"
+     " key TEXT NOT NULL,"
+     " from_status TEXT,"
+     " to_status TEXT NOT NULL,"
+     " actor TEXT NOT NULL,"
+     " reason TEXT);"
+     "CREATE INDEX gateway_audit_key ON gateway_audit (key);"},
+};
 
 struct migration {
   int version;
@@ -70,7 +99,10 @@ static int migrate_fn(void *arg, idem_tx_t *tx) {
     char set[96];
     snprintf(set, sizeof set,
              "DELETE FROM gateway_schema; INSERT INTO gateway_schema VALUES (%d)", v + 1);
-    if ((rc = idemd_sql_exec(tx, versions[v], m->err, m->errlen)) != IDEM_OK ||
+    const char *sql = versions[v][idemd_sql_is_sqlite(tx) ? 0 : 1];
+    if (sql == NULL)
+      sql = versions[v][0];
+    if ((rc = idemd_sql_exec(tx, sql, m->err, m->errlen)) != IDEM_OK ||
         (rc = idemd_sql_exec(tx, set, m->err, m->errlen)) != IDEM_OK)
       return rc;
   }

@@ -4,7 +4,8 @@
  * died (docs/gateway.md, "Pending requests"). A row is written in the
  * transaction that wins the key and deleted in the one that completes
  * it; its versions are counted in the table `gateway_schema`, apart from
- * libidem's and idemd's. */
+ * libidem's and idemd's. Version 2 adds the gateway's audit trail,
+ * `gateway_audit` (data/audit.h). */
 #ifndef IDEM_GATEWAY_REQUESTS_H
 #define IDEM_GATEWAY_REQUESTS_H
 
@@ -12,11 +13,11 @@
 
 #include "gateway/gateway.h"
 
-#define GW_SCHEMA_VERSION 1
+#define GW_SCHEMA_VERSION 2
 /* next_attempt_at of a request no gateway sends again. */
 #define GW_NEVER INT64_MAX
 
-/* Creates or upgrades the gateway's table. Returns IDEM_OK, IDEM_ESCHEMA
+/* Creates or upgrades the gateway's tables. Returns IDEM_OK, IDEM_ESCHEMA
  * when the database is newer than this program, or a store error; `err`
  * gets why. */
 int gw_schema_migrate(idem_store_t *store, char *err, size_t errlen);

@@ -535,9 +535,8 @@ static struct MHD_Daemon *listen_on(const idemd_addr_t *a, unsigned flags,
   return d;
 }
 
-/* The HMAC keys, from the database (made once, shared by every gateway
- * on it) or, for key ids in logs, --log-key-secret. */
-static int load_secret(gw_t *gw, const char *name, const char *given, idem_hmac_t **out) {
+int gw_secret_mac(idem_store_t *store, const char *name, const char *given,
+                  idem_hmac_t **out) {
   unsigned char raw[32], key[IDEM_SHA256_LEN];
   char hex[65];
   char *secret = NULL;
@@ -549,7 +548,7 @@ static int load_secret(gw_t *gw, const char *name, const char *given, idem_hmac_
     if ((rc = idem_random_bytes(raw, sizeof raw)) != IDEM_OK)
       return rc;
     idem_hex(raw, sizeof raw, hex);
-    if ((rc = idem_store_meta_get_or_put(gw->store, name, hex, &secret)) != IDEM_OK)
+    if ((rc = idem_store_meta_get_or_put(store, name, hex, &secret)) != IDEM_OK)
       return rc;
     rc = idem_sha256(secret, strlen(secret), key);
     free(secret);
@@ -586,8 +585,8 @@ static int open_store(gw_t *gw) {
   }
   if ((rc = idem_store_migrate(gw->store)) != IDEM_OK ||
       (rc = gw_schema_migrate(gw->store, why, sizeof why)) != IDEM_OK ||
-      (rc = load_secret(gw, "gateway_scope_secret", NULL, &gw->scope_mac)) != IDEM_OK ||
-      (rc = load_secret(gw, "log_key_secret", gw->cfg.log_key_secret, &gw->key_id_mac)) !=
+      (rc = gw_secret_mac(gw->store, GW_SCOPE_SECRET, NULL, &gw->scope_mac)) != IDEM_OK ||
+      (rc = gw_secret_mac(gw->store, "log_key_secret", gw->cfg.log_key_secret, &gw->key_id_mac)) !=
           IDEM_OK ||
       (rc = idem_engine_new(gw->store, &ecfg, &gw->engine)) != IDEM_OK) {
     fprintf(stderr, "idemd gateway: cannot set up the database: %s (%s)\n",
@@ -617,6 +616,10 @@ int gw_cmd_gateway(int argc, char **argv) {
 
   if (argc > 0 && strcmp(argv[0], "pending") == 0)
     return gw_cmd_pending(argc - 1, argv + 1);
+  if (argc > 0 && strcmp(argv[0], "resolve") == 0)
+    return gw_cmd_resolve(argc - 1, argv + 1);
+  if (argc > 0 && strcmp(argv[0], "audit") == 0)
+    return gw_cmd_audit(argc - 1, argv + 1);
   for (int i = 0; i < argc; i++)
     if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
       gw_config_usage(stdout);

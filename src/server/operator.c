@@ -4,7 +4,6 @@
  * by hand, through the one settling path the reconciler and the webhooks
  * take (provider/settle.h); `idemd audit` prints a tenant's audit trail
  * as JSON lines. */
-#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,26 +97,6 @@ static int tenant_id(idem_store_t *store, const char *name, int64_t *id) {
   return 0;
 }
 
-static int characters(const char *s) {
-  int n = 0;
-  for (; *s; s++)
-    n += ((unsigned char)*s & 0xc0) != 0x80;
-  return n;
-}
-
-/* 1 when `s` is valid UTF-8 without control characters: what a reason
- * must be to be written into the audit and printed back as JSON. */
-static int printable_text(const char *s) {
-  json_t *j = json_string(s); /* NULL for invalid UTF-8 */
-  json_decref(j);
-  if (j == NULL)
-    return 0;
-  for (; *s; s++)
-    if ((unsigned char)*s < 0x20 || *s == 0x7f)
-      return 0;
-  return 1;
-}
-
 static void pause_ms(int ms) {
   struct timespec ts = {0, (long)ms * 1000000L};
   nanosleep(&ts, NULL);
@@ -148,8 +127,7 @@ int idemd_cmd_resolve(idemd_config_t *cfg, int refund, int argc, char **argv) {
     fprintf(stderr, "idemd: --as is succeeded or declined\n");
     return 2;
   }
-  if (v[1][0] == '\0' || characters(v[1]) > IDEM_REFUND_REASON_MAX ||
-      !printable_text(v[1])) {
+  if (!idemd_audit_text_valid(v[1], IDEM_REFUND_REASON_MAX)) {
     fprintf(stderr, "idemd: --reason is 1 to %d characters of UTF-8, none a control\n",
             IDEM_REFUND_REASON_MAX);
     return 2;
@@ -209,49 +187,10 @@ struct printing {
   int failed;
 };
 
-/* `s` as a JSON string (null for NULL). A text that is not UTF-8 (a row
- * written by hand, or by another program, on SQLite, which does not check)
- * is printed with its bytes above 0x7f as \xNN, rather than stopping the
- * listing. */
-static json_t *text_or_null(const char *s) {
-  json_t *j;
-  char *esc, *o;
-
-  if (s == NULL)
-    return json_null();
-  if ((j = json_string(s)) != NULL || (esc = malloc(4 * strlen(s) + 1)) == NULL)
-    return j;
-  for (o = esc; *s; s++)
-    o += (unsigned char)*s < 0x80 ? sprintf(o, "%c", *s)
-                                  : sprintf(o, "\\x%02x", (unsigned char)*s);
-  j = json_string(esc);
-  free(esc);
-  return j;
-}
-
-/* `ms` as UTC to the millisecond, "2026-12-06T01:22:51.412Z": rows of one
- * second keep their order when read. */
-static void format_ms(int64_t ms, char *out, size_t cap) {
-  time_t secs = (time_t)(ms / 1000);
-  struct tm tm;
-  char base[24];
-
-  gmtime_r(&secs, &tm);
-  strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
-  snprintf(out, cap, "%s.%03dZ", base, (int)(ms % 1000));
-}
-
 static int print_row(void *arg, const idemd_audit_row_t *row) {
   struct printing *pr = arg;
-  char at[40], *line;
-  json_t *o;
+  char *line = idemd_audit_json(row, pr->tenant);
 
-  format_ms(row->at_ms, at, sizeof at);
-  o = json_pack("{s:s, s:s, s:s, s:o, s:s, s:s, s:o}", "at", at, "tenant", pr->tenant,
-                "resource", row->resource_id, "from", text_or_null(row->from), "to",
-                row->to, "actor", row->actor, "reason", text_or_null(row->reason));
-  line = o ? json_dumps(o, JSON_COMPACT | JSON_PRESERVE_ORDER) : NULL;
-  json_decref(o);
   if (line == NULL) {
     pr->failed = 1;
     return IDEM_ENOMEM;

@@ -1,6 +1,10 @@
 /* Tests the gateway's pure parts (src/gateway/): route specs and their
  * matching, flags, hop-by-hop headers, and the stored forms of answers
- * and requests, which must give back every byte. */
+ * and requests, which must give back every byte; and, on a SQLite file,
+ * its schema's upgrade to the audit trail and that trail's rows as
+ * `idemd gateway audit` prints them. */
+#include "data/audit.h"
+#include "data/sql.h"
 #include "gateway/answer.h"
 #include "gateway/gateway.h"
 #include "gateway/requests.h"
@@ -8,6 +12,8 @@
 #include "support.h"
 
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 struct route_case {
   const char *spec;
@@ -266,6 +272,115 @@ static void test_request_round_trip(void **state) {
   free(text);
 }
 
+struct reason_case {
+  const char *text;
+  int max, ok;
+};
+
+static void test_reason_valid(void **state) {
+  static const struct reason_case cases[] = {
+      {"checked by hand", 200, 1},
+      {"caf\xc3\xa9 \xe2\x82\xac", 6, 1}, /* characters, not bytes */
+      {"caf\xc3\xa9 \xe2\x82\xac", 5, 0},
+      {"", 200, 0},
+      {"two\nlines", 200, 0},
+      {"tab\there", 200, 0},
+      {"del\x7f", 200, 0},
+      {"not \xff UTF-8", 200, 0},
+      {"\xc3\x28", 200, 0},
+  };
+  (void)state;
+  for (size_t i = 0; i < ARRAY_LEN(cases); i++)
+    if (idemd_audit_text_valid(cases[i].text, cases[i].max) != cases[i].ok)
+      fail_msg("case %zu: '%s' max %d should be %s", i, cases[i].text, cases[i].max,
+               cases[i].ok ? "valid" : "refused");
+}
+
+/* Takes a database of the gateway's back to its schema 1. */
+static int gw_v1_fn(void *arg, idem_tx_t *tx) {
+  char err[256];
+  int rc = idemd_sql_exec(tx,
+                          "DROP TABLE gateway_audit; DELETE FROM gateway_schema; "
+                          "INSERT INTO gateway_schema VALUES (1)",
+                          err, sizeof err);
+  (void)arg;
+  if (rc != IDEM_OK)
+    fail_msg("back to 1: %s", err);
+  return rc;
+}
+
+static int append_fn(void *arg, idem_tx_t *tx) {
+  static const idemd_actor_t who = {"operator:alice", "ticket \"4521\""};
+  static const idemd_actor_t odd = {"operator:bob", "caf\xe9"}; /* written by hand */
+  idem_scope_t a = {4736541207291548671LL, "POST /orders", "k1"};
+  idem_scope_t b = {4611686018427387905LL, "PUT /orders/{id}", "k2"};
+  int rc;
+  (void)arg;
+  if ((rc = idemd_audit_append_key(tx, &a, "pending", "completed", &who)) != IDEM_OK)
+    return rc;
+  return idemd_audit_append_key(tx, &b, "processing", "completed", &odd);
+}
+
+struct lines {
+  char text[2][512];
+  int n;
+};
+
+static int got_line(void *arg, const idemd_audit_row_t *row) {
+  struct lines *l = arg;
+  char *line = idemd_audit_json(row, NULL);
+  const char *after_at;
+  assert_non_null(line);
+  /* Never the time: what follows it. */
+  after_at = strstr(line, "\"scope\"");
+  assert_non_null(after_at);
+  assert_true(strncmp(line, "{\"at\":\"", 7) == 0);
+  if (l->n < 2)
+    snprintf(l->text[l->n], sizeof l->text[0], "%s", after_at);
+  l->n++;
+  free(line);
+  return IDEM_OK;
+}
+
+/* A database of the gateway's schema 1 upgraded to 2 gains the audit
+ * table; rows appended in a write read back oldest first, all or one
+ * key's, printed as JSON lines. */
+static void test_audit_trail(void **state) {
+  const char *tmp = getenv("TMPDIR");
+  char dir[512], path[600], why[256];
+  idem_store_t *store = NULL;
+  idem_effect_t v1 = {gw_v1_fn, NULL}, append = {append_fn, NULL};
+  struct lines all = {0}, one = {0};
+  (void)state;
+
+  snprintf(dir, sizeof dir, "%s/idem-gw-XXXXXX", tmp && tmp[0] ? tmp : "/tmp");
+  assert_non_null(mkdtemp(dir));
+  snprintf(path, sizeof path, "%s/gw.db", dir);
+  assert_int_equal(idem_store_open(path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(gw_schema_migrate(store, why, sizeof why), IDEM_OK);
+  assert_int_equal(idem_store_write(store, &v1), IDEM_OK);
+  assert_int_equal(gw_schema_migrate(store, why, sizeof why), IDEM_OK); /* 1 to 2 */
+  assert_int_equal(gw_schema_migrate(store, why, sizeof why), IDEM_OK); /* again: nothing */
+  assert_int_equal(idem_store_write(store, &append), IDEM_OK);
+  assert_int_equal(idemd_audit_list_keys(store, NULL, got_line, &all), IDEM_OK);
+  assert_int_equal(idemd_audit_list_keys(store, "k2", got_line, &one), IDEM_OK);
+  assert_int_equal(all.n, 2);
+  assert_string_equal(all.text[0],
+                      "\"scope\":\"4736541207291548671\",\"route\":\"POST /orders\","
+                      "\"key\":\"k1\",\"from\":\"pending\",\"to\":\"completed\","
+                      "\"actor\":\"operator:alice\",\"reason\":\"ticket \\\"4521\\\"\"}");
+  assert_string_equal(all.text[1],
+                      "\"scope\":\"4611686018427387905\",\"route\":\"PUT /orders/{id}\","
+                      "\"key\":\"k2\",\"from\":\"processing\",\"to\":\"completed\","
+                      "\"actor\":\"operator:bob\",\"reason\":\"caf\\\\xe9\"}");
+  assert_int_equal(one.n, 1);
+  assert_string_equal(one.text[0], all.text[1]);
+  idem_store_close(store);
+  remove_sqlite_files(path);
+  rmdir(dir);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_route_parse),        cmocka_unit_test(test_route_operation),
@@ -273,6 +388,7 @@ int main(void) {
       cmocka_unit_test(test_env),
       cmocka_unit_test(test_hop_by_hop),         cmocka_unit_test(test_answer_round_trip),
       cmocka_unit_test(test_answer_decode_refuses), cmocka_unit_test(test_request_round_trip),
+      cmocka_unit_test(test_reason_valid),       cmocka_unit_test(test_audit_trail),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
