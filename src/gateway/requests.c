@@ -188,8 +188,17 @@ char *gw_request_encode(const char *method, const char *target, char *const *hea
   int ok = doc && hs && json_object_set_new(doc, "method", json_string(method)) == 0 &&
            json_object_set_new(doc, "target", json_string(target)) == 0;
 
-  for (char *const *h = headers; ok && h && *h; h++)
-    ok = json_array_append_new(hs, json_string(*h)) == 0;
+  /* A line that is not UTF-8 (obs-text in a value) is kept as a body is:
+   * {"body_b64": ...}. */
+  for (char *const *h = headers; ok && h && *h; h++) {
+    json_t *line = json_string(*h);
+    if (line == NULL && (line = json_object()) != NULL &&
+        gw_body_put(line, *h, strlen(*h)) != IDEM_OK) {
+      json_decref(line);
+      line = NULL;
+    }
+    ok = json_array_append_new(hs, line) == 0;
+  }
   if (ok && json_object_set(doc, "headers", hs) == 0 &&
       gw_body_put(doc, body ? body : "", body_len) == IDEM_OK)
     text = json_dumps(doc, JSON_COMPACT);
@@ -217,8 +226,11 @@ int gw_request_decode(const char *text, char **method, char **target, char ***he
       (*method = strdup(m)) == NULL || (*target = strdup(t)) == NULL)
     rc = IDEM_ENOMEM;
   json_array_foreach(hs, i, h) {
-    if (rc == IDEM_OK && ((*headers)[i] = strdup(json_string_value(h) ? json_string_value(h)
-                                                                      : "")) == NULL)
+    size_t len;
+    if (rc == IDEM_OK && json_is_object(h))
+      rc = gw_body_get(h, &(*headers)[i], &len);
+    else if (rc == IDEM_OK && ((*headers)[i] = strdup(json_string_value(h) ? json_string_value(h)
+                                                                           : "")) == NULL)
       rc = IDEM_ENOMEM;
   }
   if (rc == IDEM_OK)
