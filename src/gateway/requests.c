@@ -12,7 +12,8 @@
 
 /* The gateway runs in a process of its own, where idemd's statements are
  * never made: its statements take the slots from 0 up. */
-enum gw_sql_slot { GW_SQL_SAVE, GW_SQL_DROP, GW_SQL_DUE_SET, GW_SQL_DUE_LIST, GW_SQL_SCHEMA };
+enum gw_sql_slot { GW_SQL_SAVE, GW_SQL_DROP, GW_SQL_DUE_SET, GW_SQL_DUE_LIST, GW_SQL_SCHEMA,
+                   GW_SQL_DROP_LISTED };
 #define SLOT(s) ((enum idemd_sql_slot)(s))
 
 /* Another number than idemd's: a gateway and idemd may migrate one
@@ -113,6 +114,20 @@ int gw_drop_fn(void *arg, idem_tx_t *tx) {
                        "DELETE FROM gateway_requests WHERE tenant_id = $1 AND "
                        "operation = $2 AND key = $3",
                        p, 3, NULL, NULL, NULL);
+}
+
+int gw_drop_listed_fn(void *arg, idem_tx_t *tx) {
+  const gw_saved_t *s = arg;
+  /* A request that won the key since rewrote the row (gw_save_fn()): its
+   * due time, attempts or request differ, and the row stays. */
+  idemd_sql_param_t p[] = {IDEMD_SQL_NUM(s->scope.tenant_id), IDEMD_SQL_TEXT(s->scope.operation),
+                           IDEMD_SQL_TEXT(s->scope.key), IDEMD_SQL_NUM(s->attempts),
+                           IDEMD_SQL_NUM(s->next_attempt_at), IDEMD_SQL_TEXT(s->request)};
+  return idemd_sql_run(tx, SLOT(GW_SQL_DROP_LISTED),
+                       "DELETE FROM gateway_requests WHERE tenant_id = $1 AND "
+                       "operation = $2 AND key = $3 AND attempts = $4 AND "
+                       "next_attempt_at = $5 AND request = $6",
+                       p, 6, NULL, NULL, NULL);
 }
 
 int gw_due_fn(void *arg, idem_tx_t *tx) {

@@ -680,6 +680,48 @@ def test_scope_absent_empty_repeated(py, gw_py):
     assert executions(py, key2) == 0
 
 
+def sql(db, statement):
+    """Runs `statement` on the gateway's database `db` (fresh_db())."""
+    if STORE_URL:
+        subprocess.run(["psql", "-q", db, "-c", statement], check=True,
+                       stdout=subprocess.DEVNULL)
+    else:
+        import sqlite3
+        c = sqlite3.connect(db, timeout=10)
+        c.execute(statement)
+        c.commit()
+        c.close()
+
+
+def pending_rows(db):
+    out = subprocess.run([IDEMD, "gateway", "pending", "--db", db], check=True,
+                         capture_output=True, text=True).stdout.splitlines()
+    return [l.split() for l in out[1:]]
+
+
+def test_resolver_stops_at_the_bound(py):
+    """A pending request that has had its 10 attempts is never sent again,
+    by any gateway: it stays pending for good."""
+    db = fresh_db()
+    g, gw, _, _ = start_gateway(py, ["POST /charges"], db=db)
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    assert req(gw, "POST", "/charges?lose=1", h, "{}")[0] == 202
+    stop_gateway(g)
+    assert executions(py, key) == 1
+    # As if the resolver had sent it 10 times, and it is due.
+    sql(db, "UPDATE gateway_requests SET attempts = 10, next_attempt_at = 0")
+    g, gw, _, _ = start_gateway(py, ["POST /charges"], "--upstream-idempotent", "--lease",
+                                "1500ms", "--upstream-timeout", "1s", db=db)
+    # STATE, ROUTE (two words), KEY, ATTEMPTS, CREATED, NEXT, SCOPE
+    wait_until(lambda: pending_rows(db)[0][6] == "never", "the resolver to take it")
+    assert executions(py, key) == 1, "sent again past the bound: %d" % executions(py, key)
+    rows = pending_rows(db)
+    assert rows[0][0] == "pending" and rows[0][4] == "10", rows
+    assert req(gw, "POST", "/charges?lose=1", h, "{}")[0] == 202
+    stop_gateway(g)
+
+
 def test_logs_hold_key_ids_not_keys(log):
     text = open(log).read()
     lines = [json.loads(l) for l in text.splitlines() if l.startswith("{")]

@@ -8,6 +8,7 @@
 #include "support.h"
 
 #include <stdlib.h>
+#include <unistd.h>
 
 struct route_case {
   const char *spec;
@@ -357,6 +358,46 @@ static void test_request_round_trip(void **state) {
   free(text);
 }
 
+/* The resolver drops a settled key's row only if it is still the row it
+ * listed: a request that won the key since wrote its own, which stays. */
+static void test_drop_listed(void **state) {
+  char path[] = "/tmp/idem-unit-gw-XXXXXX";
+  char why[128];
+  int fd = mkstemp(path);
+  idem_store_t *store = NULL;
+  idem_scope_t scope = {(int64_t)1 << 62, "POST /orders", "k1"};
+  gw_save_t first = {&scope, "{\"first\":1}", 0}, second = {&scope, "{\"second\":1}", 5000};
+  idem_effect_t save1 = {gw_save_fn, &first}, save2 = {gw_save_fn, &second};
+  gw_saved_t listed[2], now[2];
+  int n = 0;
+  (void)state;
+
+  assert_true(fd >= 0);
+  close(fd);
+  assert_int_equal(idem_store_open(path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(gw_schema_migrate(store, why, sizeof why), IDEM_OK);
+  assert_int_equal(idem_store_write(store, &save1), IDEM_OK);
+  assert_int_equal(gw_due_list(store, GW_NEVER, listed, 2, &n), IDEM_OK);
+  assert_int_equal(n, 1);
+  /* A new request wins the key after the listing. */
+  assert_int_equal(idem_store_write(store, &save2), IDEM_OK);
+  idem_effect_t drop_old = {gw_drop_listed_fn, &listed[0]};
+  assert_int_equal(idem_store_write(store, &drop_old), IDEM_OK);
+  assert_int_equal(gw_due_list(store, GW_NEVER, now, 2, &n), IDEM_OK);
+  assert_int_equal(n, 1);
+  assert_string_equal(now[0].request, "{\"second\":1}");
+  /* The row as listed now goes. */
+  idem_effect_t drop_now = {gw_drop_listed_fn, &now[0]};
+  assert_int_equal(idem_store_write(store, &drop_now), IDEM_OK);
+  free(now[0].request);
+  assert_int_equal(gw_due_list(store, GW_NEVER, now, 2, &n), IDEM_OK);
+  assert_int_equal(n, 0);
+  free(listed[0].request);
+  idem_store_close(store);
+  unlink(path);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_route_parse),        cmocka_unit_test(test_route_operation),
@@ -365,7 +406,7 @@ int main(void) {
       cmocka_unit_test(test_hop_by_hop),         cmocka_unit_test(test_answer_round_trip),
       cmocka_unit_test(test_answer_decode_refuses), cmocka_unit_test(test_request_round_trip),
       cmocka_unit_test(test_header_ok),          cmocka_unit_test(test_target_ok),
-      cmocka_unit_test(test_answer_header_bytes),
+      cmocka_unit_test(test_answer_header_bytes), cmocka_unit_test(test_drop_listed),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
