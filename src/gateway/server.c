@@ -41,6 +41,7 @@ struct gather_headers {
   int n, cap;
   const char *connection; /* the request's Connection header */
   const char *key;        /* a keyed route's parsed key, or NULL */
+  char *xff;              /* the client's X-Forwarded-For values, joined */
   int failed;
 };
 
@@ -57,7 +58,11 @@ static int push_line(struct gather_headers *g, const char *name, const char *val
   }
   if ((line = malloc(len)) == NULL)
     return -1;
-  snprintf(line, len, "%s: %s", name, value);
+  /* libcurl takes "Name:" as "remove the header"; "Name;" sends it empty. */
+  if (value[0] == '\0')
+    snprintf(line, len, "%s;", name);
+  else
+    snprintf(line, len, "%s: %s", name, value);
   g->lines[g->n++] = line;
   g->lines[g->n] = NULL;
   return 0;
@@ -75,6 +80,20 @@ static enum MHD_Result collect_header(void *arg, enum MHD_ValueKind kind, const 
    * spelled it, nor dropped when Connection names it. */
   if (g->key && strcasecmp(name, "Idempotency-Key") == 0)
     return MHD_YES;
+  /* The client's address is appended to the X-Forwarded-For it sent. */
+  if (strcasecmp(name, "X-Forwarded-For") == 0) {
+    size_t have = g->xff ? strlen(g->xff) : 0, add = strlen(value ? value : "");
+    char *x = add ? realloc(g->xff, have + add + 3) : g->xff;
+    if (add && x == NULL) {
+      g->failed = 1;
+      return MHD_NO;
+    }
+    if (add) {
+      snprintf(x + have, add + 3, "%s%s", have ? ", " : "", value);
+      g->xff = x;
+    }
+    return MHD_YES;
+  }
   if (push_line(g, name, value ? value : "") != 0) {
     g->failed = 1;
     return MHD_NO;
@@ -102,12 +121,23 @@ char **gw_forward_headers(const gw_req_t *r, const char *key) {
     snprintf(fwd, sizeof fwd, "for=\"[%s]\";proto=http", ip);
   else
     snprintf(fwd, sizeof fwd, "for=%s;proto=http", ip);
+  if (g.xff) {
+    char *x = realloc(g.xff, strlen(g.xff) + strlen(ip) + 3);
+    if (x == NULL) {
+      g.failed = 1;
+    } else {
+      g.xff = x;
+      strcat(strcat(g.xff, ", "), ip);
+    }
+  }
   if (g.failed || (key && push_line(&g, "Idempotency-Key", key) != 0) ||
-      push_line(&g, "X-Forwarded-For", ip) != 0 ||
+      push_line(&g, "X-Forwarded-For", g.xff ? g.xff : ip) != 0 ||
       push_line(&g, "Forwarded", fwd) != 0) {
+    free(g.xff);
     gw_free_lines(g.lines);
     return NULL;
   }
+  free(g.xff);
   return g.lines;
 }
 
@@ -336,7 +366,7 @@ static int folded(const char *name, const char *value) {
 
 struct header_check {
   int bad_line; /* a name not a token, a value with a control byte */
-  int hosts;
+  int hosts, types;
 };
 
 static enum MHD_Result check_header(void *arg, enum MHD_ValueKind kind, const char *name,
@@ -349,6 +379,8 @@ static enum MHD_Result check_header(void *arg, enum MHD_ValueKind kind, const ch
   }
   if (strcasecmp(name, "Host") == 0)
     c->hosts++;
+  if (strcasecmp(name, "Content-Type") == 0)
+    c->types++;
   return MHD_YES;
 }
 
@@ -367,6 +399,8 @@ static const char *refused(gw_req_t *r) {
     why = "a header name is not a token, or a header value holds a control byte";
   else if (c.hosts > 1)
     why = "Host must be sent once";
+  else if (c.types > 1) /* the fingerprint and the application might read two */
+    why = "Content-Type must be sent at most once";
   return why;
 }
 

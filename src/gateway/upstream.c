@@ -277,7 +277,7 @@ static struct curl_slist *header_list(const gw_up_request_t *req) {
     int sent = 0;
     char blank[32];
     for (const char *const *h = req->headers; h && *h && !sent; h++)
-      sent = strncasecmp(*h, curl_adds[i], n) == 0 && (*h)[n] == ':' &&
+      sent = strncasecmp(*h, curl_adds[i], n) == 0 && ((*h)[n] == ':' || (*h)[n] == ';') &&
              strcasecmp(curl_adds[i], "Expect") != 0;
     if (sent)
       continue;
