@@ -461,8 +461,8 @@ static void log_request(const gw_req_t *r) {
    * written %XX, so the line packs whatever it held. */
   for (const unsigned char *p = (const unsigned char *)(r->path ? r->path : "");
        *p && plen < sizeof path - 4; p++)
-    plen += (size_t)snprintf(path + plen, sizeof path - plen, *p < 0x20 || *p > 0x7e ? "%%%02X" : "%c",
-                          *p);
+    plen += (size_t)snprintf(path + plen, sizeof path - plen,
+                             *p < 0x20 || *p > 0x7e ? "%%%02X" : "%c", *p);
   path[plen] = '\0';
   line = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:f, s:s}", "ts", ts, "level",
                    "info", "msg", "request", "request_id", r->request_id, "method",
