@@ -40,6 +40,21 @@ int gw_body_put(json_t *doc, const char *bytes, size_t len) {
   return v && json_object_set_new(doc, field, v) == 0 ? IDEM_OK : IDEM_ENOMEM;
 }
 
+/* A kept header: [name, value], or [name, {"body_b64": ...}] for a value
+ * that is not UTF-8 (an upstream may send any bytes), as a body is kept;
+ * NULL when out of memory. */
+static json_t *header_of(const char *name, const char *value) {
+  json_t *v = json_string(value), *b64;
+  if (v == NULL) {
+    if ((b64 = json_object()) == NULL || gw_body_put(b64, value, strlen(value)) != IDEM_OK) {
+      json_decref(b64);
+      return NULL;
+    }
+    v = b64;
+  }
+  return json_pack("[so]", name, v);
+}
+
 int gw_answer_encode(const gw_answer_t *a, const gw_config_t *cfg, char **out) {
   json_t *doc = json_object(), *hs = json_array();
   int ok = doc && hs;
@@ -47,8 +62,7 @@ int gw_answer_encode(const gw_answer_t *a, const gw_config_t *cfg, char **out) {
   *out = NULL;
   for (int i = 0; ok && i < a->nheaders; i++)
     if (replayed_header(cfg, a->headers[i].name))
-      ok = json_array_append_new(hs, json_pack("[ss]", a->headers[i].name,
-                                               a->headers[i].value)) == 0;
+      ok = json_array_append_new(hs, header_of(a->headers[i].name, a->headers[i].value)) == 0;
   if (ok && gw_body_put(doc, a->body, a->len) == IDEM_OK &&
       json_object_set_new(doc, "status", json_integer(a->status)) == 0 &&
       json_object_set(doc, "headers", hs) == 0)
@@ -121,8 +135,15 @@ int gw_answer_decode(const char *text, gw_answer_t *out) {
   json_array_foreach(hs, i, h) {
     const char *name = json_string_value(json_array_get(h, 0));
     const char *value = json_string_value(json_array_get(h, 1));
+    char *bytes = NULL;
+    size_t len;
+    if (rc == IDEM_OK && name && value == NULL && json_is_object(json_array_get(h, 1)) &&
+        gw_body_get(json_array_get(h, 1), &bytes, &len) == IDEM_OK &&
+        strlen(bytes) == len)
+      value = bytes;
     if (rc == IDEM_OK && name && value)
       rc = add_header(out, name, value);
+    free(bytes);
   }
   if (rc == IDEM_OK)
     rc = gw_body_get(doc, &out->body, &out->len);

@@ -50,6 +50,9 @@ int gw_route_parse(const char *spec, gw_route_t *out) {
   p = sp + 1;
   if (p[0] != '/' || strlen(p) > GW_PATTERN_MAX || strpbrk(p, " ?#") != NULL)
     return -1;
+  /* No empty segment: gw_route_match() does not count them in a path. */
+  if (strstr(p, "//") != NULL || (p[1] != '\0' && p[strlen(p) - 1] == '/'))
+    return -1;
   /* Each {name} is a whole segment. */
   for (const char *s = p; *s; s++) {
     if (*s == '{') {
@@ -100,11 +103,27 @@ static int pattern_match(const char *pattern, const char *path) {
 
 const gw_route_t *gw_route_match(const gw_config_t *cfg, const char *method,
                                  const char *path) {
-  for (int i = 0; i < cfg->nroutes; i++)
+  /* Empty segments do not count ("//orders", "/orders/" are /orders):
+   * many applications route them as the path without them, and a keyed
+   * route must not be bypassed by spelling its path so. */
+  size_t len = strlen(path), n = 0;
+  char *flat = malloc(len + 2);
+  const gw_route_t *found = NULL;
+
+  if (flat == NULL)
+    return NULL;
+  for (const char *p = path; *p; p++)
+    if (*p != '/' || n == 0 || flat[n - 1] != '/')
+      flat[n++] = *p;
+  if (n > 1 && flat[n - 1] == '/')
+    n--;
+  flat[n] = '\0';
+  for (int i = 0; i < cfg->nroutes && found == NULL; i++)
     if (strcmp(cfg->routes[i].method, method) == 0 &&
-        pattern_match(cfg->routes[i].pattern, path))
-      return &cfg->routes[i];
-  return NULL;
+        pattern_match(cfg->routes[i].pattern, flat))
+      found = &cfg->routes[i];
+  free(flat);
+  return found;
 }
 
 static int bad(FILE *err, const char *flag, const char *v) {

@@ -13,6 +13,7 @@
 #include "idem/canon.h"
 #include "idem/clock.h"
 #include "idem/crypto.h"
+#include "server/log.h"
 
 
 
@@ -81,7 +82,12 @@ static int fingerprint(const gw_req_t *r, const gw_route_t *route,
 int gw_scope_number(const idem_hmac_t *scope_mac, const char *value, int64_t *out) {
   unsigned char mac[IDEM_SHA256_LEN];
   uint64_t n = 0;
-  int rc = idem_hmac_compute(scope_mac, value ? value : "", value ? strlen(value) : 0, mac);
+  /* Absent and empty are two scopes: an empty value is HMAC'd as one NUL
+   * byte, which no value holds (a NUL in a header is refused). Absent
+   * stays the HMAC of nothing, as before. */
+  int rc = value == NULL      ? idem_hmac_compute(scope_mac, "", 0, mac)
+           : value[0] == '\0' ? idem_hmac_compute(scope_mac, "\0", 1, mac)
+                              : idem_hmac_compute(scope_mac, value, strlen(value), mac);
   if (rc != IDEM_OK)
     return rc;
   for (int i = 0; i < 8; i++)
@@ -118,6 +124,27 @@ static enum MHD_Result store_error(gw_req_t *r, int rc) {
   return gw_send_error(r, 503, "the gateway cannot reach its store; retry with the same key");
 }
 
+/* The request reached the upstream but what came of it could not be
+ * written: never 503 (SPEC section 9: that says nothing was sent). The
+ * record stays processing under this gateway's lease; once it runs out a
+ * resolver takes it over (docs/gateway.md, "Pending requests"), so the
+ * client is told what its retries will see: pending, 202. */
+static enum MHD_Result kept_not(gw_req_t *r, int rc) {
+  static const char *const retry_later[] = {"Retry-After", "5", NULL};
+  gw_answer_t own = {0};
+  enum MHD_Result ret = MHD_NO;
+
+  atomic_fetch_add(&r->gw->counters.store_errors, 1);
+  atomic_fetch_add(&r->gw->metrics.store_errors, 1);
+  idemd_log_event("warn", "gateway: cannot keep what the upstream answered", "error",
+                  idem_strerror(rc), NULL);
+  r->outcome = OUTCOME_PENDING;
+  if (gw_answer_own(202, GW_PENDING_BODY, &own) == IDEM_OK)
+    ret = gw_send(r, &own, retry_later);
+  gw_answer_free(&own);
+  return ret;
+}
+
 /* Answers a stored answer again, marked as a replay. */
 static enum MHD_Result replay(gw_req_t *r, const idem_record_t *rec, idemd_outcome_t outcome) {
   static const char *const replayed[] = {"Idempotent-Replayed", "true", NULL};
@@ -134,6 +161,13 @@ static enum MHD_Result replay(gw_req_t *r, const idem_record_t *rec, idemd_outco
   return ret;
 }
 
+static int printable(const char *s) {
+  for (; *s; s++)
+    if ((unsigned char)*s < 0x20 || (unsigned char)*s > 0x7e)
+      return 0;
+  return 1;
+}
+
 /* Completes the record with `a` (state COMPLETED or PENDING) and, in the
  * same transaction, drops its kept request (COMPLETED) or sets when it is
  * next sent (PENDING: soon with --upstream-idempotent, else never).
@@ -147,9 +181,11 @@ int gw_keep(gw_t *gw, const idem_record_t *rec, idem_state_t state, const gw_ans
   int rc = gw_answer_encode(a, &gw->cfg, &stored);
   const char *location = NULL;
 
+  /* The record's own location column is text: only a printable ASCII
+   * one goes there (the kept headers hold any, losslessly). */
   for (int i = 0; i < a->nheaders && rc == IDEM_OK; i++)
     if (strcasecmp(a->headers[i].name, "Location") == 0 &&
-        strlen(a->headers[i].value) <= IDEM_LOCATION_MAX)
+        strlen(a->headers[i].value) <= IDEM_LOCATION_MAX && printable(a->headers[i].value))
       location = a->headers[i].value;
   if (rc == IDEM_OK) {
     idem_outcome_t out = {.state = state, .status = a->status, .body = stored,
@@ -197,7 +233,7 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **hea
     } else {
       rc = gw_keep(r->gw, rec, IDEM_STATE_COMPLETED, &a, 0, 0);
     }
-    ret = rc == IDEM_OK ? gw_send(r, &a, NULL) : store_error(r, rc);
+    ret = rc == IDEM_OK ? gw_send(r, &a, NULL) : kept_not(r, rc);
     break;
   case GW_UP_TOO_LARGE:
     /* Executed, and not kept: its replays say so, and it never runs
@@ -209,7 +245,7 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **hea
                        &own);
     if (rc == IDEM_OK)
       rc = gw_keep(r->gw, rec, IDEM_STATE_COMPLETED, &own, 0, 0);
-    ret = rc == IDEM_OK ? gw_send(r, &own, NULL) : store_error(r, rc);
+    ret = rc == IDEM_OK ? gw_send(r, &own, NULL) : kept_not(r, rc);
     break;
   case GW_UP_NOT_SENT:
     atomic_fetch_add(&r->gw->counters.upstream_not_sent, 1);
@@ -227,7 +263,7 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **hea
     rc = gw_answer_own(202, GW_PENDING_BODY, &own);
     if (rc == IDEM_OK)
       rc = gw_keep(r->gw, rec, IDEM_STATE_PENDING, &own, 0, first_retry(r->gw));
-    ret = rc == IDEM_OK ? gw_send(r, &own, retry_later) : store_error(r, rc);
+    ret = rc == IDEM_OK ? gw_send(r, &own, retry_later) : kept_not(r, rc);
     break;
   }
   gw_answer_free(&a);
@@ -239,6 +275,7 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **hea
  * only then (the engine's prepare), so a replay never pays for it. */
 struct to_save {
   gw_req_t *r;
+  const char *key; /* the parsed key, sent as the Idempotency-Key */
   char **headers;
   char *text;
   gw_save_t save;
@@ -246,7 +283,7 @@ struct to_save {
 
 static int encode_request(void *arg) {
   struct to_save *ts = arg;
-  if (ts->headers == NULL && (ts->headers = gw_forward_headers(ts->r)) == NULL)
+  if (ts->headers == NULL && (ts->headers = gw_forward_headers(ts->r, ts->key)) == NULL)
     return IDEM_ENOMEM;
   free(ts->text);
   ts->text = gw_request_encode(ts->r->method, ts->r->target, ts->headers, ts->r->body,
@@ -255,12 +292,20 @@ static int encode_request(void *arg) {
   return ts->text ? IDEM_OK : IDEM_ENOMEM;
 }
 
+struct counts {
+  const char *scope_header;
+  int keys, scopes;
+};
+
 static enum MHD_Result count_keys(void *arg, enum MHD_ValueKind kind, const char *name,
                                   const char *value) {
+  struct counts *c = arg;
   (void)kind;
   (void)value;
   if (strcasecmp(name, "Idempotency-Key") == 0)
-    (*(int *)arg)++;
+    c->keys++;
+  if (strcasecmp(name, c->scope_header) == 0)
+    c->scopes++;
   return MHD_YES;
 }
 
@@ -330,22 +375,26 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
   keyed_t *k;
   const char *raw;
   size_t key_len;
-  int keys, rc;
+  struct counts counts = {r->gw->cfg.scope_header, 0, 0};
+  int rc;
 
   r->op = OP_GATEWAY;
   r->route = route->operation;
   r->outcome = OUTCOME_INVALID;
   if (r->body_too_large)
     return gw_send_error(r, 413, "request body too large");
-  keys = 0;
-  MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_keys, &keys);
-  if (keys > 1)
+  MHD_get_connection_values(r->conn, MHD_HEADER_KIND, count_keys, &counts);
+  if (counts.keys > 1)
     return gw_send_error(r, 400, "Idempotency-Key must be sent once");
+  /* Which of two values would scope the key is anyone's guess. */
+  if (counts.scopes > 1)
+    return gw_send_error(r, 400, "the scope header must be sent at most once");
   if ((k = calloc(1, sizeof *k)) == NULL)
     return MHD_NO;
   r->keyed = k;
   k->route = route;
   k->ts.r = r;
+  k->ts.key = k->key;
   raw = MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND, "Idempotency-Key");
   rc = idem_key_parse(raw, raw ? strlen(raw) : 0, k->key, &key_len);
   if (rc != IDEM_OK)

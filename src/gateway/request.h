@@ -44,10 +44,13 @@ typedef struct gw_req {
 enum MHD_Result gw_defer(gw_req_t *r, enum MHD_Result (*step)(gw_req_t *r));
 
 /* The request's headers as they go to the upstream: hop-by-hop ones and
- * Content-Length left out, X-Forwarded-For and Forwarded added. A
- * NULL-terminated list to free with gw_free_lines(); NULL when out of
- * memory. */
-char **gw_forward_headers(const gw_req_t *r);
+ * Content-Length left out, X-Forwarded-For and Forwarded added; with
+ * `key` (a keyed route's parsed key), the client's Idempotency-Key lines
+ * replaced by one "Idempotency-Key: <key>"; the client's address
+ * appended to its X-Forwarded-For; an empty value as "Name;" (libcurl's
+ * spelling: "Name:" would remove it). A NULL-terminated list to
+ * free with gw_free_lines(); NULL when out of memory. */
+char **gw_forward_headers(const gw_req_t *r, const char *key);
 void gw_free_lines(char **lines);
 
 /* Sends `a` to the client: its status, its headers (hop-by-hop ones and

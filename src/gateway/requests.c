@@ -12,7 +12,8 @@
 
 /* The gateway runs in a process of its own, where idemd's statements are
  * never made: its statements take the slots from 0 up. */
-enum gw_sql_slot { GW_SQL_SAVE, GW_SQL_DROP, GW_SQL_DUE_SET, GW_SQL_DUE_LIST, GW_SQL_SCHEMA };
+enum gw_sql_slot { GW_SQL_SAVE, GW_SQL_DROP, GW_SQL_DUE_SET, GW_SQL_DUE_LIST, GW_SQL_SCHEMA,
+                   GW_SQL_DROP_LISTED };
 #define SLOT(s) ((enum idemd_sql_slot)(s))
 
 /* Another number than idemd's: a gateway and idemd may migrate one
@@ -147,6 +148,20 @@ int gw_drop_fn(void *arg, idem_tx_t *tx) {
                        p, 3, NULL, NULL, NULL);
 }
 
+int gw_drop_listed_fn(void *arg, idem_tx_t *tx) {
+  const gw_saved_t *s = arg;
+  /* A request that won the key since rewrote the row (gw_save_fn()): its
+   * due time, attempts or request differ, and the row stays. */
+  idemd_sql_param_t p[] = {IDEMD_SQL_NUM(s->scope.tenant_id), IDEMD_SQL_TEXT(s->scope.operation),
+                           IDEMD_SQL_TEXT(s->scope.key), IDEMD_SQL_NUM(s->attempts),
+                           IDEMD_SQL_NUM(s->next_attempt_at), IDEMD_SQL_TEXT(s->request)};
+  return idemd_sql_run(tx, SLOT(GW_SQL_DROP_LISTED),
+                       "DELETE FROM gateway_requests WHERE tenant_id = $1 AND "
+                       "operation = $2 AND key = $3 AND attempts = $4 AND "
+                       "next_attempt_at = $5 AND request = $6",
+                       p, 6, NULL, NULL, NULL);
+}
+
 int gw_due_fn(void *arg, idem_tx_t *tx) {
   const gw_due_t *d = arg;
   /* Parameters first appear in their order (data/sql.h). */
@@ -220,8 +235,17 @@ char *gw_request_encode(const char *method, const char *target, char *const *hea
   int ok = doc && hs && json_object_set_new(doc, "method", json_string(method)) == 0 &&
            json_object_set_new(doc, "target", json_string(target)) == 0;
 
-  for (char *const *h = headers; ok && h && *h; h++)
-    ok = json_array_append_new(hs, json_string(*h)) == 0;
+  /* A line that is not UTF-8 (obs-text in a value) is kept as a body is:
+   * {"body_b64": ...}. */
+  for (char *const *h = headers; ok && h && *h; h++) {
+    json_t *line = json_string(*h);
+    if (line == NULL && (line = json_object()) != NULL &&
+        gw_body_put(line, *h, strlen(*h)) != IDEM_OK) {
+      json_decref(line);
+      line = NULL;
+    }
+    ok = json_array_append_new(hs, line) == 0;
+  }
   if (ok && json_object_set(doc, "headers", hs) == 0 &&
       gw_body_put(doc, body ? body : "", body_len) == IDEM_OK)
     text = json_dumps(doc, JSON_COMPACT);
@@ -249,8 +273,11 @@ int gw_request_decode(const char *text, char **method, char **target, char ***he
       (*method = strdup(m)) == NULL || (*target = strdup(t)) == NULL)
     rc = IDEM_ENOMEM;
   json_array_foreach(hs, i, h) {
-    if (rc == IDEM_OK && ((*headers)[i] = strdup(json_string_value(h) ? json_string_value(h)
-                                                                      : "")) == NULL)
+    size_t len;
+    if (rc == IDEM_OK && json_is_object(h))
+      rc = gw_body_get(h, &(*headers)[i], &len);
+    else if (rc == IDEM_OK && ((*headers)[i] = strdup(json_string_value(h) ? json_string_value(h)
+                                                                           : "")) == NULL)
       rc = IDEM_ENOMEM;
   }
   if (rc == IDEM_OK)

@@ -45,6 +45,11 @@ int gw_save_fn(void *arg, idem_tx_t *tx);
  * record is completed or released. */
 int gw_drop_fn(void *arg, idem_tx_t *tx);
 
+/* The effect that drops the row `s` (gw_saved_t *) as gw_due_list() read
+ * it, only if it is still that row: not one a request that won the key
+ * since wrote. */
+int gw_drop_listed_fn(void *arg, idem_tx_t *tx);
+
 /* The effect that sets when the request of `scope` is next due, and its
  * attempts. */
 typedef struct gw_due {

@@ -23,23 +23,9 @@
 struct take {
   const idem_scope_t *scope;
   int64_t lease_ms;
-  int attempts;
+  int attempts; /* the attempt about to be made; over the bound: none */
   idem_record_t *rec;
 };
-
-/* In one transaction: the record, if no lease holds it, and its request
- * not due again before the new lease ends (another gateway's resolver
- * then leaves it alone). */
-static int take_fn(void *arg, idem_tx_t *tx) {
-  struct take *t = arg;
-  gw_due_t due = {t->scope, t->attempts, idem_tx_now_ms(tx) + t->lease_ms};
-  int rc;
-
-  idem_record_reset(t->rec);
-  if ((rc = idem_tx_take_over(tx, t->scope, t->lease_ms, t->rec)) != IDEM_OK)
-    return rc;
-  return gw_due_fn(&due, tx);
-}
 
 /* The wait before attempt `n` (1, 2, ...) sends again. */
 static int64_t backoff_ms(int n) {
@@ -47,6 +33,26 @@ static int64_t backoff_ms(int n) {
   while (--n > 0 && ms < GW_RETRY_MAX_MS)
     ms *= 2;
   return ms < GW_RETRY_MAX_MS ? ms : GW_RETRY_MAX_MS;
+}
+
+/* In one transaction: the record, if no lease holds it, and its request
+ * due again only after the backoff of the next attempt and the new lease
+ * (another gateway's resolver then leaves it alone), or never past the
+ * bound: so a send whose outcome is never written (the gateway died, the
+ * store failed) is still counted and spaced. */
+static int take_fn(void *arg, idem_tx_t *tx) {
+  struct take *t = arg;
+  int64_t wait = backoff_ms(t->attempts + 1);
+  gw_due_t due = {t->scope, t->attempts,
+                  t->attempts >= GW_RETRY_ATTEMPTS
+                      ? GW_NEVER
+                      : idem_tx_now_ms(tx) + (wait > t->lease_ms ? wait : t->lease_ms)};
+  int rc;
+
+  idem_record_reset(t->rec);
+  if ((rc = idem_tx_take_over(tx, t->scope, t->lease_ms, t->rec)) != IDEM_OK)
+    return rc;
+  return gw_due_fn(&due, tx);
 }
 
 /* Sends the kept request `text` of `rec` (this gateway's now) again and
@@ -96,11 +102,11 @@ static void resend(gw_t *gw, const idem_record_t *rec, const char *text, int att
 
 /* A record some gateway began and never finished, with an upstream that
  * may not be sent it again: pending, for good. */
-static void give_up(gw_t *gw, const idem_record_t *rec) {
+static void give_up(gw_t *gw, const idem_record_t *rec, int attempts) {
   gw_answer_t own = {0};
   int rc = gw_answer_own(202, GW_PENDING_BODY, &own);
   if (rc == IDEM_OK)
-    rc = gw_keep(gw, rec, IDEM_STATE_PENDING, &own, 0, GW_NEVER);
+    rc = gw_keep(gw, rec, IDEM_STATE_PENDING, &own, attempts, GW_NEVER);
   if (rc != IDEM_OK)
     idemd_log_event("warn", "gateway: cannot mark a record pending", "error",
                     idem_strerror(rc), NULL);
@@ -111,15 +117,17 @@ static void give_up(gw_t *gw, const idem_record_t *rec) {
  * lease, or settled: then its row goes). */
 static void resolve_one(gw_t *gw, const gw_saved_t *s) {
   idem_record_t rec = {0};
-  struct take t = {&s->scope, gw->cfg.lease_ms, s->attempts + 1, &rec};
+  /* Past the bound nothing is sent: the record is taken to be marked
+   * pending for good, its attempts as they are. */
+  int spent = s->attempts >= GW_RETRY_ATTEMPTS || !gw->cfg.upstream_idempotent;
+  struct take t = {&s->scope, gw->cfg.lease_ms, spent ? s->attempts : s->attempts + 1, &rec};
   idem_effect_t e = {take_fn, &t};
   int rc = idem_store_write(gw->store, &e);
 
   if (rc == IDEM_ENOTFOUND) {
     /* No record to take: settled (or gone) drops its row; one held by a
      * live lease is left to its owner. */
-    idem_scope_t scope = s->scope;
-    idem_effect_t drop = {gw_drop_fn, &scope};
+    idem_effect_t drop = {gw_drop_listed_fn, (void *)s};
     idem_record_reset(&rec);
     rc = idem_store_lookup(gw->store, &s->scope, idem_now_ms(), &rec);
     if (rc == IDEM_ENOTFOUND ||
@@ -129,10 +137,10 @@ static void resolve_one(gw_t *gw, const gw_saved_t *s) {
         idemd_log_event("warn", "gateway: cannot drop a settled request", NULL);
     }
   } else if (rc == IDEM_OK) {
-    if (gw->cfg.upstream_idempotent)
+    if (!spent)
       resend(gw, &rec, s->request, s->attempts + 1);
     else
-      give_up(gw, &rec);
+      give_up(gw, &rec, s->attempts);
   }
   idem_record_reset(&rec);
 }

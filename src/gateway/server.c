@@ -40,6 +40,8 @@ struct gather_headers {
   char **lines;
   int n, cap;
   const char *connection; /* the request's Connection header */
+  const char *key;        /* a keyed route's parsed key, or NULL */
+  char *xff;              /* the client's X-Forwarded-For values, joined */
   int failed;
 };
 
@@ -56,7 +58,11 @@ static int push_line(struct gather_headers *g, const char *name, const char *val
   }
   if ((line = malloc(len)) == NULL)
     return -1;
-  snprintf(line, len, "%s: %s", name, value);
+  /* libcurl takes "Name:" as "remove the header"; "Name;" sends it empty. */
+  if (value[0] == '\0')
+    snprintf(line, len, "%s;", name);
+  else
+    snprintf(line, len, "%s: %s", name, value);
   g->lines[g->n++] = line;
   g->lines[g->n] = NULL;
   return 0;
@@ -70,6 +76,24 @@ static enum MHD_Result collect_header(void *arg, enum MHD_ValueKind kind, const 
   if (gw_hop_by_hop(name, g->connection) || strcasecmp(name, "Content-Length") == 0 ||
       strcasecmp(name, "Expect") == 0)
     return MHD_YES;
+  /* A keyed request's key goes as parsed, once (below): not as the client
+   * spelled it, nor dropped when Connection names it. */
+  if (g->key && strcasecmp(name, "Idempotency-Key") == 0)
+    return MHD_YES;
+  /* The client's address is appended to the X-Forwarded-For it sent. */
+  if (strcasecmp(name, "X-Forwarded-For") == 0) {
+    size_t have = g->xff ? strlen(g->xff) : 0, add = strlen(value ? value : "");
+    char *x = add ? realloc(g->xff, have + add + 3) : g->xff;
+    if (add && x == NULL) {
+      g->failed = 1;
+      return MHD_NO;
+    }
+    if (add) {
+      snprintf(x + have, add + 3, "%s%s", have ? ", " : "", value);
+      g->xff = x;
+    }
+    return MHD_YES;
+  }
   if (push_line(g, name, value ? value : "") != 0) {
     g->failed = 1;
     return MHD_NO;
@@ -77,8 +101,8 @@ static enum MHD_Result collect_header(void *arg, enum MHD_ValueKind kind, const 
   return MHD_YES;
 }
 
-char **gw_forward_headers(const gw_req_t *r) {
-  struct gather_headers g = {0};
+char **gw_forward_headers(const gw_req_t *r, const char *key) {
+  struct gather_headers g = {.key = key};
   const union MHD_ConnectionInfo *ci =
       MHD_get_connection_info(r->conn, MHD_CONNECTION_INFO_CLIENT_ADDRESS);
   char ip[INET6_ADDRSTRLEN] = "unknown", fwd[INET6_ADDRSTRLEN + 32];
@@ -97,11 +121,23 @@ char **gw_forward_headers(const gw_req_t *r) {
     snprintf(fwd, sizeof fwd, "for=\"[%s]\";proto=http", ip);
   else
     snprintf(fwd, sizeof fwd, "for=%s;proto=http", ip);
-  if (g.failed || push_line(&g, "X-Forwarded-For", ip) != 0 ||
+  if (g.xff) {
+    char *x = realloc(g.xff, strlen(g.xff) + strlen(ip) + 3);
+    if (x == NULL) {
+      g.failed = 1;
+    } else {
+      g.xff = x;
+      strcat(strcat(g.xff, ", "), ip);
+    }
+  }
+  if (g.failed || (key && push_line(&g, "Idempotency-Key", key) != 0) ||
+      push_line(&g, "X-Forwarded-For", g.xff ? g.xff : ip) != 0 ||
       push_line(&g, "Forwarded", fwd) != 0) {
+    free(g.xff);
     gw_free_lines(g.lines);
     return NULL;
   }
+  free(g.xff);
   return g.lines;
 }
 
@@ -239,7 +275,7 @@ static enum MHD_Result proxy_run(gw_req_t *r) {
   gw_up_result_t res;
   enum MHD_Result ret;
 
-  if ((headers = gw_forward_headers(r)) == NULL)
+  if ((headers = gw_forward_headers(r, NULL)) == NULL)
     return gw_send_error(r, 500, "internal error");
   up = (gw_up_request_t){.method = r->method, .target = r->target,
                          .headers = (const char *const *)headers, .body = r->body,
@@ -310,11 +346,70 @@ static int append_body(gw_req_t *r, const char *data, size_t n) {
   return 0;
 }
 
+/* 1 when the header was folded over lines (obs-fold, RFC 9112 section
+ * 5.2). libmicrohttpd 0.9.75 keeps a header's name and value where they
+ * were read, "Name\0 value" with the colon made NUL, but appends the
+ * folded part to the name, copied elsewhere: "X-F: a\r\n b" comes as
+ * "X-Fb: a". So a value not right after its name, past the colon and
+ * blanks, is the sign of a folded line. */
+static int folded(const char *name, const char *value) {
+  uintptr_t at = (uintptr_t)(name + strlen(name) + 1), v = (uintptr_t)value;
+  if (value == NULL)
+    return 0;
+  if (v < at || v - at > 4096)
+    return 1;
+  for (const char *p = name + strlen(name) + 1; p < value; p++)
+    if (*p != ' ' && *p != '\t')
+      return 1;
+  return 0;
+}
+
+struct header_check {
+  int bad_line; /* a name not a token, a value with a control byte */
+  int hosts, types;
+};
+
+static enum MHD_Result check_header(void *arg, enum MHD_ValueKind kind, const char *name,
+                                    const char *value) {
+  struct header_check *c = arg;
+  (void)kind;
+  if (!gw_header_ok(name, value) || folded(name, value)) {
+    c->bad_line = 1;
+    return MHD_NO;
+  }
+  if (strcasecmp(name, "Host") == 0)
+    c->hosts++;
+  if (strcasecmp(name, "Content-Type") == 0)
+    c->types++;
+  return MHD_YES;
+}
+
+/* What the gateway refuses before routing (docs/gateway.md, "What the
+ * gateway refuses"): a request-target or a header the upstream could read
+ * otherwise than the gateway does. NULL when `r` may go on, else why. */
+static const char *refused(gw_req_t *r) {
+  struct header_check c = {0};
+  const char *why = NULL;
+
+  MHD_get_connection_values(r->conn, MHD_HEADER_KIND, check_header, &c);
+  if (!gw_target_ok(r->target))
+    why = "the request-target must be a path starting with '/', of the bytes 0x21-0x7E "
+          "without '#', and without '.' or '..' segments";
+  else if (c.bad_line)
+    why = "a header name is not a token, or a header value holds a control byte";
+  else if (c.hosts > 1)
+    why = "Host must be sent once";
+  else if (c.types > 1) /* the fingerprint and the application might read two */
+    why = "Content-Type must be sent at most once";
+  return why;
+}
+
 static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char *url,
                               const char *method, const char *version, const char *upload,
                               size_t *upload_size, void **con_cls) {
   gw_req_t *r = *con_cls;
   const gw_route_t *route;
+  const char *why;
   (void)cls;
   (void)url;
   (void)version;
@@ -341,12 +436,17 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     }
     return ret;
   }
+  if ((why = refused(r)) != NULL) {
+    r->outcome = OUTCOME_INVALID;
+    return gw_send_error(r, 400, why);
+  }
   route = gw_route_match(&r->gw->cfg, method, r->path);
   return route ? gw_keyed(r, route) : proxy(r);
 }
 
 static void log_request(const gw_req_t *r) {
-  char ts[40], base[24];
+  char ts[40], base[24], path[260];
+  size_t plen = 0;
   struct timeval tv;
   struct tm tm;
   int64_t us = idem_mono_us() - r->start_us;
@@ -357,12 +457,18 @@ static void log_request(const gw_req_t *r) {
   gmtime_r(&tv.tv_sec, &tm);
   strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
   snprintf(ts, sizeof ts, "%s.%03dZ", base, (int)(tv.tv_usec / 1000));
-  line = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:f, s:s%}", "ts", ts, "level",
+  /* A path is the client's bytes: any that is not printable ASCII is
+   * written %XX, so the line packs whatever it held. */
+  for (const unsigned char *p = (const unsigned char *)(r->path ? r->path : "");
+       *p && plen < sizeof path - 4; p++)
+    plen += (size_t)snprintf(path + plen, sizeof path - plen,
+                             *p < 0x20 || *p > 0x7e ? "%%%02X" : "%c", *p);
+  path[plen] = '\0';
+  line = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:f, s:s}", "ts", ts, "level",
                    "info", "msg", "request", "request_id", r->request_id, "method",
                    r->method ? r->method : "", "operation", idemd_op_name(r->op), "outcome",
                    idemd_outcome_name(r->outcome), "status", r->status, "latency_ms",
-                   (double)(us < 0 ? 0 : us) / 1000.0, "path", r->path ? r->path : "",
-                   r->path ? strnlen(r->path, 256) : 0);
+                   (double)(us < 0 ? 0 : us) / 1000.0, "path", path);
   if (line == NULL)
     return;
   if (r->route)
@@ -523,7 +629,8 @@ static struct MHD_Daemon *listen_on(const idemd_addr_t *a, unsigned flags,
     d = MHD_start_daemon(flags, 0, NULL, NULL, fn, gw, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
                          MHD_OPTION_THREAD_POOL_SIZE, event_threads(),
                          MHD_OPTION_CONNECTION_LIMIT, (unsigned)gw->cfg.max_connections,
-                         MHD_OPTION_CONNECTION_TIMEOUT, 60u, MHD_OPTION_URI_LOG_CALLBACK,
+                         MHD_OPTION_CONNECTION_TIMEOUT, 60u, MHD_OPTION_STRICT_FOR_CLIENT,
+                         1, MHD_OPTION_URI_LOG_CALLBACK,
                          on_uri, gw, MHD_OPTION_NOTIFY_COMPLETED, on_done, gw,
                          MHD_OPTION_END);
   else

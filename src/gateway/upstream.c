@@ -108,6 +108,56 @@ int gw_hop_by_hop(const char *name, const char *connection) {
   return connection != NULL && has_token(connection, name);
 }
 
+int gw_header_ok(const char *name, const char *value) {
+  if (name == NULL || *name == '\0')
+    return 0;
+  for (const char *s = name; *s; s++)
+    if (!(*s >= '0' && *s <= '9') && !((*s | 0x20) >= 'a' && (*s | 0x20) <= 'z') &&
+        strchr("!#$%&'*+-.^_`|~", *s) == NULL)
+      return 0;
+  for (const unsigned char *v = (const unsigned char *)(value ? value : ""); *v; v++)
+    if ((*v < 0x20 && *v != '\t') || *v == 0x7f)
+      return 0;
+  return 1;
+}
+
+/* 1 when the segment [s, end) is "." or "..", spelled with "%2e" or not. */
+static int dot_segment(const char *s, const char *end) {
+  int dots = 0;
+  while (s < end) {
+    if (*s == '.') {
+      s++;
+    } else if (end - s >= 3 && s[0] == '%' && s[1] == '2' && (s[2] | 0x20) == 'e') {
+      s += 3;
+    } else {
+      return 0;
+    }
+    dots++;
+  }
+  return dots == 1 || dots == 2;
+}
+
+int gw_target_ok(const char *target) {
+  const char *q, *seg;
+  if (target == NULL || target[0] != '/')
+    return 0;
+  for (const unsigned char *t = (const unsigned char *)target; *t; t++)
+    if (*t < 0x21 || *t > 0x7e || *t == '#')
+      return 0;
+  q = strchr(target, '?');
+  if (q == NULL)
+    q = target + strlen(target);
+  for (seg = target + 1; seg <= q;) {
+    const char *end = memchr(seg, '/', (size_t)(q - seg));
+    if (end == NULL)
+      end = q;
+    if (dot_segment(seg, end))
+      return 0;
+    seg = end + 1;
+  }
+  return 1;
+}
+
 /* What one call gathers. */
 struct gather {
   gw_upstream_t *u;
@@ -227,7 +277,7 @@ static struct curl_slist *header_list(const gw_up_request_t *req) {
     int sent = 0;
     char blank[32];
     for (const char *const *h = req->headers; h && *h && !sent; h++)
-      sent = strncasecmp(*h, curl_adds[i], n) == 0 && (*h)[n] == ':' &&
+      sent = strncasecmp(*h, curl_adds[i], n) == 0 && ((*h)[n] == ':' || (*h)[n] == ';') &&
              strcasecmp(curl_adds[i], "Expect") != 0;
     if (sent)
       continue;
@@ -266,6 +316,9 @@ gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
   snprintf(url, ulen, "%s%s", u->base_url, req->target);
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
   curl_easy_setopt(c, CURLOPT_URL, url);
+  /* The path goes as the client sent it (gw_target_ok() passed it): libcurl
+   * would otherwise resolve dot segments the routes did not see. */
+  curl_easy_setopt(c, CURLOPT_PATH_AS_IS, 1L);
   curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, u->connect_timeout_ms);

@@ -74,4 +74,17 @@ void gw_answer_free(gw_answer_t *a);
  * a proxy never forwards those. */
 int gw_hop_by_hop(const char *name, const char *connection);
 
+/* 1 when a request header may be passed on (docs/gateway.md, "What the
+ * gateway refuses"): `name` a token of RFC 9110 (section 5.6.2), `value`
+ * without a control byte other than HTAB (no CR, LF, NUL or DEL: a bare
+ * CR would end the line at the upstream and smuggle another request).
+ * Bytes 0x80-0xFF (obs-text) pass. */
+int gw_header_ok(const char *name, const char *value);
+
+/* 1 when `target` is a request-target the gateway sends on: it starts
+ * with '/', holds only bytes 0x21-0x7E and no '#', and its path (before
+ * any '?') has no dot segment ("." or "..", also percent-encoded): the
+ * upstream would resolve one to another path than the routes see. */
+int gw_target_ok(const char *target);
+
 #endif

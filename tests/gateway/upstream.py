@@ -18,7 +18,8 @@ Routes:
                          key only when ?honour=1 too).
                          With ?fail=503 it answers that status, executing
                          nothing. With ?sleep=MS it answers MS after
-                         acting.
+                         acting. With ?latin1=1 its Location and X-Trace
+                         end in the byte 0xE9 (not UTF-8).
     GET  /executions?key=K  {"executions": N}
     ANY  /echo...        200 {"method","target","headers":[[n,v]...],"body"}
     GET  /chunked        200, Transfer-Encoding: chunked, in five chunks
@@ -85,9 +86,12 @@ class Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return None
+            # ?latin1=1: Location and X-Trace not UTF-8 (http.server writes
+            # header values as latin-1 bytes).
+            tail = "-caf\u00e9" if "latin1" in q else ""
             return self.send(201, body, headers=[("Set-Cookie", "sid=1"),
-                                                 ("X-Trace", "t-%d" % n),
-                                                 ("Location", "/charges/%d" % n)])
+                                                 ("X-Trace", "t-%d%s" % (n, tail)),
+                                                 ("Location", "/charges/%d%s" % (n, tail))])
         if url.path == "/executions":
             with lock:
                 n = executions.get(q.get("key", [""])[0], 0)

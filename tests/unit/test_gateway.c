@@ -36,6 +36,8 @@ static const struct route_case route_cases[] = {
     {"POST /a/{}", 0},            /* unnamed */
     {"POST /a/}", 0},
     {"POST /a b", 0},
+    {"POST /orders/", 0},         /* no empty segment: paths are matched without */
+    {"POST //orders", 0},
 };
 
 static void test_route_parse(void **state) {
@@ -70,7 +72,10 @@ struct match_case {
 static const struct match_case match_cases[] = {
     {"POST", "/orders", "POST /orders"},
     {"GET", "/orders", NULL},
-    {"POST", "/orders/", NULL},
+    {"POST", "/orders/", "POST /orders"}, /* empty segments do not count: an */
+    {"POST", "//orders", "POST /orders"}, /* application may route them as /orders */
+    {"POST", "/orders//", "POST /orders"},
+    {"POST", "/carts/42//checkout", "POST /carts/{id}/checkout"},
     {"POST", "/orders/1", NULL},
     {"POST", "/carts/42/checkout", "POST /carts/{id}/checkout"},
     {"POST", "/carts//checkout", NULL}, /* an empty segment is no parameter */
@@ -180,6 +185,92 @@ static void test_hop_by_hop(void **state) {
   assert_false(gw_hop_by_hop("Trailer-X", NULL));
 }
 
+struct header_case {
+  const char *name, *value;
+  int ok;
+};
+
+static const struct header_case header_cases[] = {
+    {"X-G", "a b\tc", 1},
+    {"X-Name", "caf\xe9", 1},             /* obs-text passes */
+    {"X-E", "", 1},
+    {"X-G", "a\rContent-Length: 0", 0}, /* a bare CR would end the line upstream */
+    {"X-G", "a\nb", 0},
+    {"X-G", "a\x01", 0},
+    {"X-G", "a\x7f", 0},
+    {"X G", "a", 0},                      /* a name is a token */
+    {"X:G", "a", 0},
+    {"X-G\r", "a", 0},
+    {"", "a", 0},
+    {"X-\xe9", "a", 0},
+};
+
+static void test_header_ok(void **state) {
+  (void)state;
+  for (size_t i = 0; i < ARRAY_LEN(header_cases); i++)
+    if (gw_header_ok(header_cases[i].name, header_cases[i].value) != header_cases[i].ok)
+      fail_msg("case %zu: '%s'", i, header_cases[i].name);
+}
+
+struct target_case {
+  const char *target;
+  int ok;
+};
+
+static const struct target_case target_cases[] = {
+    {"/", 1},
+    {"/orders", 1},
+    {"/orders?x=1&y=/../z", 1}, /* the query is not a path */
+    {"/a%20b/c.d/..e/...", 1},
+    {"//orders/", 1},           /* empty segments: the routes do not count them */
+    {"@127.0.0.1:19101/secret", 0},
+    {".evil.com/", 0},
+    {"*", 0},
+    {"http://127.0.0.1/x", 0},
+    {"", 0},
+    {"/x/../orders", 0},
+    {"/x/./orders", 0},
+    {"/orders/..", 0},
+    {"/orders/.", 0},
+    {"/x/%2e%2E/orders", 0},
+    {"/x/.%2e/orders", 0},
+    {"/orders#f", 0},
+    {"/p\xff", 0},
+    {"/a b", 0},
+    {"/a\tb", 0},
+    {"/a\x7f", 0},
+};
+
+static void test_target_ok(void **state) {
+  (void)state;
+  for (size_t i = 0; i < ARRAY_LEN(target_cases); i++)
+    if (gw_target_ok(target_cases[i].target) != target_cases[i].ok)
+      fail_msg("'%s': got %d", target_cases[i].target, !target_cases[i].ok);
+}
+
+/* A replayed header whose value is not UTF-8 is kept byte for byte. */
+static void test_answer_header_bytes(void **state) {
+  gw_config_t cfg;
+  gw_answer_t a = {.status = 201}, back;
+  char *text = NULL;
+  (void)state;
+  gw_config_defaults(&cfg);
+  snprintf(cfg.replay_headers[0], sizeof cfg.replay_headers[0], "X-Trace");
+  cfg.nreplay_headers = 1;
+  a.headers = calloc(2, sizeof *a.headers);
+  a.headers[0] = (gw_header_t){strdup("Location"), strdup("/orders/caf\xe9")};
+  a.headers[1] = (gw_header_t){strdup("X-Trace"), strdup("\xff\xfe")};
+  a.nheaders = 2;
+  assert_int_equal(gw_answer_encode(&a, &cfg, &text), IDEM_OK);
+  assert_int_equal(gw_answer_decode(text, &back), IDEM_OK);
+  assert_int_equal(back.nheaders, 2);
+  assert_string_equal(back.headers[0].value, "/orders/caf\xe9");
+  assert_string_equal(back.headers[1].value, "\xff\xfe");
+  gw_answer_free(&a);
+  gw_answer_free(&back);
+  free(text);
+}
+
 static void add(gw_answer_t *a, const char *name, const char *value) {
   a->headers = realloc(a->headers, (size_t)(a->nheaders + 1) * sizeof *a->headers);
   a->headers[a->nheaders].name = strdup(name);
@@ -248,7 +339,7 @@ static void test_answer_decode_refuses(void **state) {
 
 static void test_request_round_trip(void **state) {
   static const char body[] = {'{', 0, (char)0x80, '}'};
-  char *lines[] = {"Host: example", "Idempotency-Key: k1", "X-Forwarded-For: 127.0.0.1", NULL};
+  char *lines[] = {"Host: example", "Idempotency-Key: k1", "X-Name: caf\xe9", NULL};
   char *text = gw_request_encode("POST", "/orders?a=%20b", lines, body, sizeof body);
   char *method, *target, *got_body, **headers;
   size_t len;
@@ -381,6 +472,46 @@ static void test_audit_trail(void **state) {
   rmdir(dir);
 }
 
+/* The resolver drops a settled key's row only if it is still the row it
+ * listed: a request that won the key since wrote its own, which stays. */
+static void test_drop_listed(void **state) {
+  char path[] = "/tmp/idem-unit-gw-XXXXXX";
+  char why[128];
+  int fd = mkstemp(path);
+  idem_store_t *store = NULL;
+  idem_scope_t scope = {(int64_t)1 << 62, "POST /orders", "k1"};
+  gw_save_t first = {&scope, "{\"first\":1}", 0}, second = {&scope, "{\"second\":1}", 5000};
+  idem_effect_t save1 = {gw_save_fn, &first}, save2 = {gw_save_fn, &second};
+  gw_saved_t listed[2], now[2];
+  int n = 0;
+  (void)state;
+
+  assert_true(fd >= 0);
+  close(fd);
+  assert_int_equal(idem_store_open(path, NULL, &store), IDEM_OK);
+  assert_int_equal(idem_store_migrate(store), IDEM_OK);
+  assert_int_equal(gw_schema_migrate(store, why, sizeof why), IDEM_OK);
+  assert_int_equal(idem_store_write(store, &save1), IDEM_OK);
+  assert_int_equal(gw_due_list(store, GW_NEVER, listed, 2, &n), IDEM_OK);
+  assert_int_equal(n, 1);
+  /* A new request wins the key after the listing. */
+  assert_int_equal(idem_store_write(store, &save2), IDEM_OK);
+  idem_effect_t drop_old = {gw_drop_listed_fn, &listed[0]};
+  assert_int_equal(idem_store_write(store, &drop_old), IDEM_OK);
+  assert_int_equal(gw_due_list(store, GW_NEVER, now, 2, &n), IDEM_OK);
+  assert_int_equal(n, 1);
+  assert_string_equal(now[0].request, "{\"second\":1}");
+  /* The row as listed now goes. */
+  idem_effect_t drop_now = {gw_drop_listed_fn, &now[0]};
+  assert_int_equal(idem_store_write(store, &drop_now), IDEM_OK);
+  free(now[0].request);
+  assert_int_equal(gw_due_list(store, GW_NEVER, now, 2, &n), IDEM_OK);
+  assert_int_equal(n, 0);
+  free(listed[0].request);
+  idem_store_close(store);
+  unlink(path);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_route_parse),        cmocka_unit_test(test_route_operation),
@@ -389,6 +520,8 @@ int main(void) {
       cmocka_unit_test(test_hop_by_hop),         cmocka_unit_test(test_answer_round_trip),
       cmocka_unit_test(test_answer_decode_refuses), cmocka_unit_test(test_request_round_trip),
       cmocka_unit_test(test_reason_valid),       cmocka_unit_test(test_audit_trail),
+      cmocka_unit_test(test_header_ok),          cmocka_unit_test(test_target_ok),
+      cmocka_unit_test(test_answer_header_bytes), cmocka_unit_test(test_drop_listed),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
