@@ -1,7 +1,8 @@
 /* The provider's events idemd has applied (docs/payments.md, "Webhooks"):
  * an event's id goes into the table `processed_events`, under a unique
- * key, in the same transaction as what the event changes, so that a
- * second delivery of it finds it there (idemd_settle_claim(),
+ * key, in the same transaction as what the event changes (or, for an
+ * event of another amount than the pending one's, as its audit row), so
+ * that a second delivery of it finds it there (idemd_settle_claim(),
  * provider/settle.h) and changes nothing. */
 #ifndef IDEMD_EVENTS_H
 #define IDEMD_EVENTS_H

@@ -1,10 +1,12 @@
 /* Settling a pending payment or refund (see settle.h). */
 #include "provider/settle.h"
 
+#include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "data/events.h"
 #include "data/refunds.h"
 #include "data/resources.h"
 #include "data/sql.h"
@@ -30,7 +32,8 @@ static const char status_sql[] =
 struct claim {
   int refund, tell;
   int64_t tenant_id, lease_ms;
-  const char *id, *event_id;
+  const char *id;
+  const idem_webhook_event_t *ev; /* NULL: not a provider's event */
   int rows, seen;
   int64_t row_tenant;
   char key[IDEM_KEY_MAX + 1];
@@ -63,11 +66,45 @@ static int got_status(void *arg, const char *const *cols) {
   return IDEM_OK;
 }
 
+/* The "amount" of a stored payment or refund; 0 when it has none. */
+static int64_t amount_of(const char *body) {
+  json_t *v = json_loads(body, 0, NULL);
+  int64_t amount = (int64_t)json_integer_value(json_object_get(v, "amount"));
+
+  json_decref(v);
+  return amount;
+}
+
+/* A provider's event signed as it should be, yet for another amount than
+ * the one we asked for (docs/idempotency.md, section 4.6): nothing of the
+ * payment or refund changes, and its record is not taken (a worker or
+ * the reconciler may hold it); what stays is the event, kept as
+ * processed so that its next delivery is a duplicate, and an audit row,
+ * pending to pending, so that an operator sees it (`idemd audit`). */
+static int mismatch(struct claim *c, idem_tx_t *tx) {
+  const idem_webhook_event_t *ev = c->ev;
+  const char *type = idem_webhook_type(ev);
+  char reason[160];
+  idemd_event_t seen = {ev->id, type, c->row_tenant, c->id};
+  idemd_actor_t who = {ev->id, reason};
+  int rc;
+
+  snprintf(reason, sizeof reason, "%s of amount %lld ignored: the %s's is %lld", type,
+           (long long)ev->amount, c->refund ? "refund" : "payment",
+           (long long)c->p->amount);
+  rc = idemd_event_record(&seen, tx);
+  if (rc == IDEM_OK)
+    rc = idemd_audit_append(tx, c->row_tenant, c->id, "pending", "pending", &who);
+  if (rc == IDEM_OK)
+    c->found = IDEMD_CLAIM_MISMATCH;
+  return rc;
+}
+
 /* In one write; it may run again (SQLite's batches): it starts afresh. */
 static int claim_fn(void *arg, idem_tx_t *tx) {
   struct claim *c = arg;
-  idemd_sql_param_t f[4] = {TEXT(c->event_id), TEXT(c->id), TEXT(operation_of(c->refund)),
-                            NUM(c->tenant_id)};
+  idemd_sql_param_t f[4] = {TEXT(c->ev ? c->ev->id : NULL), TEXT(c->id),
+                            TEXT(operation_of(c->refund)), NUM(c->tenant_id)};
   idemd_sql_param_t q[3] = {TEXT(c->id), TEXT(c->refund ? "refund" : "payment"),
                             NUM(c->tenant_id)};
   int rc;
@@ -84,6 +121,9 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
   }
   if (c->rows == 1 && c->p->body) {
     idem_scope_t scope = {c->row_tenant, operation_of(c->refund), c->key};
+    c->p->amount = amount_of(c->p->body);
+    if (c->ev && c->ev->amount != c->p->amount)
+      return mismatch(c, tx);
     rc = idem_tx_take_over(tx, &scope, c->lease_ms, &c->p->rec);
     if (rc == IDEM_ENOTFOUND) { /* held under a live lease */
       idem_record_reset(&c->p->rec);
@@ -109,14 +149,14 @@ static int claim_fn(void *arg, idem_tx_t *tx) {
 }
 
 int idemd_settle_claim(idem_store_t *store, int refund, int64_t tenant_id, const char *id,
-                       const char *event_id, int tell, int64_t lease_ms,
+                       const idem_webhook_event_t *ev, int tell, int64_t lease_ms,
                        idemd_pending_t *p, idemd_claim_t *found) {
   struct claim c = {.refund = refund,
                     .tell = tell,
                     .tenant_id = tenant_id,
                     .lease_ms = lease_ms,
                     .id = id,
-                    .event_id = event_id,
+                    .ev = ev,
                     .p = p};
   idem_effect_t e = {claim_fn, &c};
   int rc;
@@ -125,14 +165,23 @@ int idemd_settle_claim(idem_store_t *store, int refund, int64_t tenant_id, const
   *found = IDEMD_CLAIM_UNKNOWN;
   if ((rc = idem_store_write(store, &e)) != IDEM_OK) {
     idemd_settle_reset(p);
+    /* The same event recorded by another delivery since our read (a
+     * mismatch's, on PostgreSQL): the write rolled back. */
+    if (rc == IDEM_EEXIST && ev) {
+      *found = IDEMD_CLAIM_DUPLICATE;
+      return IDEM_OK;
+    }
     return rc;
   }
   if (c.found != IDEMD_CLAIM_TAKEN) {
     char status[sizeof p->status];
+    int64_t amount = p->amount;
     memcpy(status, p->status, sizeof status);
     idemd_settle_reset(p);
     if (c.found == IDEMD_CLAIM_SETTLED)
       memcpy(p->status, status, sizeof status);
+    if (c.found == IDEMD_CLAIM_MISMATCH)
+      p->amount = amount;
   }
   *found = c.found;
   return IDEM_OK;

@@ -16,6 +16,7 @@
 #include "data/audit.h"
 #include "idem/store.h"
 #include "provider/provider.h"
+#include "provider/webhook.h"
 
 /* What idemd_settle_claim() found. */
 typedef enum idemd_claim {
@@ -25,7 +26,9 @@ typedef enum idemd_claim {
   IDEMD_CLAIM_SETTLED,   /* it exists and is not pending: `status` says */
   IDEMD_CLAIM_BUSY,      /* pending, but a worker or settler holds its record
                           * under a live lease: try again later */
-  IDEMD_CLAIM_DUPLICATE  /* the event was applied before (nothing taken) */
+  IDEMD_CLAIM_DUPLICATE, /* the event was applied before (nothing taken) */
+  IDEMD_CLAIM_MISMATCH   /* pending, but the event's amount is not its: nothing
+                          * taken, the event recorded with an audit row */
 } idemd_claim_t;
 
 /* A pending payment or refund claimed for settling. Reset it with
@@ -34,20 +37,26 @@ typedef struct idemd_pending {
   idem_record_t rec; /* its record, under our owner token */
   char *body;        /* the resource as stored (malloc'd) */
   char status[16];   /* its status (IDEMD_CLAIM_SETTLED: what it is) */
+  int64_t amount;    /* its amount (TAKEN and MISMATCH of an event) */
 } idemd_pending_t;
 
 /* Claims the pending payment (`refund` 0) or refund `id`: in one write,
  * finds it (of tenant `tenant_id`, or of any tenant when 0: ids are made
  * unique by idemd, and an id found under several tenants is UNKNOWN) by
  * its outbox row, which only a pending one has, and takes its record over
- * for `lease_ms`. With `event_id` (may be NULL), a provider's event
- * already in the processed-events table (data/events.h) is DUPLICATE, and
- * nothing is taken. `tell` 1 also reads one that is not pending, to tell
+ * for `lease_ms`. With a provider's event `ev` (may be NULL): one already
+ * in the processed-events table (data/events.h) is DUPLICATE; one whose
+ * amount is not the resource's is MISMATCH (docs/idempotency.md, section
+ * 4.6): nothing is taken and nothing a client sees changes, but the event
+ * is recorded as processed with an audit row of the resource, pending to
+ * pending, the event's id as actor and both amounts in the reason, in
+ * the same write. `tell` 1 also reads one that is not pending, to tell
  * SETTLED from UNKNOWN (without `tenant_id`, a scan of the resources: for
  * tools); with 0 both are UNKNOWN. Returns IDEM_OK with `*found` set (`p`
- * filled for TAKEN, its status for SETTLED), or a store error. */
+ * filled for TAKEN, its status for SETTLED, its amount for MISMATCH), or
+ * a store error. */
 int idemd_settle_claim(idem_store_t *store, int refund, int64_t tenant_id, const char *id,
-                       const char *event_id, int tell, int64_t lease_ms,
+                       const idem_webhook_event_t *ev, int tell, int64_t lease_ms,
                        idemd_pending_t *p, idemd_claim_t *found);
 
 /* Completes the record `rec` that a claim gave (its owner token ours), of

@@ -20,7 +20,7 @@ static const char *const op_names[OP_COUNT_] = {
 
 static const char *const webhook_results[WEBHOOK_RESULT_COUNT_] = {
     "applied", "duplicate", "ignored",   "unsigned", "forged",
-    "stale",   "malformed", "too_large", "busy",     "error"};
+    "stale",   "malformed", "too_large", "busy",     "error", "amount_mismatch"};
 
 const char *idemd_webhook_result_name(idemd_webhook_result_t r) {
   return (unsigned)r < WEBHOOK_RESULT_COUNT_ ? webhook_results[r] : "none";

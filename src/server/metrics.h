@@ -50,6 +50,8 @@ typedef enum idemd_webhook_result {
   WEBHOOK_TOO_LARGE,   /* body over the cap */
   WEBHOOK_BUSY,        /* being settled by idemd right now: retried later */
   WEBHOOK_ERROR,       /* the store failed */
+  WEBHOOK_AMOUNT_MISMATCH, /* pending, but of another amount: audited, nothing
+                            * changed (docs/idempotency.md, 4.6) */
   WEBHOOK_RESULT_COUNT_
 } idemd_webhook_result_t;
 

@@ -8,6 +8,7 @@
  * the insert of its id into the processed-events table, through the one
  * path that settles a pending payment or refund (provider/settle.h), with
  * the event's id as the audit row's actor. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,6 +34,7 @@ static enum MHD_Result answer(idemd_request_t *r, idemd_webhook_result_t result)
       [WEBHOOK_APPLIED] = "{\"status\":\"applied\"}",
       [WEBHOOK_DUPLICATE] = "{\"status\":\"duplicate\"}",
       [WEBHOOK_IGNORED] = "{\"status\":\"ignored\"}",
+      [WEBHOOK_AMOUNT_MISMATCH] = "{\"status\":\"ignored\"}",
   };
   count(r, result);
   r->outcome = result == WEBHOOK_APPLIED     ? OUTCOME_NEW
@@ -63,7 +65,7 @@ static enum MHD_Result later(idemd_request_t *r, idemd_webhook_result_t result) 
 }
 
 /* In a worker: the event applied, or found applied before, or for nothing
- * pending. */
+ * pending, or for another amount than the one pending. */
 static enum MHD_Result apply(idemd_request_t *r) {
   const webhook_call_t *call = r->call;
   const idem_webhook_event_t *ev = &call->ev;
@@ -71,7 +73,7 @@ static enum MHD_Result apply(idemd_request_t *r) {
   idemd_pending_t p;
   idemd_claim_t found;
   int status = 0;
-  int rc = idemd_settle_claim(srv->store, ev->refund, 0, ev->key, ev->id, 0,
+  int rc = idemd_settle_claim(srv->store, ev->refund, 0, ev->key, ev, 0,
                               srv->cfg.lease_ms, &p, &found);
 
   if (rc != IDEM_OK) {
@@ -83,6 +85,18 @@ static enum MHD_Result apply(idemd_request_t *r) {
     return answer(r, WEBHOOK_DUPLICATE);
   if (found == IDEMD_CLAIM_BUSY)
     return later(r, WEBHOOK_BUSY);
+  if (found == IDEMD_CLAIM_MISMATCH) {
+    /* Signed by the provider, yet not what we asked of it: nothing
+     * changed but the audit row the claim wrote; the reconciler's
+     * look-up settles it (docs/idempotency.md, section 4.6). */
+    char theirs[24], ours[24];
+    snprintf(theirs, sizeof theirs, "%lld", (long long)ev->amount);
+    snprintf(ours, sizeof ours, "%lld", (long long)p.amount);
+    idemd_log_event(
+        "warn", "a provider event's amount differs from what we hold; ignored", "event",
+        ev->id, "resource", ev->key, "event_amount", theirs, "amount", ours, NULL);
+    return answer(r, WEBHOOK_AMOUNT_MISMATCH);
+  }
   if (found != IDEMD_CLAIM_TAKEN)
     return answer(r, WEBHOOK_IGNORED);
 
@@ -91,25 +105,7 @@ static enum MHD_Result apply(idemd_request_t *r) {
   idemd_event_t seen = {ev->id, idem_webhook_type(ev), p.rec.tenant_id, ev->key};
   idem_effect_t also = {idemd_event_record, &seen};
   idemd_actor_t who = {ev->id, idem_webhook_type(ev)};
-  json_t *stored = json_loads(p.body, 0, NULL);
-  json_int_t amount = json_integer_value(json_object_get(stored, "amount"));
-
-  json_decref(stored);
   idem_copy(res.reference, sizeof res.reference, ev->provider_ref);
-  if (amount != ev->amount) {
-    /* Signed by the provider, yet not what we asked of it: leave the
-     * payment to the reconciler's look-up (completed as still pending,
-     * which gives the record back) and say so in the log. */
-    idem_charge_result_t unknown = {.outcome = IDEM_CHARGE_UNKNOWN};
-    idemd_log_event("warn",
-                    "a provider event's amount differs from its payment's; ignored",
-                    "event", ev->id, "resource", ev->key, NULL);
-    rc = idemd_settle(srv->store, &p.rec, p.body, &unknown, &who, NULL,
-                      srv->cfg.key_ttl_ms, &status);
-    idemd_settle_reset(&p);
-    return rc == IDEM_OK || rc == IDEM_ELOST ? answer(r, WEBHOOK_IGNORED)
-                                             : later(r, WEBHOOK_ERROR);
-  }
   rc = idemd_settle(srv->store, &p.rec, p.body, &res, &who, &also, srv->cfg.key_ttl_ms,
                     &status);
   idemd_settle_reset(&p);

@@ -5,6 +5,7 @@
  * pending by the provider's faults (it charges, then answers 500) are
  * settled by their event once, with the event's id as the audit's actor;
  * a duplicate changes nothing; events for nothing pending are ignored;
+ * an event of another amount changes nothing but leaves an audit row;
  * unsigned, forged, stale, malformed and oversized events answer 400 or
  * 413 and change nothing; every one is counted in idem_webhooks_total. */
 #include <stdio.h>
@@ -198,6 +199,104 @@ static void test_events_settle(void **state) {
   p_stop(p);
 }
 
+/* What a client can see of pending payment or refund `id`: its record,
+ * its row and its outbox row, as one text. */
+#define HELD                                                                             \
+  "SELECT r.state || '|' || coalesce(r.owner_token, '') || '|' || "                      \
+  "CAST(coalesce(r.lease_expires_at, 0) AS TEXT) || '|' || CAST(r.updated_at AS TEXT) "   \
+  "|| '|' || CAST(r.response_status AS TEXT) || '|' || r.response_body || '|' || "       \
+  "p.status || '|' || p.body || '|' || CAST(p.updated_at AS TEXT) || '|' || "            \
+  "CAST(o.attempts AS TEXT) || '|' || CAST(o.next_attempt_at AS TEXT) "                  \
+  "FROM idempotency_records r JOIN resources p ON p.id = r.resource_id "                  \
+  "JOIN outbox o ON o.resource_id = p.id WHERE p.id = ?1"
+#define MISMATCH_ROW                                                                     \
+  "SELECT count(*) FROM audit WHERE resource_id = ?1 AND from_status = 'pending' AND "    \
+  "to_status = 'pending' AND actor = ?2 AND reason LIKE ?3"
+
+/* An event signed by the provider whose amount is not the payment's (or
+ * refund's) changes nothing a client sees: its record, row and outbox row
+ * stay as they were, a replay still answers 202. It answers 200 ignored,
+ * is counted as amount_mismatch and leaves one audit row (pending to
+ * pending, the event's id as actor, both amounts in the reason); a second
+ * delivery is a duplicate and writes no second row. The right event is
+ * then applied. */
+static void test_other_amount_changes_nothing(void **state) {
+  p_psp_t *p = p_start(NULL);
+  h_server_t *s = start_idemd(p, SECRET);
+  const char *tok = h_tenant(s, "acme");
+  const char *const faulty[] = {"--fail-after", NULL};
+  char body[512], path[128], pay[64], paid[64], re[64];
+  char *held_pay, *held_re, *now_pay, *now_re, *ref_pay, *ref_re;
+  h_resp_t r;
+  (void)state;
+
+  h_post(s, "/payments", tok, "paid", "{\"amount\": 3000}", &r);
+  h_assert_status(&r, 201);
+  snprintf(paid, sizeof paid, "%s", h_id(&r));
+  h_resp_free(&r);
+  p_stop(p);
+  p_restart(p, faulty); /* it charges, then answers 500: pending */
+  h_post(s, "/payments", tok, "a", "{\"amount\": 1500}", &r);
+  h_assert_status(&r, 202);
+  snprintf(pay, sizeof pay, "%s", h_id(&r));
+  h_resp_free(&r);
+  snprintf(path, sizeof path, "/payments/%s/refunds", paid);
+  h_post(s, path, tok, "re", "{\"amount\": 1000}", &r);
+  h_assert_status(&r, 202);
+  snprintf(re, sizeof re, "%s", h_id(&r));
+  h_resp_free(&r);
+  ref_pay = provider_id(p, "charges", pay);
+  ref_re = provider_id(p, "refunds", re);
+  held_pay = h_db_text(s, HELD, pay);
+  held_re = h_db_text(s, HELD, re);
+  assert_non_null(held_pay);
+  assert_non_null(held_re);
+
+  event(body, sizeof body, "evt_m1", "charge.succeeded", pay, ref_pay, 999);
+  deliver_ok(s, body, "ignored");
+  event(body, sizeof body, "evt_m2", "refund.succeeded", re, ref_re, 1);
+  deliver_ok(s, body, "ignored");
+
+  now_pay = h_db_text(s, HELD, pay);
+  now_re = h_db_text(s, HELD, re);
+  assert_string_equal(now_pay, held_pay);
+  assert_string_equal(now_re, held_re);
+  h_assert_db(s, 1, MISMATCH_ROW, pay, "evt_m1", "%999%1500%");
+  h_assert_db(s, 1, MISMATCH_ROW, re, "evt_m2", "%1%1000%");
+  event(body, sizeof body, "evt_m1", "charge.succeeded", pay, ref_pay, 999);
+  deliver_ok(s, body, "duplicate");
+  h_assert_db(s, 1, "SELECT count(*) FROM audit WHERE actor = 'evt_m1'");
+  assert_true(webhooks_metric(s, "amount_mismatch") == 2);
+  assert_true(webhooks_metric(s, "duplicate") == 1);
+  assert_true(webhooks_metric(s, "applied") == 0);
+  h_post(s, "/payments", tok, "a", "{\"amount\": 1500}", &r);
+  h_assert_status(&r, 202);
+  h_resp_free(&r);
+  h_post(s, path, tok, "re", "{\"amount\": 1000}", &r);
+  h_assert_status(&r, 202);
+  h_resp_free(&r);
+
+  /* The provider's right events still settle both. */
+  event(body, sizeof body, "evt_m3", "charge.succeeded", pay, ref_pay, 1500);
+  deliver_ok(s, body, "applied");
+  event(body, sizeof body, "evt_m4", "refund.succeeded", re, ref_re, 1000);
+  deliver_ok(s, body, "applied");
+  h_post(s, "/payments", tok, "a", "{\"amount\": 1500}", &r);
+  h_assert_status(&r, 201);
+  h_resp_free(&r);
+  h_post(s, path, tok, "re", "{\"amount\": 1000}", &r);
+  h_assert_status(&r, 201);
+  h_resp_free(&r);
+  free(held_pay);
+  free(held_re);
+  free(now_pay);
+  free(now_re);
+  free(ref_pay);
+  free(ref_re);
+  h_server_stop(s);
+  p_stop(p);
+}
+
 /* What changes nothing: a missing, malformed or forged signature, a time
  * more than 5 minutes away, a body that is not an event idemd knows
  * (400 {"error"}), a body over 8 KiB (413); a GET is 405. The pending
@@ -307,6 +406,7 @@ static void test_no_secret_no_route(void **state) {
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_events_settle, p_teardown),
+      cmocka_unit_test_teardown(test_other_amount_changes_nothing, p_teardown),
       cmocka_unit_test_teardown(test_bad_events_change_nothing, p_teardown),
       cmocka_unit_test_teardown(test_no_secret_no_route, p_teardown),
   };
