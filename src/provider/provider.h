@@ -39,6 +39,20 @@ typedef struct idem_charge_result {
 
 typedef struct idem_provider idem_provider_t;
 
+/* 1 when a provider call of at most `call_ms` (--provider-timeout) that
+ * starts at `now_ms` ends by `lease_expires_at`, the end of the lease
+ * under which it is made (ms since the epoch, idem_now_ms()'s clock); else
+ * 0, and the call must not start: once the lease has run out, the
+ * reconciler may take the record over, or an operator settle it, and
+ * call or settle under the same key meanwhile (docs/idempotency.md,
+ * section 2.8). The reconciler checks the same before each call of its
+ * claims (provider/reconciler.c); a request asks it before its own call,
+ * which may have waited for a worker since the key was reserved. */
+static inline int idem_provider_call_may_start(int64_t lease_expires_at, int64_t call_ms,
+                                               int64_t now_ms) {
+  return now_ms + call_ms <= lease_expires_at;
+}
+
 struct idem_provider {
   const char *name;
   /* 1 when charge() is cheap and returns at once, never waiting on a

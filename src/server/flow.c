@@ -4,9 +4,12 @@
  * store allows it. */
 #include "server/flow.h"
 
+#include <pthread.h>
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "idem/clock.h"
 #include "idem/engine.h"
@@ -90,14 +93,34 @@ static int answer_from_memory(idemd_request_t *r, const idem_scope_t *scope,
   return 1;
 }
 
+/* For tests, as store.c's IDEM_FAULT_FILE: while the file that
+ * IDEM_HOLD_CALLS_FILE names exists, a request's provider call is held
+ * before it starts, as behind a long worker queue, so that its lease can
+ * run out first (tests/integration/test_late_call.c). The variable is
+ * read once; unset, this costs nothing. */
+static const char *hold_path;
+static pthread_once_t hold_once = PTHREAD_ONCE_INIT;
+
+static void read_hold_env(void) { hold_path = getenv("IDEM_HOLD_CALLS_FILE"); }
+
+static void hold_calls(void) {
+  struct timespec pause = {0, 5 * 1000000L};
+
+  pthread_once(&hold_once, read_hold_env);
+  while (hold_path && access(hold_path, F_OK) == 0)
+    nanosleep(&pause, NULL);
+}
+
 /* Step 2 of a multi-step operation, once its key is won: the effect's
  * call, outside any transaction, with `out` the outcome it gives. */
 static void execute(const idemd_effect_t *e, const idem_record_t *rec,
                     idem_outcome_t *out, idem_effect_t *then) {
   memset(out, 0, sizeof *out);
   memset(then, 0, sizeof *then);
-  if (!e->execute_never_waits) /* a provider call: a worker waits on it */
+  if (!e->execute_never_waits) { /* a provider call: a worker waits on it */
     idemd_workers_wait_begin();
+    hold_calls();
+  }
   e->execute(e->ctx, rec, out, then);
   if (!e->execute_never_waits)
     idemd_workers_wait_end();

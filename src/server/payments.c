@@ -81,11 +81,26 @@ static void charge(void *ctx, const idem_record_t *rec, idem_outcome_t *out,
                      .amount = pc->payment.amount,
                      .currency = pc->payment.currency};
   idem_charge_result_t res = {0};
+  int sent = idem_provider_call_may_start(
+      rec->lease_expires_at, pc->srv->cfg.provider_timeout_ms, idem_now_ms());
 
-  (void)rec;
   idem_settlement_free(&pc->settled); /* a second call, after a lost lease */
-  pc->srv->provider->charge(pc->srv->provider, &c, &res);
-  if (idem_payment_settle(&pc->payment, &res, 1, &pc->settled) != IDEM_OK) {
+  if (sent) {
+    pc->srv->provider->charge(pc->srv->provider, &c, &res);
+  } else {
+    /* Its lease would end before the call (it waited for a worker): the
+     * record may be another's by now (docs/idempotency.md, section 2.8).
+     * Nothing is sent; the payment stays pending for the reconciler, and
+     * a completion refused by the owner token answers from the new
+     * owner's work. */
+    res.outcome = IDEM_CHARGE_NOT_SENT;
+    idemd_log_event("warn",
+                    "a payment's provider call did not start: its lease would "
+                    "end first; left to the reconciler",
+                    "resource", pc->payment.id, NULL);
+  }
+  /* Not sent for want of a lease is not a failure: pending. */
+  if (idem_payment_settle(&pc->payment, &res, sent, &pc->settled) != IDEM_OK) {
     /* Out of memory after the charge: leave the record pending for the
      * reconciler rather than lose what the provider did. */
     static const char pending[] = "{\"status\":\"pending\"}";

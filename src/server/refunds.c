@@ -19,6 +19,7 @@
 #include "provider/refund.h"
 #include "server/refund_cmd.h"
 #include "server/flow.h"
+#include "server/log.h"
 #include "server/reply.h"
 
 #define OPERATION "create_refund"
@@ -117,11 +118,21 @@ static void call_provider(void *ctx, const idem_record_t *rec, idem_outcome_t *o
   idem_refund_req_t req = {.provider_key = f->id, .charge_key = f->payment_id,
                            .amount = f->amount, .currency = f->currency};
   idem_charge_result_t res = {0};
+  int sent = idem_provider_call_may_start(
+      rec->lease_expires_at, rc->srv->cfg.provider_timeout_ms, idem_now_ms());
 
-  (void)rec;
   idem_settlement_free(&rc->settled); /* a second call, after a lost lease */
-  rc->srv->provider->refund(rc->srv->provider, &req, &res);
-  if (idem_refund_settle(f, &res, 1, &rc->settled) != IDEM_OK) {
+  if (sent) {
+    rc->srv->provider->refund(rc->srv->provider, &req, &res);
+  } else {
+    /* As a payment's (server/payments.c): not sent, left pending. */
+    res.outcome = IDEM_CHARGE_NOT_SENT;
+    idemd_log_event("warn",
+                    "a refund's provider call did not start: its lease would "
+                    "end first; left to the reconciler",
+                    "resource", f->id, NULL);
+  }
+  if (idem_refund_settle(f, &res, sent, &rc->settled) != IDEM_OK) {
     /* Out of memory after the call: pending, for the reconciler. */
     static const char pending[] = "{\"status\":\"pending\"}";
     memset(out, 0, sizeof *out);
