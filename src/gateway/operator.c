@@ -25,6 +25,7 @@
 #include "idem/clock.h"
 #include "server/auth.h"
 #include "server/config.h"
+#include "util/flags.h"
 
 /* How long a resolution holds the record it took over: if the command
  * dies in between, a gateway's resolver takes the record back after
@@ -55,38 +56,32 @@ typedef struct resolve_args {
 
 /* ---- checking what was asked ------------------------------------------ */
 
-/* The flags of `idemd gateway resolve` into `a`. 0, or -1 (printed). */
+/* The flags of `idemd gateway resolve` into `a`: each at most once, one
+ * word (the key), nothing else. 0, or -1 (printed). */
 static int parse_args(int argc, char **argv, resolve_args_t *a) {
   static const char *const names[] = {
       "--route",    "--status", "--body",    "--body-file", "--content-type", "--reason",
       "--operator", "--scope",  "--key-ttl", "--db",        "--scope-value",  NULL};
-  const char **slots[] = {&a->route,        &a->status, &a->body,          &a->body_file,
-                          &a->content_type, &a->reason, &a->operator_name, &a->scope,
-                          &a->key_ttl,      &a->db,     &a->scope_value};
+  const char *v[11], *key[1];
+  idem__flags_t flags = {"idemd gateway", names, v, key, 1, 0, 0};
+  _Static_assert(sizeof v / sizeof *v == sizeof names / sizeof *names - 1,
+                 "a value per flag");
 
   memset(a, 0, sizeof *a);
-  for (int i = 0; i < argc; i++) {
-    int k = -1;
-    for (int j = 0; names[j]; j++)
-      if (strcmp(argv[i], names[j]) == 0)
-        k = j;
-    if (k >= 0) {
-      if (i + 1 >= argc) {
-        fprintf(stderr, "idemd gateway: option %s needs a value\n", argv[i]);
-        return -1;
-      }
-      if (*slots[k] != NULL) {
-        fprintf(stderr, "idemd gateway: option %s given twice\n", argv[i]);
-        return -1;
-      }
-      *slots[k] = argv[++i];
-    } else if (strncmp(argv[i], "--", 2) != 0 && a->key == NULL) {
-      a->key = argv[i];
-    } else {
-      fprintf(stderr, "idemd gateway: unexpected argument '%s'\n", argv[i]);
-      return -1;
-    }
-  }
+  if (idem__flags_take(&flags, argc, argv) < 0)
+    return -1;
+  *a = (resolve_args_t){.key = flags.nwords ? key[0] : NULL,
+                        .route = v[0],
+                        .status = v[1],
+                        .body = v[2],
+                        .body_file = v[3],
+                        .content_type = v[4],
+                        .reason = v[5],
+                        .operator_name = v[6],
+                        .scope = v[7],
+                        .key_ttl = v[8],
+                        .db = v[9],
+                        .scope_value = v[10]};
   return 0;
 }
 
@@ -575,24 +570,20 @@ static int print_row(void *arg, const idemd_audit_row_t *row) {
 }
 
 int gw_cmd_audit(int argc, char **argv) {
-  const char *db = NULL, *key = NULL;
+  static const char *const names[] = {"--db", "--key", NULL};
+  const char *v[2];
+  idem__flags_t flags = {"idemd gateway", names, v, NULL, 0, 0, 0};
   idem_store_t *store;
   int rc;
 
-  for (int i = 0; i < argc; i++) {
-    if (strcmp(argv[i], "--db") == 0 && i + 1 < argc && !db) {
-      db = argv[++i];
-    } else if (strcmp(argv[i], "--key") == 0 && i + 1 < argc && !key) {
-      key = argv[++i];
-    } else {
-      fprintf(stderr,
-              "usage: idemd gateway audit [--key KEY] [--db FILE|postgresql://...]\n");
-      return 2;
-    }
+  if (idem__flags_take(&flags, argc, argv) < 0) {
+    fprintf(stderr,
+            "usage: idemd gateway audit [--key KEY] [--db FILE|postgresql://...]\n");
+    return 2;
   }
-  if ((store = open_db(db)) == NULL)
+  if ((store = open_db(v[0])) == NULL)
     return 1;
-  rc = idemd_audit_list_keys(store, key, print_row, NULL);
+  rc = idemd_audit_list_keys(store, v[1], print_row, NULL);
   idem_store_close(store);
   if (rc != IDEM_OK) {
     fprintf(stderr, "idemd gateway: reading the audit failed: %s (%s)\n",

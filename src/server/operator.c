@@ -17,6 +17,7 @@
 #include "server/auth.h"
 #include "server/commands.h"
 #include "server/server.h"
+#include "util/flags.h"
 
 /* How long a resolution holds the record it took over: if the command
  * dies in between, the reconciler takes the record back after this. */
@@ -25,43 +26,6 @@
  * call: the command tries again for about this long before giving up. */
 #define RESOLVE_TRIES 50
 #define RESOLVE_PAUSE_MS 100
-
-/* Takes the flags named in `names` (each followed by its value) out of
- * argv into `values`, and the words into `words` (at most `max_words`);
- * the rest (the common flags, such as --db) stay in argv, in order.
- * Returns how many are left, or -1 (a message printed). */
-static int take_flags(int argc, char **argv, const char *const *names,
-                      const char **values, const char **words, int max_words,
-                      int *nwords) {
-  int kept = 0;
-
-  *nwords = 0;
-  for (int i = 0; i < argc; i++) {
-    int k = -1;
-    for (int j = 0; names[j]; j++)
-      if (strcmp(argv[i], names[j]) == 0)
-        k = j;
-    if (k >= 0) {
-      if (i + 1 >= argc) {
-        fprintf(stderr, "idemd: option %s needs a value\n", argv[i]);
-        return -1;
-      }
-      values[k] = argv[++i];
-    } else if (strncmp(argv[i], "--", 2) != 0) {
-      if (*nwords >= max_words) {
-        fprintf(stderr, "idemd: unexpected argument '%s'\n", argv[i]);
-        return -1;
-      }
-      words[(*nwords)++] = argv[i];
-    } else {
-      argv[kept++] = argv[i];
-      if (i + 1 < argc && strncmp(argv[i + 1], "--", 2) != 0 &&
-          strchr(argv[i], '=') == NULL)
-        argv[kept++] = argv[++i]; /* a common flag's value */
-    }
-  }
-  return kept;
-}
 
 /* The common flags left over (--db and the like). 0, or -1 (printed). */
 static int common_flags(idemd_config_t *cfg, int argc, char **argv) {
@@ -106,17 +70,18 @@ int idemd_cmd_resolve(idemd_config_t *cfg, int refund, int argc, char **argv) {
   static const char *const names[] = {"--as", "--reason", "--operator", "--tenant", NULL};
   const char *v[4] = {0}, *words[2] = {0};
   const char *what = refund ? "refund" : "payment";
+  idem__flags_t flags = {"idemd", names, v, words, 2, 0, 1};
   char actor[80];
-  int nwords = 0, left, rc, status = 0;
+  int left, rc, status = 0;
   int64_t tenant = 0;
   idemd_pending_t p;
   idemd_claim_t found = IDEMD_CLAIM_UNKNOWN;
   idem_store_t *store;
 
-  left = take_flags(argc, argv, names, v, words, 2, &nwords);
+  left = idem__flags_take(&flags, argc, argv);
   if (left < 0 || common_flags(cfg, left, argv) != 0)
     return 2;
-  if (nwords != 2 || strcmp(words[0], "resolve") != 0 || !v[0] || !v[1] || !v[2]) {
+  if (flags.nwords != 2 || strcmp(words[0], "resolve") != 0 || !v[0] || !v[1] || !v[2]) {
     fprintf(stderr,
             "usage: idemd %ss resolve ID --as succeeded|declined --reason TEXT "
             "--operator NAME [--tenant NAME] [--db ...]\n",
@@ -202,13 +167,14 @@ static int print_row(void *arg, const idemd_audit_row_t *row) {
 
 int idemd_cmd_audit(idemd_config_t *cfg, int argc, char **argv) {
   static const char *const names[] = {"--tenant", "--resource", NULL};
-  const char *v[2] = {0}, *words[1];
-  int nwords = 0, left, rc;
+  const char *v[2] = {0};
+  idem__flags_t flags = {"idemd", names, v, NULL, 0, 0, 1};
+  int left, rc;
   int64_t tenant = 0;
   idem_store_t *store;
   struct printing pr = {0};
 
-  left = take_flags(argc, argv, names, v, words, 0, &nwords);
+  left = idem__flags_take(&flags, argc, argv);
   if (left < 0 || common_flags(cfg, left, argv) != 0)
     return 2;
   if (v[0] == NULL) {

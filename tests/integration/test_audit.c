@@ -250,7 +250,11 @@ static void test_resolve_payment(void **state) {
                                "--operator", "alice", NULL};
     const char *no_id[] = {"payments", "resolve", "--as", "succeeded", "--reason", "x",
                            "--operator", "alice", NULL};
+    /* Which would it be? Refused, as the gateway's resolve refuses it. */
+    const char *twice[] = {"payments", "resolve", a_id, "--as", "succeeded", "--as",
+                           "declined", "--reason", "x", "--operator", "alice", NULL};
     int64_t rows_before = h_db_int(s, AUDIT_ROWS);
+    assert_int_equal(cli(s, twice), 2);
     assert_int_equal(cli(s, no_operator), 2);
     assert_int_equal(cli(s, no_reason), 2);
     assert_int_equal(cli(s, no_id), 2);
