@@ -1,11 +1,13 @@
 /* A request's own provider call that would start after its lease
  * (docs/idempotency.md, section 2.8): the key is reserved, then the call
  * waits for a worker (held here with IDEM_HOLD_CALLS_FILE, as behind a
- * long queue) while the lease runs out and the record is settled by
- * another: the reconciler, which takes it over and charges, or an operator
- * (`idemd refunds resolve`). Released, the request sends nothing to the
- * provider, and answers with what the record now says. Nothing here waits
- * on a clock: each step waits for the state the one before leaves. */
+ * long queue) while the lease runs out. The record is then settled by the
+ * reconciler, which takes it over and charges, or by an operator (`idemd
+ * refunds resolve`), or by nobody. Released, the request sends nothing to
+ * the provider and answers with what the record now says (its own pending
+ * completion when nobody took it). Nothing asserts on time: each step
+ * waits for the state the one before leaves (once, for the store's clock
+ * to pass a lease). */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdio.h>
@@ -109,6 +111,59 @@ static void test_payment_taken_over_while_held(void **state) {
   p_stop(p);
 }
 
+/* The store's clock, in ms since the epoch (SQLite's to the second, which
+ * only makes a wait on it longer). */
+static const char *db_now_ms(void) {
+  return h_store_is_pg() ? "CAST(extract(epoch FROM clock_timestamp()) * 1000 AS BIGINT)"
+                         : "CAST(strftime('%s', 'now') AS INTEGER) * 1000";
+}
+
+/* A payment reserved, its call held until its lease would end before the
+ * call's 1 s, with no reconciler running to take it over. Released, the
+ * request sends nothing, still holds its record and completes it as
+ * pending: 202, the payment pending, its outbox row left for the
+ * reconciler. */
+static void test_payment_own_lease_too_short(void **state) {
+  p_psp_t *p = p_start(NULL);
+  char path[300], sql[400];
+  h_server_t *s = start_idemd(p, "1h", path, sizeof path);
+  struct bg b = {.s = s, .key = "late-2", .body = PAYMENT, .path = "/payments"};
+  json_t *stats;
+  char *id;
+  (void)state;
+
+  b.tok = h_tenant(s, "acme");
+  hold(path);
+  assert_int_equal(pthread_create(&b.thread, NULL, bg_main, &b), 0);
+  wait_record(s, "late-2", "processing", 10000);
+  id = h_db_text(s, RESOURCE_OF_KEY, "late-2");
+  assert_non_null(id);
+  /* Held until a call of --provider-timeout (1 s) would end after the
+   * lease, by the store's clock. */
+  snprintf(sql, sizeof sql,
+           "SELECT count(*) FROM idempotency_records WHERE key = ?1 AND "
+           "lease_expires_at - 1000 < %s",
+           db_now_ms());
+  if (!h_db_wait(s, 10000, sql, "late-2"))
+    fail_msg("the lease of late-2 did not run short");
+  assert_int_equal(unlink(path), 0);
+  pthread_join(b.thread, NULL);
+
+  h_assert_status(&b.resp, 202);
+  assert_string_equal(h_id(&b.resp), id);
+  assert_string_equal(json_string_value(json_object_get(b.resp.json, "status")),
+                      "pending");
+  h_resp_free(&b.resp);
+  h_assert_db(s, 1, RECORD_IN_STATE, "late-2", "pending");
+  h_assert_db(s, 1, "SELECT count(*) FROM outbox WHERE resource_id = ?1", id);
+  stats = p_stats(p);
+  assert_int_equal(p_key(stats, id, "requests"), 0);
+  json_decref(stats);
+  free(id);
+  h_server_stop(s);
+  p_stop(p);
+}
+
 /* A refund reserved, its call held; once its lease ran out an operator
  * resolves it as declined. Released, the request sends nothing (no refund
  * request at the provider) and answers the resolved refund, 402. */
@@ -165,6 +220,7 @@ static void test_refund_resolved_while_held(void **state) {
 int main(int argc, char **argv) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test_teardown(test_payment_taken_over_while_held, p_teardown),
+      cmocka_unit_test_teardown(test_payment_own_lease_too_short, p_teardown),
       cmocka_unit_test_teardown(test_refund_resolved_while_held, p_teardown),
   };
   int rc;
