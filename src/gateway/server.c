@@ -20,6 +20,7 @@
 #include "gateway/resolver.h"
 #include "idem/clock.h"
 #include "server/log.h"
+#include "server/replay_cache.h"
 #include "util/ticker.h"
 
 /* How long SIGTERM lets requests in flight finish. */
@@ -31,6 +32,11 @@
 #define WORKERS 256
 /* How often the resolver looks for unsettled keys that are due. */
 #define RESOLVE_EVERY_MS 500
+/* Bytes of ready replays kept in memory (keyed.c). */
+#define REPLAY_CACHE_BYTES (64u << 20)
+/* How often requests parked on a duplicate in flight are woken when their
+ * wait ran out (idem_engine_expire()). */
+#define EXPIRE_EVERY_MS 20
 
 static atomic_int inflight;
 
@@ -170,17 +176,17 @@ static ssize_t no_body(void *cls, uint64_t pos, char *buf, size_t max) {
   return MHD_CONTENT_READER_END_OF_STREAM;
 }
 
-enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra) {
+struct MHD_Response *gw_response(const gw_req_t *r, const gw_answer_t *a,
+                                 const char *const *extra) {
   long long head = head_length(r, a);
   struct MHD_Response *resp =
       head >= 0 ? MHD_create_response_from_callback((uint64_t)head, 4096, no_body, NULL, NULL)
                 : MHD_create_response_from_buffer(a->len, a->body ? a->body : (void *)"",
                                                   MHD_RESPMEM_MUST_COPY);
   const char *connection = NULL;
-  enum MHD_Result ret;
 
   if (resp == NULL)
-    return MHD_NO;
+    return NULL;
   for (int i = 0; i < a->nheaders; i++)
     if (strcasecmp(a->headers[i].name, "Connection") == 0)
       connection = a->headers[i].value;
@@ -194,6 +200,15 @@ enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *ex
   }
   for (const char *const *e = extra; e && e[0] && e[1]; e += 2)
     MHD_add_response_header(resp, e[0], e[1]);
+  return resp;
+}
+
+enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra) {
+  struct MHD_Response *resp = gw_response(r, a, extra);
+  enum MHD_Result ret;
+
+  if (resp == NULL)
+    return MHD_NO;
   r->status = a->status;
   if (r->in_worker) { /* queued once the connection is resumed */
     r->response = resp;
@@ -427,6 +442,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     *upload_size = 0;
     return MHD_YES;
   }
+  if (r->resume) /* resumed, the keyed flow going on here */
+    return r->resume(r);
   if (r->response || r->status < 0) { /* resumed, with a worker's answer */
     enum MHD_Result ret = MHD_NO;
     if (r->response) {
@@ -445,45 +462,23 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
 }
 
 static void log_request(const gw_req_t *r) {
-  char ts[40], base[24], path[260];
+  char path[260];
   size_t plen = 0;
-  struct timeval tv;
-  struct tm tm;
-  int64_t us = idem_mono_us() - r->start_us;
-  json_t *line;
-  char *text;
-
-  gettimeofday(&tv, NULL);
-  gmtime_r(&tv.tv_sec, &tm);
-  strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
-  snprintf(ts, sizeof ts, "%s.%03dZ", base, (int)(tv.tv_usec / 1000));
+  idemd_gateway_line_t line = {.request_id = r->request_id, .method = r->method,
+                               .path = path, .route = r->route, .key_id = r->key_id,
+                               .op = r->op, .outcome = r->outcome, .status = r->status,
+                               .start_us = r->start_us};
   /* A path is the client's bytes: any that is not printable ASCII is
    * written %XX, so the line packs whatever it held. */
   for (const unsigned char *p = (const unsigned char *)(r->path ? r->path : "");
-       *p && plen < sizeof path - 4; p++)
-    plen += (size_t)snprintf(path + plen, sizeof path - plen,
-                             *p < 0x20 || *p > 0x7e ? "%%%02X" : "%c", *p);
-  path[plen] = '\0';
-  line = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:f, s:s}", "ts", ts, "level",
-                   "info", "msg", "request", "request_id", r->request_id, "method",
-                   r->method ? r->method : "", "operation", idemd_op_name(r->op), "outcome",
-                   idemd_outcome_name(r->outcome), "status", r->status, "latency_ms",
-                   (double)(us < 0 ? 0 : us) / 1000.0, "path", path);
-  if (line == NULL)
-    return;
-  if (r->route)
-    json_object_set_new(line, "route", json_string(r->route));
-  if (r->key_id[0])
-    json_object_set_new(line, "key_id", json_string(r->key_id));
-  /* A path is the client's bytes: escaped to ASCII, so the line is JSON. */
-  text = json_dumps(line, JSON_COMPACT | JSON_ENSURE_ASCII | JSON_REAL_PRECISION(6));
-  json_decref(line);
-  if (text) {
-    size_t n = strlen(text);
-    text[n] = '\n'; /* json_dumps leaves room for the NUL replaced */
-    idemd_log_line(text, n + 1);
-    free(text);
+       *p && plen < sizeof path - 4; p++) {
+    if (*p < 0x20 || *p > 0x7e)
+      plen += (size_t)snprintf(path + plen, sizeof path - plen, "%%%02X", *p);
+    else
+      path[plen++] = (char)*p;
   }
+  path[plen] = '\0';
+  idemd_log_gateway_request(&line);
 }
 
 static void on_done(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -529,6 +524,7 @@ static char *render_metrics(gw_t *gw) {
   g.store_commits = st.commits;
   g.store_writes = st.writes;
   g.store_batch_reruns = st.batch_reruns;
+  g.replay_cache_hits = idemd_replay_cache_hits(gw->replays);
   if ((base = idemd_metrics_render(&gw->metrics, &g)) == NULL)
     return NULL;
   len = strlen(base) + 1024;
@@ -703,7 +699,33 @@ static int open_store(gw_t *gw) {
   return 0;
 }
 
+/* The engine's parked requests whose wait ran out, woken (all of them
+ * once the gateway drains). */
+static void expire_parked(void *ctx) {
+  gw_t *gw = ctx;
+  (void)idem_engine_expire(gw->engine, atomic_load(&gw->draining) ? INT64_MAX : idem_mono_ms());
+}
+
+/* Before the event threads stop: every connection off its event thread
+ * without a worker is given back. Parked duplicates are woken, the
+ * upstream's calls under way end (each within its deadline) and their
+ * completions are written by the store's writer, which resumes them. */
+static void stop_handed_off(gw_t *gw, struct idem__ticker *expirer) {
+  idem__ticker_stop(expirer);
+  if (gw->engine)
+    (void)idem_engine_expire(gw->engine, INT64_MAX);
+  if (gw->upstream)
+    gw_upstream_loop_stop(gw->upstream);
+  for (int64_t until = idem_mono_ms() + DRAIN_MS;
+       atomic_load(&gw->handed_off) > 0 && idem_mono_ms() < until;) {
+    if (gw->engine)
+      (void)idem_engine_expire(gw->engine, INT64_MAX);
+    usleep(1000);
+  }
+}
+
 static void close_all(gw_t *gw) {
+  idemd_replay_cache_free(gw->replays);
   idemd_workers_free(gw->workers);
   idem_engine_free(gw->engine);
   if (gw->store)
@@ -716,7 +738,7 @@ static void close_all(gw_t *gw) {
 int gw_cmd_gateway(int argc, char **argv) {
   static gw_t gw; /* its metrics are large; one per process */
   struct MHD_Daemon *d = NULL, *ad = NULL;
-  struct idem__ticker *resolver = NULL;
+  struct idem__ticker *resolver = NULL, *expirer = NULL;
   int port = 0, aport = 0, sig = 0;
   char lport[16], aportstr[16];
   sigset_t set;
@@ -743,12 +765,21 @@ int gw_cmd_gateway(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (open_store(&gw) != 0)
     goto fail;
+  gw.replays = idemd_replay_cache_new(REPLAY_CACHE_BYTES); /* NULL: none */
   if ((gw.workers = idemd_workers_start(WORKERS, (int)event_threads() * 8)) == NULL)
     goto fail;
   gw.upstream = gw_upstream_new(gw.cfg.upstream, gw.cfg.upstream_connect_timeout_ms,
                                 gw.cfg.upstream_timeout_ms, (size_t)gw.cfg.max_answer);
   if (gw.upstream == NULL)
     goto fail;
+  /* Keyed requests without a waiting thread where the store has local
+   * reads and asynchronous writes (SQLite; keyed.c). */
+  if (idem_store_local_reads(gw.store)) {
+    if (gw_upstream_loop_start(gw.upstream) != 0 ||
+        (expirer = idem__ticker_start(EXPIRE_EVERY_MS, expire_parked, &gw)) == NULL)
+      goto fail;
+    gw.upstream_loop = 1;
+  }
   d = listen_on(&gw.cfg.listen,
                 MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME,
                 handle, &gw, 1, &port);
@@ -774,11 +805,13 @@ int gw_cmd_gateway(int argc, char **argv) {
   sigwait(&set, &sig);
   /* New connections are refused from here; requests in flight finish. */
   MHD_quiesce_daemon(d);
+  atomic_store(&gw.draining, 1);
   for (int64_t until = idem_mono_ms() + DRAIN_MS;
        atomic_load(&inflight) > 0 && idem_mono_ms() < until;)
     usleep(10000);
   idem__ticker_stop(resolver);
   idemd_workers_stop(gw.workers); /* what was handed on is answered */
+  stop_handed_off(&gw, expirer);
   MHD_stop_daemon(d);
   MHD_stop_daemon(ad);
   idemd_log_event("info", "gateway stopped", NULL);
@@ -788,6 +821,7 @@ int gw_cmd_gateway(int argc, char **argv) {
 fail:
   idem__ticker_stop(resolver);
   idemd_workers_stop(gw.workers);
+  stop_handed_off(&gw, expirer);
   if (d)
     MHD_stop_daemon(d);
   if (ad)
