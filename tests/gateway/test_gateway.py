@@ -365,6 +365,63 @@ def test_lost_answer_is_pending(py, gw_py, admin_py):
     assert re.search(r"^idem_gateway_upstream_no_answer_total [1-9]", metrics, re.M)
 
 
+def test_timeout_after_send_is_pending(py):
+    """Sent, and no answer within --upstream-timeout (the I/O thread's
+    deadline): pending, 202, never sent again; its retry replays 202."""
+    p, port, admin, _ = start_gateway(py, ["POST /charges"], "--upstream-timeout", "300ms",
+                                      "--lease", "2s")
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    t0 = time.monotonic()
+    s, hs, b = req(port, "POST", "/charges?sleep=1500", h, "{}")
+    took = time.monotonic() - t0
+    assert s == 202 and header(hs, "Retry-After") == "5", (s, b)
+    assert took < 1.2, "answered after %.2f s, not at the deadline" % took
+    s, hs, b = req(port, "POST", "/charges?sleep=1500", h, "{}")
+    assert s == 202 and header(hs, "Idempotent-Replayed") == "true", (s, b)
+    time.sleep(1.5)  # the upstream's own (late) answer is over
+    assert executions(py, key) == 1, "executed %d times" % executions(py, key)
+    assert metric(admin, "idem_gateway_upstream_no_answer_total") == 1
+    stop_gateway(p)
+
+
+def test_twenty_at_once_one_execution_fast_upstream(py, gw_py):
+    """As test_twenty_at_once_make_one, through the Python upstream: the
+    nineteen duplicates park on the key (no thread each) and replay."""
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    res = together(20, lambda: req(gw_py, "POST", "/charges?sleep=300", h, "{}"))
+    assert executions(py, key) == 1, "executed %d times" % executions(py, key)
+    assert {s for s, _, _ in res} == {201}, [s for s, _, _ in res]
+    assert len({b for _, _, b in res}) == 1
+    replayed = [header(hs, "Idempotent-Replayed") for _, hs, _ in res]
+    assert replayed.count("true") == 19, replayed
+
+
+def test_duplicate_waits_no_longer_than_its_bound(py):
+    """A duplicate in flight waits --inflight-wait, then 409: the parked
+    request is woken at its bound while the original is at the upstream."""
+    p, port, _, _ = start_gateway(py, ["POST /charges"], "--inflight-wait", "200ms")
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    first = {}
+    t = threading.Thread(target=lambda: first.update(
+        r=req(port, "POST", "/charges?sleep=1500", h, "{}")))
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s, hs, b = req(port, "POST", "/charges?sleep=1500", h, "{}")
+    took = time.monotonic() - t0
+    assert s == 409 and header(hs, "Retry-After") == "1", (s, b)
+    assert took < 1.0, "the duplicate waited %.2f s" % took
+    t.join()
+    assert first["r"][0] == 201, first["r"]
+    s, hs, b = req(port, "POST", "/charges?sleep=1500", h, "{}")
+    assert s == 201 and header(hs, "Idempotent-Replayed") == "true", (s, b)
+    assert executions(py, key) == 1
+    stop_gateway(p)
+
+
 def test_too_large_answer_blocks_a_second_run(py, gw_small):
     h = {"Idempotency-Key": new_key()}
     s, _, b = req(gw_small, "GET", "/big?n=900", h)
