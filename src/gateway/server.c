@@ -1,11 +1,13 @@
 /* The gateway's HTTP side (docs/gateway.md): libmicrohttpd's event
- * threads, which hand every step that waits (a write, the upstream) to
- * idemd's workers (server/workers.h) with the connection suspended, the
- * proxy for requests outside the keyed routes, the admin
+ * threads, which never wait (a keyed request goes on without a thread on
+ * SQLite, gateway/keyed.c; on PostgreSQL, and for the proxy's call,
+ * idemd's workers, server/workers.h, with the connection suspended), the
+ * streaming proxy for requests outside the keyed routes, the admin
  * listener (GET /healthz, /metrics) on a port of its own, the log line of
  * each request, start-up and shutdown. */
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -281,34 +283,242 @@ static int idempotent_method(const char *m) {
   return 0;
 }
 
-/* Any request outside the keyed routes: sent on as it came, its answer
- * sent back as it came (docs/gateway.md, "Everything else"). */
-static enum MHD_Result proxy_run(gw_req_t *r) {
-  char **headers;
-  gw_up_request_t up;
-  gw_answer_t a;
-  gw_up_result_t res;
-  enum MHD_Result ret;
+/* ---- the proxy's answers, streamed (docs/gateway.md, "Everything else") ----
+ *
+ * A worker makes the call (gw_upstream_stream()); at the first byte of
+ * the answer's body its head goes to the client (the connection resumed
+ * with a response read from `struct stream`), and the body follows
+ * through a bounded buffer: the worker waits while it is full (the
+ * client's pace holds the upstream back), and the event thread, finding
+ * it empty, suspends the connection until the worker resumes it. The
+ * stream is shared by the worker and the response, freed by the last. */
 
-  if ((headers = gw_forward_headers(r, NULL)) == NULL)
-    return gw_send_error(r, 500, "internal error");
-  up = (gw_up_request_t){.method = r->method, .target = r->target,
-                         .headers = (const char *const *)headers, .body = r->body,
-                         .body_len = r->body_len, .once = !idempotent_method(r->method)};
+/* Bytes of an answer held at once between the upstream and the client. */
+#define STREAM_BUF (256 * 1024)
+/* How long a full buffer waits for the client before the call is cut. */
+#define STREAM_STALL_MS 60000
+
+struct stream {
+  pthread_mutex_t lock;
+  pthread_cond_t room; /* signalled when the client took bytes, or left */
+  struct MHD_Connection *conn;
+  char *buf;
+  size_t start, len; /* the bytes waiting, as a ring in buf[STREAM_BUF] */
+  int refs;          /* the worker's and, once made, the response's */
+  int done;          /* 1: the upstream's answer is over; -1: cut short */
+  int gone;          /* the response is freed: the client is gone or served */
+  int suspended;     /* the event thread found it empty and suspended */
+  gw_req_t *r;       /* until the head is sent; not touched after */
+  int head_sent;
+};
+
+static void stream_unref(struct stream *st) {
+  int last;
+  pthread_mutex_lock(&st->lock);
+  last = --st->refs == 0;
+  pthread_mutex_unlock(&st->lock);
+  if (!last)
+    return;
+  pthread_mutex_destroy(&st->lock);
+  pthread_cond_destroy(&st->room);
+  free(st->buf);
+  free(st);
+}
+
+/* The response's end: the client has all of it, or is gone. */
+static void stream_freed(void *cls) {
+  struct stream *st = cls;
+  pthread_mutex_lock(&st->lock);
+  st->gone = 1;
+  pthread_cond_broadcast(&st->room);
+  pthread_mutex_unlock(&st->lock);
+  stream_unref(st);
+}
+
+/* Gives the connection back to its event thread if it waits for bytes;
+ * `st->lock` held. A suspended connection is alive: it is not closed
+ * while suspended. */
+static void stream_wake(struct stream *st) {
+  if (st->suspended) {
+    st->suspended = 0;
+    MHD_resume_connection(st->conn);
+  }
+}
+
+/* libmicrohttpd's reader, on the event thread. */
+static ssize_t stream_read(void *cls, uint64_t pos, char *out, size_t max) {
+  struct stream *st = cls;
+  ssize_t n;
+  (void)pos;
+  pthread_mutex_lock(&st->lock);
+  if (st->len > 0) {
+    size_t take = st->len < max ? st->len : max;
+    size_t first = STREAM_BUF - st->start < take ? STREAM_BUF - st->start : take;
+    memcpy(out, st->buf + st->start, first);
+    memcpy(out + first, st->buf, take - first);
+    st->start = (st->start + take) % STREAM_BUF;
+    st->len -= take;
+    pthread_cond_broadcast(&st->room);
+    n = (ssize_t)take;
+  } else if (st->done != 0) {
+    n = st->done > 0 ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
+  } else {
+    /* Nothing yet: no busy loop; the worker resumes it (stream_wake()). */
+    st->suspended = 1;
+    MHD_suspend_connection(st->conn);
+    n = 0;
+  }
+  pthread_mutex_unlock(&st->lock);
+  return n;
+}
+
+/* The value of `name` in `a`, or NULL. */
+static const char *answer_header(const gw_answer_t *a, const char *name) {
+  for (int i = 0; i < a->nheaders; i++)
+    if (strcasecmp(a->headers[i].name, name) == 0)
+      return a->headers[i].value;
+  return NULL;
+}
+
+/* The sink's on_head, on the worker: the response made and the
+ * connection resumed, which queues it (handle()). */
+static int stream_head(void *arg, const gw_answer_t *a) {
+  struct stream *st = arg;
+  gw_req_t *r = st->r;
+  const char *cl = answer_header(a, "Content-Length");
+  uint64_t size = MHD_SIZE_UNKNOWN; /* chunked to the client, as the upstream's was */
+  struct MHD_Response *resp;
+  const char *connection = answer_header(a, "Connection");
+
+  if (cl && answer_header(a, "Transfer-Encoding") == NULL) {
+    char *end;
+    unsigned long long v = strtoull(cl, &end, 10);
+    if (*cl >= '0' && *cl <= '9' && *end == '\0')
+      size = v;
+  }
+  resp = MHD_create_response_from_callback(size, 32 * 1024, stream_read, st, stream_freed);
+  if (resp == NULL)
+    return -1;
+  for (int i = 0; i < a->nheaders; i++) {
+    const char *name = a->headers[i].name;
+    if (gw_hop_by_hop(name, connection) || strcasecmp(name, "Content-Length") == 0)
+      continue;
+    MHD_add_response_header(resp, name, a->headers[i].value);
+  }
+  pthread_mutex_lock(&st->lock);
+  st->refs++; /* the response's */
+  st->head_sent = 1;
+  pthread_mutex_unlock(&st->lock);
+  r->status = a->status;
+  r->response = resp;
+  r->in_worker = 0;
+  st->r = NULL;
+  MHD_resume_connection(r->conn); /* `r` is the event thread's from here */
+  return 0;
+}
+
+/* The sink's on_data, on the worker: into the buffer, waiting for room. */
+static int stream_data(void *arg, const char *data, size_t n) {
+  struct stream *st = arg;
+  int rc = 0;
+  pthread_mutex_lock(&st->lock);
+  while (n > 0 && !st->gone) {
+    size_t room = STREAM_BUF - st->len, put, at, first;
+    if (room == 0) {
+      struct timespec until;
+      clock_gettime(CLOCK_REALTIME, &until);
+      until.tv_sec += STREAM_STALL_MS / 1000;
+      if (pthread_cond_timedwait(&st->room, &st->lock, &until) != 0 && st->len == STREAM_BUF)
+        break; /* the client reads nothing: cut */
+      continue;
+    }
+    put = n < room ? n : room;
+    at = (st->start + st->len) % STREAM_BUF;
+    first = STREAM_BUF - at < put ? STREAM_BUF - at : put;
+    memcpy(st->buf + at, data, first);
+    memcpy(st->buf, data + first, put - first);
+    st->len += put;
+    data += put;
+    n -= put;
+    stream_wake(st);
+  }
+  if (n > 0)
+    rc = -1;
+  pthread_mutex_unlock(&st->lock);
+  return rc;
+}
+
+/* Any request outside the keyed routes, on a worker: sent on as it came,
+ * its answer streamed back as it comes (docs/gateway.md, "Everything
+ * else"). HEAD's answer has no body: as gw_send() sends it. */
+static void proxy_work(idemd_work_t *w) {
+  gw_req_t *r = GW_REQ_OF(w);
+  struct stream *st = calloc(1, sizeof *st);
+  char **headers = gw_forward_headers(r, NULL);
+  /* What the call borrows is its own: the client may leave, and `r` be
+   * freed, while the call still goes on. */
+  char *method = strdup(r->method), *target = strdup(r->target), *body = r->body;
+  size_t body_len = r->body_len;
+  gw_up_result_t res;
+  gw_answer_t a;
+  gw_up_stream_t sink = {stream_head, stream_data, st};
+  gw_up_request_t up;
+  int head_sent = 0;
+
+  r->body = NULL;
+  r->in_worker = 1;
+  if (st == NULL || headers == NULL || method == NULL || target == NULL ||
+      (st->buf = malloc(STREAM_BUF)) == NULL) {
+    if (st)
+      free(st->buf);
+    free(st);
+    st = NULL;
+    (void)gw_send_error(r, 500, "internal error");
+    goto out;
+  }
+  pthread_mutex_init(&st->lock, NULL);
+  pthread_cond_init(&st->room, NULL);
+  st->conn = r->conn;
+  st->r = r;
+  st->refs = 1;
+  up = (gw_up_request_t){.method = method, .target = target,
+                         .headers = (const char *const *)headers, .body = body,
+                         .body_len = body_len, .once = !idempotent_method(method)};
   idemd_workers_wait_begin(); /* on the application, not the store */
-  res = gw_upstream_call(r->gw->upstream, &up, &a);
+  res = strcmp(method, "HEAD") == 0 ? gw_upstream_call(r->gw->upstream, &up, &a)
+                                    : gw_upstream_stream(r->gw->upstream, &up, &sink, &a);
   idemd_workers_wait_end();
-  gw_free_lines(headers);
-  if (res == GW_UP_ANSWERED)
-    ret = gw_send(r, &a, NULL);
-  else if (res == GW_UP_TOO_LARGE)
-    ret = gw_send_error(r, 502, "the upstream's answer was too large");
-  else if (res == GW_UP_NOT_SENT)
-    ret = gw_send_error(r, 502, "the upstream cannot be reached");
-  else
-    ret = gw_send_error(r, 504, "the upstream did not answer");
+  pthread_mutex_lock(&st->lock);
+  head_sent = st->head_sent;
+  if (head_sent) {
+    st->done = res == GW_UP_ANSWERED ? 1 : -1;
+    stream_wake(st);
+  }
+  pthread_mutex_unlock(&st->lock);
+  if (!head_sent) {
+    if (res == GW_UP_ANSWERED)
+      (void)gw_send(r, &a, NULL);
+    else if (res == GW_UP_TOO_LARGE)
+      (void)gw_send_error(r, 502, "the upstream's answer was too large");
+    else if (res == GW_UP_NOT_SENT)
+      (void)gw_send_error(r, 502, "the upstream cannot be reached");
+    else
+      (void)gw_send_error(r, 504, "the upstream did not answer");
+  }
   gw_answer_free(&a);
-  return ret;
+  stream_unref(st);
+out:
+  gw_free_lines(headers);
+  free(method);
+  free(target);
+  free(body);
+  if (st == NULL || !head_sent) {
+    /* Not resumed yet: the answer made here, or none (cut). */
+    if (r->response == NULL)
+      r->status = -1;
+    r->in_worker = 0;
+    MHD_resume_connection(r->conn);
+  }
 }
 
 static enum MHD_Result proxy(gw_req_t *r) {
@@ -316,7 +526,17 @@ static enum MHD_Result proxy(gw_req_t *r) {
   r->outcome = OUTCOME_NONE;
   if (r->body_too_large)
     return gw_send_error(r, 413, "request body too large");
-  return gw_defer(r, proxy_run);
+  r->work.run = proxy_work;
+  MHD_suspend_connection(r->conn);
+  if (idemd_workers_submit(r->gw->workers, &r->work) == 0)
+    return MHD_YES;
+  /* Shutting down: no worker takes it. */
+  r->in_worker = 1;
+  r->outcome = OUTCOME_ERROR;
+  (void)gw_send_error(r, 503, "the gateway is stopping; retry");
+  r->in_worker = 0;
+  MHD_resume_connection(r->conn);
+  return MHD_YES;
 }
 
 /* ---- requests ---- */

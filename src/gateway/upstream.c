@@ -173,6 +173,12 @@ struct gather {
   int too_large;
   int once;     /* the request may not be sent a second time */
   int attempts; /* times libcurl was about to send it */
+  /* gw_upstream_stream()'s: where the body goes instead of a->body, and
+   * whether its head was passed on (at the first byte of the body). */
+  const gw_up_stream_t *sink;
+  CURL *easy;
+  int head_sent;
+  int aborted; /* the sink refused: the client is gone */
 };
 
 /* Called by libcurl each time it is about to send the request on a
@@ -190,11 +196,27 @@ static int on_prereq(void *arg, char *ip, char *local_ip, int port, int local_po
   return ++g->attempts > 1 && g->once ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
 }
 
+/* The head of a streamed answer, passed on once: its status and headers. */
+static int send_head(struct gather *g) {
+  long code = 0;
+  curl_easy_getinfo(g->easy, CURLINFO_RESPONSE_CODE, &code);
+  g->a->status = (int)code;
+  g->head_sent = 1;
+  return g->sink->on_head(g->sink->arg, g->a);
+}
+
 static size_t on_body(char *data, size_t size, size_t n, void *arg) {
   struct gather *g = arg;
   gw_answer_t *a = g->a;
   size_t len = size * n;
 
+  if (g->sink) {
+    if ((!g->head_sent && send_head(g) != 0) || g->sink->on_data(g->sink->arg, data, len) != 0) {
+      g->aborted = 1;
+      return 0; /* ends the transfer */
+    }
+    return len;
+  }
   if (a->len + len > g->u->max_answer) {
     g->too_large = 1;
     return 0; /* ends the transfer: CURLE_WRITE_ERROR */
@@ -323,7 +345,14 @@ static int set_up(gw_upstream_t *u, CURL *c, const gw_up_request_t *req, struct 
   curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, u->connect_timeout_ms);
-  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, u->timeout_ms);
+  if (g->sink) {
+    /* A streamed answer may take any time in all: the deadline is on
+     * silence instead, no byte for as long as a call may take. */
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, u->timeout_ms < 1000 ? 1L : u->timeout_ms / 1000);
+  } else {
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, u->timeout_ms);
+  }
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, *hdrs);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
   curl_easy_setopt(c, CURLOPT_WRITEDATA, g);
@@ -392,6 +421,37 @@ gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
     return GW_UP_NOT_SENT;
   }
   result = classify(c, curl_easy_perform(c), &g, out);
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, NULL);
+  curl_slist_free_all(hdrs);
+  free(url);
+  give_back(u, c);
+  return result;
+}
+
+gw_up_result_t gw_upstream_stream(gw_upstream_t *u, const gw_up_request_t *req,
+                                  const gw_up_stream_t *sink, gw_answer_t *out) {
+  struct gather g = {.u = u, .a = out, .once = req->once, .sink = sink};
+  struct curl_slist *hdrs = NULL;
+  gw_up_result_t result;
+  char *url = NULL;
+  CURL *c = take(u);
+  CURLcode rc;
+
+  memset(out, 0, sizeof *out);
+  g.easy = c;
+  if (c == NULL || set_up(u, c, req, &g, &url, &hdrs) != 0) {
+    if (c)
+      give_back(u, c); /* nothing went out */
+    return GW_UP_NOT_SENT;
+  }
+  rc = curl_easy_perform(c);
+  if (g.head_sent) {
+    /* Passed on as it came: whole, or cut (the client gone, or the
+     * upstream silent or gone midway). */
+    result = rc == CURLE_OK ? GW_UP_ANSWERED : GW_UP_NO_ANSWER;
+  } else {
+    result = classify(c, rc, &g, out); /* no body: the answer is whole in `out` */
+  }
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, NULL);
   curl_slist_free_all(hdrs);
   free(url);

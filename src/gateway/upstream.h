@@ -65,6 +65,29 @@ void gw_upstream_free(gw_upstream_t *u);
 gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
                                 gw_answer_t *out);
 
+/* Where a streamed answer goes (gw_upstream_stream()). */
+typedef struct gw_up_stream {
+  /* Called once, at the first byte of the body, with the answer's status
+   * and headers (its body empty). Returns 0 to go on, else the transfer
+   * ends. */
+  int (*on_head)(void *arg, const gw_answer_t *head);
+  /* Called with each piece of the body as it comes; may wait (the
+   * client's pace holds the upstream's back). Returns 0 to go on, else
+   * the transfer ends. */
+  int (*on_data)(void *arg, const char *data, size_t n);
+  void *arg;
+} gw_up_stream_t;
+
+/* As gw_upstream_call(), the body passed to `sink` as it comes rather
+ * than gathered, without a cap: the deadline is then on the upstream's
+ * silence (no byte for the call's deadline), not on the whole. When
+ * on_head() was called, returns GW_UP_ANSWERED for a whole answer passed
+ * on and GW_UP_NO_ANSWER for one cut short; otherwise (an answer without
+ * a body, or none) as gw_upstream_call(), `out` holding it. `out` is
+ * zeroed first; free it with gw_answer_free(). */
+gw_up_result_t gw_upstream_stream(gw_upstream_t *u, const gw_up_request_t *req,
+                                  const gw_up_stream_t *sink, gw_answer_t *out);
+
 /* One call without a waiting thread (gw_upstream_submit()). The caller
  * owns it: sets `req` (borrowed until `done`), `done` and `arg`, and
  * keeps it until `done` is called. */

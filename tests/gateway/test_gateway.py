@@ -352,6 +352,41 @@ def test_pass_through_byte_for_byte(py, gw_py):
     assert [v for k, v in names if k == "x-forwarded-for"] == ["10.0.0.1, 127.0.0.1"], names
 
 
+def hwm_kib(p):
+    with open("/proc/%d/status" % p.pid) as f:
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def test_pass_through_streams_past_every_cap(py):
+    """An answer larger than any cap passes through byte for byte, and the
+    gateway's memory does not grow with it: the answer is streamed."""
+    p, port, _, _ = start_gateway(py, ["POST /charges"], "--max-answer", "1000")
+    req(port, "GET", "/big?n=70000")
+    before = hwm_kib(p)
+    n = 50 << 20
+    s, hs, b = req(port, "GET", "/big?n=%d" % n, timeout=120)
+    assert s == 200 and len(b) == n and b == b"x" * n, (s, len(b))
+    grew = hwm_kib(p) - before
+    assert grew < 24 << 10, "the gateway's peak RSS grew %d KiB" % grew
+    stop_gateway(p)
+
+
+def test_pass_through_first_bytes_before_the_end(py, gw_py):
+    """A slow upstream's first bytes reach the client before it is done."""
+    c = http.client.HTTPConnection("127.0.0.1", gw_py, timeout=10)
+    t0 = time.monotonic()
+    c.request("GET", "/drip?ms=1500")
+    r = c.getresponse()
+    first = r.read(6)
+    t_first = time.monotonic() - t0
+    rest = r.read()
+    t_all = time.monotonic() - t0
+    c.close()
+    assert r.status == 200 and first + rest == b"first;second;", (r.status, first, rest)
+    assert r.getheader("Transfer-Encoding") == "chunked", r.getheaders()
+    assert t_first < 1.0 <= t_all, (t_first, t_all)
+
+
 def test_lost_answer_is_pending(py, gw_py, admin_py):
     key = new_key()
     h = {"Idempotency-Key": key, "Content-Type": "application/json"}
