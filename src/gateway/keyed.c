@@ -191,18 +191,22 @@ static enum MHD_Result replay(gw_req_t *r, const idem_record_t *rec, idemd_outco
   return ret;
 }
 
-/* idemd_replay_cache_use()'s: the kept replay sent, when the request's
- * fingerprint is the key's (else the store decides: 422). */
+/* idemd_replay_cache_use()'s: the kept replay sent when the request's
+ * fingerprint is the key's; else the key is a completed record's with
+ * another request (the decision table's MISMATCH), answered after. */
 struct kept_hit {
   gw_req_t *r;
   const char *fp;
+  int mismatch;
   enum MHD_Result ret;
 };
 
 static int send_kept(void *value, int status, const char *fingerprint, void *arg) {
   struct kept_hit *h = arg;
-  if (strcmp(fingerprint, h->fp) != 0)
-    return 0;
+  if (strcmp(fingerprint, h->fp) != 0) {
+    h->mismatch = 1;
+    return 1;
+  }
   h->r->outcome = OUTCOME_REPLAY;
   h->r->status = status;
   h->ret = MHD_queue_response(h->r->conn, (unsigned)status, value);
@@ -368,7 +372,6 @@ typedef struct keyed {
   char key[IDEM_KEY_MAX + 1];
   char fp[IDEM_FINGERPRINT_LEN];
   idem_scope_t scope;
-  int none_seen; /* the event thread found no record: most likely a new key */
   struct to_save ts;
   /* Without a waiting thread (SQLite): the engine's request, the upstream
    * call, and the completion written with what came of it. */
@@ -412,10 +415,7 @@ static enum MHD_Result decide(gw_req_t *r) {
                     .correlation_id = r->request_id,
                     .effect = {gw_save_fn, &k->ts.save},
                     .prepare = encode_request,
-                    .arg = &k->ts,
-                    /* the read was just made; the reservation reports
-                     * any record there is now (engine.h) */
-                    .skip_read = k->none_seen};
+                    .arg = &k->ts};
   int rc;
 
   k->ts.save.scope = &k->scope;
@@ -657,7 +657,7 @@ static enum MHD_Result run_in_event_thread(gw_req_t *r) {
                               .effect = {gw_save_fn, &k->ts.save},
                               .prepare = encode_request,
                               .arg = &k->ts,
-                              .skip_read = k->none_seen};
+                              .skip_read = 1};
   k->a.wake = async_woken;
   k->a.suspend = async_suspend;
   k->a.arg = r;
@@ -702,35 +702,21 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
   }
   key_id(r, &k->scope);
   if (strcmp(r->method, "HEAD") != 0) {
-    struct kept_hit hit = {r, k->fp, MHD_NO};
-    if (idemd_replay_cache_use(r->gw->replays, &k->scope, idem_now_ms(), send_kept, &hit))
-      return hit.ret;
-  }
-  /* A finished key is answered here when reading costs no wait (SQLite):
-   * the engine's own decision table on the record as it stands. */
-  if (idem_store_local_reads(r->gw->store)) {
-    idem_record_t rec = {0};
-    int64_t now = idem_now_ms();
-    enum MHD_Result ret = MHD_NO;
-    int answered = 1;
-
-    rc = idem_store_lookup(r->gw->store, &k->scope, now, &rec);
-    k->none_seen = rc == IDEM_ENOTFOUND;
-    idem_decision_t d = rc == IDEM_OK ? idem_decide(&rec, k->fp, now) : IDEM_DECIDE_RESERVE;
-    if (rc == IDEM_OK && d == IDEM_DECIDE_REPLAY)
-      ret = replay(r, &rec, OUTCOME_REPLAY);
-    else if (rc == IDEM_OK && d == IDEM_DECIDE_PENDING)
-      ret = replay(r, &rec, OUTCOME_PENDING);
-    else if (rc == IDEM_OK && d == IDEM_DECIDE_MISMATCH) {
+    struct kept_hit hit = {r, k->fp, 0, MHD_NO};
+    if (idemd_replay_cache_use(r->gw->replays, &k->scope, idem_now_ms(), send_kept, &hit)) {
+      if (!hit.mismatch)
+        return hit.ret;
       r->outcome = OUTCOME_MISMATCH;
-      ret = gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
-    } else
-      answered = 0;
-    idem_record_reset(&rec);
-    if (answered)
-      return ret;
-    if (r->gw->upstream_loop)
-      return run_in_event_thread(r);
+      return gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
+    }
   }
+  /* Not in memory: most likely a new key. Where the store's reads are
+   * local and its writes asynchronous (SQLite), its reservation is
+   * queued at once, without a read first: the reservation reports any
+   * record there is, changing nothing, and the engine decides on it (a
+   * read cost a new key 13 us of CPU in idemd, docs/performance.md, "No
+   * read before a new key's reservation (SQLite)"). */
+  if (r->gw->upstream_loop)
+    return run_in_event_thread(r);
   return gw_defer(r, decide);
 }
