@@ -148,27 +148,20 @@ static enum MHD_Result kept_not(gw_req_t *r, int rc) {
 
 static void destroy_response(void *resp) { MHD_destroy_response(resp); }
 
-/* A completed key's replay, answered on the event thread and then kept
- * ready in memory (the replay cache, as idemd's: a completed record does
- * not change until it expires), so the next replays of the key read
- * neither the store nor the stored form (docs/gateway.md,
- * "Performance"). libmicrohttpd counts the users of a response, so one
- * is sent on many connections at once. */
-static enum MHD_Result replay_and_keep(gw_req_t *r, const idem_record_t *rec,
-                                       const gw_answer_t *a, const char *const *extra) {
+/* Keeps a completed key's replay ready in memory (the replay cache, as
+ * idemd's: a completed record does not change until it expires), so the
+ * next replays of the key read neither the store nor the stored form
+ * (docs/gateway.md, "Performance"). A response of its own, apart from
+ * the one this request sends: libmicrohttpd counts a response's users,
+ * so the kept one goes to many connections at once, on any store. */
+static void keep_replay(gw_req_t *r, const idem_record_t *rec, const gw_answer_t *a,
+                        const char *const *extra) {
   idem_scope_t scope = {rec->tenant_id, rec->operation, rec->key};
   struct MHD_Response *resp = gw_response(r, a, extra);
-  enum MHD_Result ret;
-
-  if (resp == NULL)
-    return MHD_NO;
-  r->status = a->status;
-  ret = MHD_queue_response(r->conn, (unsigned)a->status, resp);
-  /* Queued first: from here the cache may drop it at any time. */
-  idemd_replay_cache_put_value(r->gw->replays, &scope, rec->fingerprint, a->status, resp,
-                               a->len + 64 * (size_t)(a->nheaders + 1), destroy_response,
-                               rec->expires_at);
-  return ret;
+  if (resp)
+    idemd_replay_cache_put_value(r->gw->replays, &scope, rec->fingerprint, a->status, resp,
+                                 a->len + 64 * (size_t)(a->nheaders + 1), destroy_response,
+                                 rec->expires_at);
 }
 
 /* Answers a stored answer again, marked as a replay. */
@@ -182,11 +175,10 @@ static enum MHD_Result replay(gw_req_t *r, const idem_record_t *rec, idemd_outco
   if (gw_answer_decode(rec->response_body, &a) != IDEM_OK)
     return store_error(r, IDEM_EINVAL);
   r->outcome = outcome;
-  if (outcome == OUTCOME_REPLAY && rec->state == IDEM_STATE_COMPLETED && !r->in_worker &&
+  if (outcome == OUTCOME_REPLAY && rec->state == IDEM_STATE_COMPLETED &&
       strcmp(r->method, "HEAD") != 0)
-    ret = replay_and_keep(r, rec, &a, replayed);
-  else
-    ret = gw_send(r, &a, outcome == OUTCOME_PENDING ? pending : replayed);
+    keep_replay(r, rec, &a, replayed);
+  ret = gw_send(r, &a, outcome == OUTCOME_PENDING ? pending : replayed);
   gw_answer_free(&a);
   return ret;
 }

@@ -260,6 +260,26 @@ def test_different_body_is_422(php, gw):
     assert php_count(php) == before
 
 
+def test_replays_from_memory(py, gw_py, admin_py):
+    """A replayed key is kept ready in memory: its next replays are the
+    same bytes and headers (Set-Cookie never), another request under it is
+    422 from there too, and nothing is sent again."""
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    s0, h0, b0 = req(gw_py, "POST", "/charges", h, "{}")
+    hits = metric(admin_py, "idem_replay_cache_hits_total")
+    seen = [req(gw_py, "POST", "/charges", h, "{}") for _ in range(3)]
+    assert metric(admin_py, "idem_replay_cache_hits_total") >= hits + 2
+    for s, hs, b in seen:
+        assert (s, b) == (s0, b0) and header(hs, "Idempotent-Replayed") == "true", (s, b)
+        assert header(hs, "Location") == header(h0, "Location")
+        assert header(hs, "Set-Cookie") is None
+    s, _, b = req(gw_py, "POST", "/charges", h, '{"other": 1}')
+    assert s == 422, (s, b)
+    assert metric(admin_py, "idem_replay_cache_hits_total") >= hits + 3
+    assert executions(py, key) == 1
+
+
 def test_bad_keys_never_reach_the_upstream(php, gw):
     before = php_count(php)
     bad = [None, "", "   ", "a" * 256, "caf\u00e9", "tab\there", '"unterminated']
