@@ -51,7 +51,9 @@ done
 "$repo/scripts/deps.sh" wrk nginx-light
 cmake -S "$repo" -B "$repo/build-bench" -DCMAKE_BUILD_TYPE=Release -DIDEM_BUILD_TESTS=OFF >/dev/null
 cmake --build "$repo/build-bench" -j"$(nproc)" >/dev/null
-idemd="$repo/build-bench/idemd"
+# IDEM_BENCH_IDEMD: another idemd binary to measure (builds compared in
+# alternating runs), else this tree's.
+idemd=${IDEM_BENCH_IDEMD:-"$repo/build-bench/idemd"}
 floor="$repo/build-bench/tools/floor/idem-floor"
 nginx=$(command -v nginx || echo /usr/sbin/nginx)
 
@@ -216,10 +218,12 @@ gateway_pid=$!
 wait_http "$port_gw" payments
 curl -s -o /dev/null -X POST "http://127.0.0.1:$port_gw/payments" \
   -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-key' -d "$pay"
-# (no CPU per thread: the gateway's threads are not idemd's writer and
-# event threads)
+# CPU per request as idemd's: the store's writer, the event threads, and
+# the rest (the upstream's I/O thread, workers, the log).
+cpu_pid=$gateway_pid
 wrk_run "idemd gateway: new-key POST /payments" "$port_gw" new /payments "$pay" 201
 wrk_run "idemd gateway: replays of one key" "$port_gw" replay /payments "$pay" 201 bench-key
+cpu_pid=""
 kill "$gateway_pid"; wait "$gateway_pid" 2>/dev/null || true
 kill "$(cat "$run/nginx.pid")"; rm -f "$run/nginx.pid"
 if [ "$gateway_only" = 1 ]; then

@@ -115,7 +115,11 @@ typedef struct gw {
   idem_store_t *store;
   idem_engine_t *engine;
   struct gw_upstream *upstream;
-  struct idemd_workers *workers; /* run the steps that wait */
+  struct idemd_workers *workers; /* run the steps that wait (PostgreSQL, the proxy) */
+  int upstream_loop;             /* the upstream's I/O thread runs (keyed.c) */
+  atomic_int handed_off;         /* connections suspended off their event thread */
+  atomic_int draining;           /* stopping: a duplicate in flight waits no more */
+  struct idemd_replay_cache *replays; /* ready replays of completed keys, or NULL */
   idem_hmac_t *scope_mac;  /* scopes keys by the --scope-header value */
   idem_hmac_t *key_id_mac; /* key ids in logs */
   idemd_metrics_t metrics;

@@ -14,6 +14,7 @@
 #include "idem/clock.h"
 #include "idem/crypto.h"
 #include "server/log.h"
+#include "server/replay_cache.h"
 
 
 
@@ -145,6 +146,24 @@ static enum MHD_Result kept_not(gw_req_t *r, int rc) {
   return ret;
 }
 
+static void destroy_response(void *resp) { MHD_destroy_response(resp); }
+
+/* Keeps a completed key's replay ready in memory (the replay cache, as
+ * idemd's: a completed record does not change until it expires), so the
+ * next replays of the key read neither the store nor the stored form
+ * (docs/gateway.md, "Performance"). A response of its own, apart from
+ * the one this request sends: libmicrohttpd counts a response's users,
+ * so the kept one goes to many connections at once, on any store. */
+static void keep_replay(gw_req_t *r, const idem_record_t *rec, const gw_answer_t *a,
+                        const char *const *extra) {
+  idem_scope_t scope = {rec->tenant_id, rec->operation, rec->key};
+  struct MHD_Response *resp = gw_response(r, a, extra);
+  if (resp)
+    idemd_replay_cache_put_value(r->gw->replays, &scope, rec->fingerprint, a->status, resp,
+                                 a->len + 64 * (size_t)(a->nheaders + 1), destroy_response,
+                                 rec->expires_at);
+}
+
 /* Answers a stored answer again, marked as a replay. */
 static enum MHD_Result replay(gw_req_t *r, const idem_record_t *rec, idemd_outcome_t outcome) {
   static const char *const replayed[] = {"Idempotent-Replayed", "true", NULL};
@@ -156,9 +175,34 @@ static enum MHD_Result replay(gw_req_t *r, const idem_record_t *rec, idemd_outco
   if (gw_answer_decode(rec->response_body, &a) != IDEM_OK)
     return store_error(r, IDEM_EINVAL);
   r->outcome = outcome;
+  if (outcome == OUTCOME_REPLAY && rec->state == IDEM_STATE_COMPLETED &&
+      strcmp(r->method, "HEAD") != 0)
+    keep_replay(r, rec, &a, replayed);
   ret = gw_send(r, &a, outcome == OUTCOME_PENDING ? pending : replayed);
   gw_answer_free(&a);
   return ret;
+}
+
+/* idemd_replay_cache_use()'s: the kept replay sent when the request's
+ * fingerprint is the key's; else the key is a completed record's with
+ * another request (the decision table's MISMATCH), answered after. */
+struct kept_hit {
+  gw_req_t *r;
+  const char *fp;
+  int mismatch;
+  enum MHD_Result ret;
+};
+
+static int send_kept(void *value, int status, const char *fingerprint, void *arg) {
+  struct kept_hit *h = arg;
+  if (strcmp(fingerprint, h->fp) != 0) {
+    h->mismatch = 1;
+    return 1;
+  }
+  h->r->outcome = OUTCOME_REPLAY;
+  h->r->status = status;
+  h->ret = MHD_queue_response(h->r->conn, (unsigned)status, value);
+  return 1;
 }
 
 static int printable(const char *s) {
@@ -309,15 +353,31 @@ static enum MHD_Result count_keys(void *arg, enum MHD_ValueKind kind, const char
   return MHD_YES;
 }
 
+/* Where a request decided without a waiting thread is (async_decide()). */
+enum async_stage { DECIDING = 1, EXECUTING, COMPLETING };
+
 /* The keyed flow's state, kept on the request across the hand-over to
- * a worker. */
+ * a worker, or, decided without a waiting thread, across its turns on
+ * the store's writer and the upstream's I/O thread. */
 typedef struct keyed {
   const gw_route_t *route;
   char key[IDEM_KEY_MAX + 1];
   char fp[IDEM_FINGERPRINT_LEN];
   idem_scope_t scope;
-  int none_seen; /* the event thread found no record: most likely a new key */
   struct to_save ts;
+  /* Without a waiting thread (SQLite): the engine's request, the upstream
+   * call, and the completion written with what came of it. */
+  enum async_stage stage;
+  int async;               /* the engine's asynchronous form holds `a` */
+  idem_async_t a;
+  gw_up_call_t call;
+  gw_answer_t own;         /* the gateway's own answer (502, 202) */
+  const gw_answer_t *sent; /* the answer kept: call.answer or own */
+  char *stored;            /* its encoded form, the record's body */
+  idem_outcome_t out;
+  idem_effect_t then;
+  idem_scope_t then_scope;
+  gw_due_t due;
 } keyed_t;
 
 void gw_keyed_free(gw_req_t *r) {
@@ -326,6 +386,11 @@ void gw_keyed_free(gw_req_t *r) {
     return;
   gw_free_lines(k->ts.headers);
   free(k->ts.text);
+  if (k->async)
+    idem_record_reset(&k->a.rec);
+  gw_answer_free(&k->call.answer);
+  gw_answer_free(&k->own);
+  free(k->stored);
   free(k);
   r->keyed = NULL;
 }
@@ -342,10 +407,7 @@ static enum MHD_Result decide(gw_req_t *r) {
                     .correlation_id = r->request_id,
                     .effect = {gw_save_fn, &k->ts.save},
                     .prepare = encode_request,
-                    .arg = &k->ts,
-                    /* the read was just made; the reservation reports
-                     * any record there is now (engine.h) */
-                    .skip_read = k->none_seen};
+                    .arg = &k->ts};
   int rc;
 
   k->ts.save.scope = &k->scope;
@@ -369,6 +431,231 @@ static enum MHD_Result decide(gw_req_t *r) {
   }
   idem_record_reset(&rec);
   return ret;
+}
+
+
+/* ---- without a waiting thread (docs/gateway.md, "Performance") ----
+ *
+ * On a store whose reads are local and whose writes have asynchronous
+ * forms (SQLite), a keyed request holds no thread while it waits: the
+ * engine's asynchronous form (idem_engine_begin_async()) queues its
+ * reservation to the store's writer, the connection suspended; a won key
+ * goes from the writer straight to the upstream's I/O thread
+ * (gw_upstream_submit()), and from there its completion is queued to the
+ * writer (idem_engine_complete_async()), which resumes the connection
+ * once it is written. The event thread answers then (async_resumed()),
+ * as it does a decision after a wait for a duplicate in flight. */
+
+static void upstream_done(gw_up_call_t *call);
+
+/* a->suspend, on the event thread: the engine hands the request on. */
+static void async_suspend(idem_async_t *a) {
+  gw_req_t *r = a->arg;
+  atomic_fetch_add(&r->gw->handed_off, 1);
+  r->resume = gw_keyed_resumed;
+  MHD_suspend_connection(r->conn);
+}
+
+/* Gives the request back to its event thread, which goes on at
+ * gw_keyed_resumed(). */
+static void async_resume(gw_req_t *r) {
+  gw_t *gw = r->gw;
+  MHD_resume_connection(r->conn); /* `r` may be gone from here on */
+  atomic_fetch_sub(&gw->handed_off, 1);
+}
+
+/* The won key's upstream call, handed to the I/O thread; when it will not
+ * take it (stopping), nothing was sent: the key is released. */
+static void start_upstream(gw_req_t *r) {
+  keyed_t *k = r->keyed;
+  k->stage = EXECUTING;
+  k->call = (gw_up_call_t){.req = {.method = r->method, .target = r->target,
+                                   .headers = (const char *const *)k->ts.headers,
+                                   .body = r->body, .body_len = r->body_len, .once = 1},
+                           .done = upstream_done, .arg = r};
+  if (gw_upstream_submit(r->gw->upstream, &k->call) != 0) {
+    k->call.result = GW_UP_NOT_SENT;
+    upstream_done(&k->call);
+  }
+}
+
+/* a->wake: on the writer (a reservation or completion written), or on the
+ * thread that changed the key or expired a wait. A won key goes on to the
+ * upstream, the connection still suspended: its event thread is woken
+ * once, when its answer is written, not between the two writes. */
+static void async_woken(idem_async_t *a) {
+  gw_req_t *r = a->arg;
+  keyed_t *k = r->keyed;
+
+  if (k->stage == DECIDING && a->rc == IDEM_OK && a->decision == IDEM_DECIDE_EXECUTE) {
+    start_upstream(r);
+    return;
+  }
+  async_resume(r);
+}
+
+/* On the I/O thread: what became of the call, written as the blocking
+ * form's execute() writes it, with the completion queued. */
+static void upstream_done(gw_up_call_t *call) {
+  gw_req_t *r = call->arg;
+  keyed_t *k = r->keyed;
+  gw_t *gw = r->gw;
+  idem_state_t state = IDEM_STATE_COMPLETED;
+  const char *location = NULL;
+  int rc = IDEM_OK;
+
+  k->stage = COMPLETING;
+  k->then_scope = (idem_scope_t){k->a.rec.tenant_id, k->a.rec.operation, k->a.rec.key};
+  k->then = (idem_effect_t){gw_drop_fn, &k->then_scope};
+  k->sent = &call->answer;
+  switch (call->result) {
+  case GW_UP_ANSWERED:
+    /* With --upstream-idempotent, the upstream dedupes the key itself:
+     * its 5xx frees ours. */
+    if (gw->cfg.upstream_idempotent && call->answer.status >= 500)
+      state = IDEM_STATE_FAILED;
+    break;
+  case GW_UP_TOO_LARGE:
+    /* Executed, and not kept: its replays say so, and it never runs
+     * again under the key. */
+    atomic_fetch_add(&gw->counters.answers_too_large, 1);
+    rc = gw_answer_own(502,
+                       "{\"error\":\"the upstream's answer was too large to keep; "
+                       "it is not replayed and the request is not sent again\"}",
+                       &k->own);
+    k->sent = &k->own;
+    break;
+  case GW_UP_NOT_SENT:
+    atomic_fetch_add(&gw->counters.upstream_not_sent, 1);
+    state = IDEM_STATE_FAILED;
+    break;
+  case GW_UP_NO_ANSWER:
+  default:
+    /* Sent, no answer: whether it took effect is unknown. */
+    atomic_fetch_add(&gw->counters.upstream_no_answer, 1);
+    state = IDEM_STATE_PENDING;
+    rc = gw_answer_own(202, GW_PENDING_BODY, &k->own);
+    k->sent = &k->own;
+    k->due = (gw_due_t){&k->then_scope, 0, first_retry(gw)};
+    k->then = (idem_effect_t){gw_due_fn, &k->due};
+    break;
+  }
+  if (rc == IDEM_OK && state != IDEM_STATE_FAILED)
+    rc = gw_answer_encode(k->sent, &gw->cfg, &k->stored);
+  /* The record's own location column is text: only a printable ASCII
+   * one goes there (the kept headers hold any, losslessly). */
+  for (int i = 0; rc == IDEM_OK && state != IDEM_STATE_FAILED && i < k->sent->nheaders; i++)
+    if (strcasecmp(k->sent->headers[i].name, "Location") == 0 &&
+        strlen(k->sent->headers[i].value) <= IDEM_LOCATION_MAX &&
+        printable(k->sent->headers[i].value))
+      location = k->sent->headers[i].value;
+  k->out = (idem_outcome_t){.state = state,
+                            .status = state == IDEM_STATE_FAILED ? 0 : k->sent->status,
+                            .body = k->stored, .location = location};
+  if (rc == IDEM_OK)
+    rc = idem_engine_complete_async(gw->engine, &k->a, &k->out, &k->then);
+  if (rc != IDEM_EAGAIN) { /* not queued: as a failed write */
+    k->a.rc = rc;
+    async_resume(r);
+  }
+}
+
+/* On the event thread: the answer of a won key once its completion is
+ * written, or why it could not be. */
+static enum MHD_Result answer_completed(gw_req_t *r) {
+  keyed_t *k = r->keyed;
+  int rc = k->a.rc;
+
+  r->outcome = OUTCOME_NEW;
+  switch (k->call.result) {
+  case GW_UP_NOT_SENT:
+    r->outcome = OUTCOME_ERROR;
+    return rc == IDEM_OK ? gw_send_error(r, 503, "the upstream cannot be reached; nothing "
+                                                 "was sent, retry with the same key")
+                         : store_error(r, rc);
+  case GW_UP_NO_ANSWER: {
+    static const char *const retry_later[] = {"Retry-After", "5", NULL};
+    r->outcome = OUTCOME_PENDING;
+    return rc == IDEM_OK ? gw_send(r, k->sent, retry_later) : kept_not(r, rc);
+  }
+  default:
+    return rc == IDEM_OK ? gw_send(r, k->sent, NULL) : kept_not(r, rc);
+  }
+}
+
+/* The engine's next step, on the event thread: an answer when it
+ * decides, or nothing yet (suspended until async_woken()). */
+static enum MHD_Result async_decide(gw_req_t *r) {
+  keyed_t *k = r->keyed;
+  int rc = idem_engine_begin_async(r->gw->engine, &k->a);
+
+  if (rc == IDEM_EAGAIN)
+    return MHD_YES;
+  if (rc == IDEM_ENOTSUP) { /* no asynchronous writes: all of it in a worker */
+    k->stage = 0;
+    return gw_defer(r, decide);
+  }
+  if (rc != IDEM_OK)
+    return store_error(r, rc);
+  switch (k->a.decision) {
+  case IDEM_DECIDE_EXECUTE:
+    /* Decided without a write of this turn's (not with a reservation of
+     * its own): the call goes on as after a wake. */
+    atomic_fetch_add(&r->gw->handed_off, 1);
+    r->resume = gw_keyed_resumed;
+    MHD_suspend_connection(r->conn);
+    start_upstream(r);
+    return MHD_YES;
+  case IDEM_DECIDE_REPLAY:
+    return replay(r, &k->a.rec, OUTCOME_REPLAY);
+  case IDEM_DECIDE_PENDING:
+    return replay(r, &k->a.rec, OUTCOME_PENDING);
+  case IDEM_DECIDE_MISMATCH:
+    r->outcome = OUTCOME_MISMATCH;
+    return gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
+  default:
+    r->outcome = OUTCOME_IN_FLIGHT;
+    atomic_fetch_add(&r->gw->metrics.inflight_timeouts, 1);
+    return gw_send_error(r, 409, "a request with this Idempotency-Key is still in flight");
+  }
+}
+
+enum MHD_Result gw_keyed_resumed(gw_req_t *r) {
+  keyed_t *k = r->keyed;
+  r->resume = NULL;
+  if (k->stage == COMPLETING) {
+    if (k->a.rc == IDEM_ELOST) {
+      /* The lease ran out and another gateway took the record over: what
+       * this one got is not kept; the record's owner settles it. */
+      return kept_not(r, IDEM_ELOST);
+    }
+    return answer_completed(r);
+  }
+  if (atomic_load(&r->gw->draining))
+    k->a.begin.wait_until_ms = -1; /* a duplicate in flight answers now */
+  return async_decide(r);
+}
+
+/* Starts the asynchronous form for `r` (SQLite); on a store without it,
+ * all of it in a worker. */
+static enum MHD_Result run_in_event_thread(gw_req_t *r) {
+  keyed_t *k = r->keyed;
+
+  k->ts.save.scope = &k->scope;
+  k->ts.save.due_in_ms = r->gw->cfg.lease_ms; /* taken over once the lease ran out */
+  k->a.begin = (idem_begin_t){.scope = k->scope,
+                              .fingerprint = k->fp,
+                              .correlation_id = r->request_id,
+                              .effect = {gw_save_fn, &k->ts.save},
+                              .prepare = encode_request,
+                              .arg = &k->ts,
+                              .skip_read = 1};
+  k->a.wake = async_woken;
+  k->a.suspend = async_suspend;
+  k->a.arg = r;
+  k->stage = DECIDING;
+  k->async = 1;
+  return async_decide(r);
 }
 
 enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
@@ -406,29 +693,22 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
     return gw_send_error(r, 500, "internal error");
   }
   key_id(r, &k->scope);
-  /* A finished key is answered here when reading costs no wait (SQLite):
-   * the engine's own decision table on the record as it stands. */
-  if (idem_store_local_reads(r->gw->store)) {
-    idem_record_t rec = {0};
-    int64_t now = idem_now_ms();
-    enum MHD_Result ret = MHD_NO;
-    int answered = 1;
-
-    rc = idem_store_lookup(r->gw->store, &k->scope, now, &rec);
-    k->none_seen = rc == IDEM_ENOTFOUND;
-    idem_decision_t d = rc == IDEM_OK ? idem_decide(&rec, k->fp, now) : IDEM_DECIDE_RESERVE;
-    if (rc == IDEM_OK && d == IDEM_DECIDE_REPLAY)
-      ret = replay(r, &rec, OUTCOME_REPLAY);
-    else if (rc == IDEM_OK && d == IDEM_DECIDE_PENDING)
-      ret = replay(r, &rec, OUTCOME_PENDING);
-    else if (rc == IDEM_OK && d == IDEM_DECIDE_MISMATCH) {
+  if (strcmp(r->method, "HEAD") != 0) {
+    struct kept_hit hit = {r, k->fp, 0, MHD_NO};
+    if (idemd_replay_cache_use(r->gw->replays, &k->scope, idem_now_ms(), send_kept, &hit)) {
+      if (!hit.mismatch)
+        return hit.ret;
       r->outcome = OUTCOME_MISMATCH;
-      ret = gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
-    } else
-      answered = 0;
-    idem_record_reset(&rec);
-    if (answered)
-      return ret;
+      return gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
+    }
   }
+  /* Not in memory: most likely a new key. Where the store's reads are
+   * local and its writes asynchronous (SQLite), its reservation is
+   * queued at once, without a read first: the reservation reports any
+   * record there is, changing nothing, and the engine decides on it (a
+   * read cost a new key 13 us of CPU in idemd, docs/performance.md, "No
+   * read before a new key's reservation (SQLite)"). */
+  if (r->gw->upstream_loop)
+    return run_in_event_thread(r);
   return gw_defer(r, decide);
 }

@@ -35,6 +35,9 @@ typedef struct gw_req {
   enum MHD_Result (*step)(struct gw_req *r);
   int in_worker;
   struct MHD_Response *response;
+  /* Set while the keyed flow is off its event thread without a worker
+   * (keyed.c): where the event thread goes on once resumed. */
+  enum MHD_Result (*resume)(struct gw_req *r);
   void *keyed; /* the keyed flow's state (keyed.c), freed with the request */
 } gw_req_t;
 
@@ -57,6 +60,11 @@ void gw_free_lines(char **lines);
  * Content-Length left out), `extra` ("Name", "value" pairs,
  * NULL-terminated; may be NULL) and its body. */
 enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra);
+
+/* The answer gw_send() would send of `a` and `extra`, not queued: the
+ * caller owns it (MHD_destroy_response()). NULL when out of memory. */
+struct MHD_Response *gw_response(const gw_req_t *r, const gw_answer_t *a,
+                                 const char *const *extra);
 
 /* Sends {"error": msg} with `status` (Retry-After: 1 for 409 and 503). */
 enum MHD_Result gw_send_error(gw_req_t *r, int status, const char *msg);
@@ -85,9 +93,17 @@ int gw_release(gw_t *gw, const idem_record_t *rec);
 
 /* A keyed route's request (docs/gateway.md, "Keyed routes"): checked and
  * fingerprinted on the event thread, where a replay or a mismatch is
- * also answered when the store's reads are local; anything that writes
- * or waits goes on in a worker (gw_defer()). */
+ * also answered when the store's reads are local. On such a store
+ * (SQLite) the rest holds no thread while it waits: the engine's
+ * asynchronous form, the upstream's I/O thread (gw_upstream_submit()),
+ * the connection suspended meanwhile; on another (PostgreSQL) it goes on
+ * in a worker (gw_defer()). */
 enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route);
+
+/* Where a keyed request decided without a waiting thread goes on, on its
+ * event thread, once its connection is resumed: the engine's next step,
+ * or the answer of a won key whose completion is written. */
+enum MHD_Result gw_keyed_resumed(gw_req_t *r);
 
 /* Frees what gw_keyed() left on `r`. */
 void gw_keyed_free(gw_req_t *r);

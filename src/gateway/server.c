@@ -1,11 +1,13 @@
 /* The gateway's HTTP side (docs/gateway.md): libmicrohttpd's event
- * threads, which hand every step that waits (a write, the upstream) to
- * idemd's workers (server/workers.h) with the connection suspended, the
- * proxy for requests outside the keyed routes, the admin
+ * threads, which never wait (a keyed request goes on without a thread on
+ * SQLite, gateway/keyed.c; on PostgreSQL, and for the proxy's call,
+ * idemd's workers, server/workers.h, with the connection suspended), the
+ * streaming proxy for requests outside the keyed routes, the admin
  * listener (GET /healthz, /metrics) on a port of its own, the log line of
  * each request, start-up and shutdown. */
 #include <arpa/inet.h>
 #include <netdb.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +22,7 @@
 #include "gateway/resolver.h"
 #include "idem/clock.h"
 #include "server/log.h"
+#include "server/replay_cache.h"
 #include "util/ticker.h"
 
 /* How long SIGTERM lets requests in flight finish. */
@@ -31,6 +34,11 @@
 #define WORKERS 256
 /* How often the resolver looks for unsettled keys that are due. */
 #define RESOLVE_EVERY_MS 500
+/* Bytes of ready replays kept in memory (keyed.c). */
+#define REPLAY_CACHE_BYTES (64u << 20)
+/* How often requests parked on a duplicate in flight are woken when their
+ * wait ran out (idem_engine_expire()). */
+#define EXPIRE_EVERY_MS 20
 
 static atomic_int inflight;
 
@@ -170,17 +178,17 @@ static ssize_t no_body(void *cls, uint64_t pos, char *buf, size_t max) {
   return MHD_CONTENT_READER_END_OF_STREAM;
 }
 
-enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra) {
+struct MHD_Response *gw_response(const gw_req_t *r, const gw_answer_t *a,
+                                 const char *const *extra) {
   long long head = head_length(r, a);
   struct MHD_Response *resp =
       head >= 0 ? MHD_create_response_from_callback((uint64_t)head, 4096, no_body, NULL, NULL)
                 : MHD_create_response_from_buffer(a->len, a->body ? a->body : (void *)"",
                                                   MHD_RESPMEM_MUST_COPY);
   const char *connection = NULL;
-  enum MHD_Result ret;
 
   if (resp == NULL)
-    return MHD_NO;
+    return NULL;
   for (int i = 0; i < a->nheaders; i++)
     if (strcasecmp(a->headers[i].name, "Connection") == 0)
       connection = a->headers[i].value;
@@ -194,6 +202,15 @@ enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *ex
   }
   for (const char *const *e = extra; e && e[0] && e[1]; e += 2)
     MHD_add_response_header(resp, e[0], e[1]);
+  return resp;
+}
+
+enum MHD_Result gw_send(gw_req_t *r, const gw_answer_t *a, const char *const *extra) {
+  struct MHD_Response *resp = gw_response(r, a, extra);
+  enum MHD_Result ret;
+
+  if (resp == NULL)
+    return MHD_NO;
   r->status = a->status;
   if (r->in_worker) { /* queued once the connection is resumed */
     r->response = resp;
@@ -266,34 +283,242 @@ static int idempotent_method(const char *m) {
   return 0;
 }
 
-/* Any request outside the keyed routes: sent on as it came, its answer
- * sent back as it came (docs/gateway.md, "Everything else"). */
-static enum MHD_Result proxy_run(gw_req_t *r) {
-  char **headers;
-  gw_up_request_t up;
-  gw_answer_t a;
-  gw_up_result_t res;
-  enum MHD_Result ret;
+/* ---- the proxy's answers, streamed (docs/gateway.md, "Everything else") ----
+ *
+ * A worker makes the call (gw_upstream_stream()); at the first byte of
+ * the answer's body its head goes to the client (the connection resumed
+ * with a response read from `struct stream`), and the body follows
+ * through a bounded buffer: the worker waits while it is full (the
+ * client's pace holds the upstream back), and the event thread, finding
+ * it empty, suspends the connection until the worker resumes it. The
+ * stream is shared by the worker and the response, freed by the last. */
 
-  if ((headers = gw_forward_headers(r, NULL)) == NULL)
-    return gw_send_error(r, 500, "internal error");
-  up = (gw_up_request_t){.method = r->method, .target = r->target,
-                         .headers = (const char *const *)headers, .body = r->body,
-                         .body_len = r->body_len, .once = !idempotent_method(r->method)};
+/* Bytes of an answer held at once between the upstream and the client. */
+#define STREAM_BUF (256 * 1024)
+/* How long a full buffer waits for the client before the call is cut. */
+#define STREAM_STALL_MS 60000
+
+struct stream {
+  pthread_mutex_t lock;
+  pthread_cond_t room; /* signalled when the client took bytes, or left */
+  struct MHD_Connection *conn;
+  char *buf;
+  size_t start, len; /* the bytes waiting, as a ring in buf[STREAM_BUF] */
+  int refs;          /* the worker's and, once made, the response's */
+  int done;          /* 1: the upstream's answer is over; -1: cut short */
+  int gone;          /* the response is freed: the client is gone or served */
+  int suspended;     /* the event thread found it empty and suspended */
+  gw_req_t *r;       /* until the head is sent; not touched after */
+  int head_sent;
+};
+
+static void stream_unref(struct stream *st) {
+  int last;
+  pthread_mutex_lock(&st->lock);
+  last = --st->refs == 0;
+  pthread_mutex_unlock(&st->lock);
+  if (!last)
+    return;
+  pthread_mutex_destroy(&st->lock);
+  pthread_cond_destroy(&st->room);
+  free(st->buf);
+  free(st);
+}
+
+/* The response's end: the client has all of it, or is gone. */
+static void stream_freed(void *cls) {
+  struct stream *st = cls;
+  pthread_mutex_lock(&st->lock);
+  st->gone = 1;
+  pthread_cond_broadcast(&st->room);
+  pthread_mutex_unlock(&st->lock);
+  stream_unref(st);
+}
+
+/* Gives the connection back to its event thread if it waits for bytes;
+ * `st->lock` held. A suspended connection is alive: it is not closed
+ * while suspended. */
+static void stream_wake(struct stream *st) {
+  if (st->suspended) {
+    st->suspended = 0;
+    MHD_resume_connection(st->conn);
+  }
+}
+
+/* libmicrohttpd's reader, on the event thread. */
+static ssize_t stream_read(void *cls, uint64_t pos, char *out, size_t max) {
+  struct stream *st = cls;
+  ssize_t n;
+  (void)pos;
+  pthread_mutex_lock(&st->lock);
+  if (st->len > 0) {
+    size_t take = st->len < max ? st->len : max;
+    size_t first = STREAM_BUF - st->start < take ? STREAM_BUF - st->start : take;
+    memcpy(out, st->buf + st->start, first);
+    memcpy(out + first, st->buf, take - first);
+    st->start = (st->start + take) % STREAM_BUF;
+    st->len -= take;
+    pthread_cond_broadcast(&st->room);
+    n = (ssize_t)take;
+  } else if (st->done != 0) {
+    n = st->done > 0 ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
+  } else {
+    /* Nothing yet: no busy loop; the worker resumes it (stream_wake()). */
+    st->suspended = 1;
+    MHD_suspend_connection(st->conn);
+    n = 0;
+  }
+  pthread_mutex_unlock(&st->lock);
+  return n;
+}
+
+/* The value of `name` in `a`, or NULL. */
+static const char *answer_header(const gw_answer_t *a, const char *name) {
+  for (int i = 0; i < a->nheaders; i++)
+    if (strcasecmp(a->headers[i].name, name) == 0)
+      return a->headers[i].value;
+  return NULL;
+}
+
+/* The sink's on_head, on the worker: the response made and the
+ * connection resumed, which queues it (handle()). */
+static int stream_head(void *arg, const gw_answer_t *a) {
+  struct stream *st = arg;
+  gw_req_t *r = st->r;
+  const char *cl = answer_header(a, "Content-Length");
+  uint64_t size = MHD_SIZE_UNKNOWN; /* chunked to the client, as the upstream's was */
+  struct MHD_Response *resp;
+  const char *connection = answer_header(a, "Connection");
+
+  if (cl && answer_header(a, "Transfer-Encoding") == NULL) {
+    char *end;
+    unsigned long long v = strtoull(cl, &end, 10);
+    if (*cl >= '0' && *cl <= '9' && *end == '\0')
+      size = v;
+  }
+  resp = MHD_create_response_from_callback(size, 32 * 1024, stream_read, st, stream_freed);
+  if (resp == NULL)
+    return -1;
+  for (int i = 0; i < a->nheaders; i++) {
+    const char *name = a->headers[i].name;
+    if (gw_hop_by_hop(name, connection) || strcasecmp(name, "Content-Length") == 0)
+      continue;
+    MHD_add_response_header(resp, name, a->headers[i].value);
+  }
+  pthread_mutex_lock(&st->lock);
+  st->refs++; /* the response's */
+  st->head_sent = 1;
+  pthread_mutex_unlock(&st->lock);
+  r->status = a->status;
+  r->response = resp;
+  r->in_worker = 0;
+  st->r = NULL;
+  MHD_resume_connection(r->conn); /* `r` is the event thread's from here */
+  return 0;
+}
+
+/* The sink's on_data, on the worker: into the buffer, waiting for room. */
+static int stream_data(void *arg, const char *data, size_t n) {
+  struct stream *st = arg;
+  int rc = 0;
+  pthread_mutex_lock(&st->lock);
+  while (n > 0 && !st->gone) {
+    size_t room = STREAM_BUF - st->len, put, at, first;
+    if (room == 0) {
+      struct timespec until;
+      clock_gettime(CLOCK_REALTIME, &until);
+      until.tv_sec += STREAM_STALL_MS / 1000;
+      if (pthread_cond_timedwait(&st->room, &st->lock, &until) != 0 && st->len == STREAM_BUF)
+        break; /* the client reads nothing: cut */
+      continue;
+    }
+    put = n < room ? n : room;
+    at = (st->start + st->len) % STREAM_BUF;
+    first = STREAM_BUF - at < put ? STREAM_BUF - at : put;
+    memcpy(st->buf + at, data, first);
+    memcpy(st->buf, data + first, put - first);
+    st->len += put;
+    data += put;
+    n -= put;
+    stream_wake(st);
+  }
+  if (n > 0)
+    rc = -1;
+  pthread_mutex_unlock(&st->lock);
+  return rc;
+}
+
+/* Any request outside the keyed routes, on a worker: sent on as it came,
+ * its answer streamed back as it comes (docs/gateway.md, "Everything
+ * else"). HEAD's answer has no body: as gw_send() sends it. */
+static void proxy_work(idemd_work_t *w) {
+  gw_req_t *r = GW_REQ_OF(w);
+  struct stream *st = calloc(1, sizeof *st);
+  char **headers = gw_forward_headers(r, NULL);
+  /* What the call borrows is its own: the client may leave, and `r` be
+   * freed, while the call still goes on. */
+  char *method = strdup(r->method), *target = strdup(r->target), *body = r->body;
+  size_t body_len = r->body_len;
+  gw_up_result_t res;
+  gw_answer_t a;
+  gw_up_stream_t sink = {stream_head, stream_data, st};
+  gw_up_request_t up;
+  int head_sent = 0;
+
+  r->body = NULL;
+  r->in_worker = 1;
+  if (st == NULL || headers == NULL || method == NULL || target == NULL ||
+      (st->buf = malloc(STREAM_BUF)) == NULL) {
+    if (st)
+      free(st->buf);
+    free(st);
+    st = NULL;
+    (void)gw_send_error(r, 500, "internal error");
+    goto out;
+  }
+  pthread_mutex_init(&st->lock, NULL);
+  pthread_cond_init(&st->room, NULL);
+  st->conn = r->conn;
+  st->r = r;
+  st->refs = 1;
+  up = (gw_up_request_t){.method = method, .target = target,
+                         .headers = (const char *const *)headers, .body = body,
+                         .body_len = body_len, .once = !idempotent_method(method)};
   idemd_workers_wait_begin(); /* on the application, not the store */
-  res = gw_upstream_call(r->gw->upstream, &up, &a);
+  res = strcmp(method, "HEAD") == 0 ? gw_upstream_call(r->gw->upstream, &up, &a)
+                                    : gw_upstream_stream(r->gw->upstream, &up, &sink, &a);
   idemd_workers_wait_end();
-  gw_free_lines(headers);
-  if (res == GW_UP_ANSWERED)
-    ret = gw_send(r, &a, NULL);
-  else if (res == GW_UP_TOO_LARGE)
-    ret = gw_send_error(r, 502, "the upstream's answer was too large");
-  else if (res == GW_UP_NOT_SENT)
-    ret = gw_send_error(r, 502, "the upstream cannot be reached");
-  else
-    ret = gw_send_error(r, 504, "the upstream did not answer");
+  pthread_mutex_lock(&st->lock);
+  head_sent = st->head_sent;
+  if (head_sent) {
+    st->done = res == GW_UP_ANSWERED ? 1 : -1;
+    stream_wake(st);
+  }
+  pthread_mutex_unlock(&st->lock);
+  if (!head_sent) {
+    if (res == GW_UP_ANSWERED)
+      (void)gw_send(r, &a, NULL);
+    else if (res == GW_UP_TOO_LARGE)
+      (void)gw_send_error(r, 502, "the upstream's answer was too large");
+    else if (res == GW_UP_NOT_SENT)
+      (void)gw_send_error(r, 502, "the upstream cannot be reached");
+    else
+      (void)gw_send_error(r, 504, "the upstream did not answer");
+  }
   gw_answer_free(&a);
-  return ret;
+  stream_unref(st);
+out:
+  gw_free_lines(headers);
+  free(method);
+  free(target);
+  free(body);
+  if (st == NULL || !head_sent) {
+    /* Not resumed yet: the answer made here, or none (cut). */
+    if (r->response == NULL)
+      r->status = -1;
+    r->in_worker = 0;
+    MHD_resume_connection(r->conn);
+  }
 }
 
 static enum MHD_Result proxy(gw_req_t *r) {
@@ -301,7 +526,17 @@ static enum MHD_Result proxy(gw_req_t *r) {
   r->outcome = OUTCOME_NONE;
   if (r->body_too_large)
     return gw_send_error(r, 413, "request body too large");
-  return gw_defer(r, proxy_run);
+  r->work.run = proxy_work;
+  MHD_suspend_connection(r->conn);
+  if (idemd_workers_submit(r->gw->workers, &r->work) == 0)
+    return MHD_YES;
+  /* Shutting down: no worker takes it. */
+  r->in_worker = 1;
+  r->outcome = OUTCOME_ERROR;
+  (void)gw_send_error(r, 503, "the gateway is stopping; retry");
+  r->in_worker = 0;
+  MHD_resume_connection(r->conn);
+  return MHD_YES;
 }
 
 /* ---- requests ---- */
@@ -427,6 +662,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
     *upload_size = 0;
     return MHD_YES;
   }
+  if (r->resume) /* resumed, the keyed flow going on here */
+    return r->resume(r);
   if (r->response || r->status < 0) { /* resumed, with a worker's answer */
     enum MHD_Result ret = MHD_NO;
     if (r->response) {
@@ -445,45 +682,23 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *conn, const char
 }
 
 static void log_request(const gw_req_t *r) {
-  char ts[40], base[24], path[260];
+  char path[260];
   size_t plen = 0;
-  struct timeval tv;
-  struct tm tm;
-  int64_t us = idem_mono_us() - r->start_us;
-  json_t *line;
-  char *text;
-
-  gettimeofday(&tv, NULL);
-  gmtime_r(&tv.tv_sec, &tm);
-  strftime(base, sizeof base, "%Y-%m-%dT%H:%M:%S", &tm);
-  snprintf(ts, sizeof ts, "%s.%03dZ", base, (int)(tv.tv_usec / 1000));
+  idemd_gateway_line_t line = {.request_id = r->request_id, .method = r->method,
+                               .path = path, .route = r->route, .key_id = r->key_id,
+                               .op = r->op, .outcome = r->outcome, .status = r->status,
+                               .start_us = r->start_us};
   /* A path is the client's bytes: any that is not printable ASCII is
    * written %XX, so the line packs whatever it held. */
   for (const unsigned char *p = (const unsigned char *)(r->path ? r->path : "");
-       *p && plen < sizeof path - 4; p++)
-    plen += (size_t)snprintf(path + plen, sizeof path - plen,
-                             *p < 0x20 || *p > 0x7e ? "%%%02X" : "%c", *p);
-  path[plen] = '\0';
-  line = json_pack("{s:s, s:s, s:s, s:s, s:s, s:s, s:s, s:i, s:f, s:s}", "ts", ts, "level",
-                   "info", "msg", "request", "request_id", r->request_id, "method",
-                   r->method ? r->method : "", "operation", idemd_op_name(r->op), "outcome",
-                   idemd_outcome_name(r->outcome), "status", r->status, "latency_ms",
-                   (double)(us < 0 ? 0 : us) / 1000.0, "path", path);
-  if (line == NULL)
-    return;
-  if (r->route)
-    json_object_set_new(line, "route", json_string(r->route));
-  if (r->key_id[0])
-    json_object_set_new(line, "key_id", json_string(r->key_id));
-  /* A path is the client's bytes: escaped to ASCII, so the line is JSON. */
-  text = json_dumps(line, JSON_COMPACT | JSON_ENSURE_ASCII | JSON_REAL_PRECISION(6));
-  json_decref(line);
-  if (text) {
-    size_t n = strlen(text);
-    text[n] = '\n'; /* json_dumps leaves room for the NUL replaced */
-    idemd_log_line(text, n + 1);
-    free(text);
+       *p && plen < sizeof path - 4; p++) {
+    if (*p < 0x20 || *p > 0x7e)
+      plen += (size_t)snprintf(path + plen, sizeof path - plen, "%%%02X", *p);
+    else
+      path[plen++] = (char)*p;
   }
+  path[plen] = '\0';
+  idemd_log_gateway_request(&line);
 }
 
 static void on_done(void *cls, struct MHD_Connection *conn, void **con_cls,
@@ -529,6 +744,7 @@ static char *render_metrics(gw_t *gw) {
   g.store_commits = st.commits;
   g.store_writes = st.writes;
   g.store_batch_reruns = st.batch_reruns;
+  g.replay_cache_hits = idemd_replay_cache_hits(gw->replays);
   if ((base = idemd_metrics_render(&gw->metrics, &g)) == NULL)
     return NULL;
   len = strlen(base) + 1024;
@@ -703,7 +919,33 @@ static int open_store(gw_t *gw) {
   return 0;
 }
 
+/* The engine's parked requests whose wait ran out, woken (all of them
+ * once the gateway drains). */
+static void expire_parked(void *ctx) {
+  gw_t *gw = ctx;
+  (void)idem_engine_expire(gw->engine, atomic_load(&gw->draining) ? INT64_MAX : idem_mono_ms());
+}
+
+/* Before the event threads stop: every connection off its event thread
+ * without a worker is given back. Parked duplicates are woken, the
+ * upstream's calls under way end (each within its deadline) and their
+ * completions are written by the store's writer, which resumes them. */
+static void stop_handed_off(gw_t *gw, struct idem__ticker *expirer) {
+  idem__ticker_stop(expirer);
+  if (gw->engine)
+    (void)idem_engine_expire(gw->engine, INT64_MAX);
+  if (gw->upstream)
+    gw_upstream_loop_stop(gw->upstream);
+  for (int64_t until = idem_mono_ms() + DRAIN_MS;
+       atomic_load(&gw->handed_off) > 0 && idem_mono_ms() < until;) {
+    if (gw->engine)
+      (void)idem_engine_expire(gw->engine, INT64_MAX);
+    usleep(1000);
+  }
+}
+
 static void close_all(gw_t *gw) {
+  idemd_replay_cache_free(gw->replays);
   idemd_workers_free(gw->workers);
   idem_engine_free(gw->engine);
   if (gw->store)
@@ -716,7 +958,7 @@ static void close_all(gw_t *gw) {
 int gw_cmd_gateway(int argc, char **argv) {
   static gw_t gw; /* its metrics are large; one per process */
   struct MHD_Daemon *d = NULL, *ad = NULL;
-  struct idem__ticker *resolver = NULL;
+  struct idem__ticker *resolver = NULL, *expirer = NULL;
   int port = 0, aport = 0, sig = 0;
   char lport[16], aportstr[16];
   sigset_t set;
@@ -743,12 +985,21 @@ int gw_cmd_gateway(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   if (open_store(&gw) != 0)
     goto fail;
+  gw.replays = idemd_replay_cache_new(REPLAY_CACHE_BYTES); /* NULL: none */
   if ((gw.workers = idemd_workers_start(WORKERS, (int)event_threads() * 8)) == NULL)
     goto fail;
   gw.upstream = gw_upstream_new(gw.cfg.upstream, gw.cfg.upstream_connect_timeout_ms,
                                 gw.cfg.upstream_timeout_ms, (size_t)gw.cfg.max_answer);
   if (gw.upstream == NULL)
     goto fail;
+  /* Keyed requests without a waiting thread where the store has local
+   * reads and asynchronous writes (SQLite; keyed.c). */
+  if (idem_store_local_reads(gw.store)) {
+    if (gw_upstream_loop_start(gw.upstream) != 0 ||
+        (expirer = idem__ticker_start(EXPIRE_EVERY_MS, expire_parked, &gw)) == NULL)
+      goto fail;
+    gw.upstream_loop = 1;
+  }
   d = listen_on(&gw.cfg.listen,
                 MHD_USE_EPOLL_INTERNAL_THREAD | MHD_ALLOW_SUSPEND_RESUME,
                 handle, &gw, 1, &port);
@@ -774,11 +1025,13 @@ int gw_cmd_gateway(int argc, char **argv) {
   sigwait(&set, &sig);
   /* New connections are refused from here; requests in flight finish. */
   MHD_quiesce_daemon(d);
+  atomic_store(&gw.draining, 1);
   for (int64_t until = idem_mono_ms() + DRAIN_MS;
        atomic_load(&inflight) > 0 && idem_mono_ms() < until;)
     usleep(10000);
   idem__ticker_stop(resolver);
   idemd_workers_stop(gw.workers); /* what was handed on is answered */
+  stop_handed_off(&gw, expirer);
   MHD_stop_daemon(d);
   MHD_stop_daemon(ad);
   idemd_log_event("info", "gateway stopped", NULL);
@@ -788,6 +1041,7 @@ int gw_cmd_gateway(int argc, char **argv) {
 fail:
   idem__ticker_stop(resolver);
   idemd_workers_stop(gw.workers);
+  stop_handed_off(&gw, expirer);
   if (d)
     MHD_stop_daemon(d);
   if (ad)

@@ -1,6 +1,8 @@
 /* The gateway's upstream client (gateway/upstream.h): a pool of libcurl
  * handles, each keeping its connections alive, taken by one call at a
- * time; answers gathered within caps. */
+ * time; and one I/O thread running many calls at once on libcurl's multi
+ * interface, for callers that must not wait; answers gathered within
+ * caps. */
 #include "gateway/upstream.h"
 
 #include <curl/curl.h>
@@ -16,6 +18,8 @@
 /* Bytes of an answer's header lines. */
 #define MAX_HEADER_BYTES (64 * 1024)
 
+struct gw_up_loop;
+
 struct gw_upstream {
   char *base_url;
   long connect_timeout_ms;
@@ -24,6 +28,7 @@ struct gw_upstream {
   pthread_mutex_t lock;
   CURL *idle[POOL_MAX];
   int nidle;
+  struct gw_up_loop *loop; /* gw_upstream_loop_start()'s, or NULL */
 };
 
 gw_upstream_t *gw_upstream_new(const char *base_url, int64_t connect_timeout_ms,
@@ -43,6 +48,7 @@ gw_upstream_t *gw_upstream_new(const char *base_url, int64_t connect_timeout_ms,
 void gw_upstream_free(gw_upstream_t *u) {
   if (u == NULL)
     return;
+  gw_upstream_loop_stop(u);
   for (int i = 0; i < u->nidle; i++)
     curl_easy_cleanup(u->idle[i]);
   pthread_mutex_destroy(&u->lock);
@@ -167,6 +173,12 @@ struct gather {
   int too_large;
   int once;     /* the request may not be sent a second time */
   int attempts; /* times libcurl was about to send it */
+  /* gw_upstream_stream()'s: where the body goes instead of a->body, and
+   * whether its head was passed on (at the first byte of the body). */
+  const gw_up_stream_t *sink;
+  CURL *easy;
+  int head_sent;
+  int aborted; /* the sink refused: the client is gone */
 };
 
 /* Called by libcurl each time it is about to send the request on a
@@ -184,11 +196,27 @@ static int on_prereq(void *arg, char *ip, char *local_ip, int port, int local_po
   return ++g->attempts > 1 && g->once ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
 }
 
+/* The head of a streamed answer, passed on once: its status and headers. */
+static int send_head(struct gather *g) {
+  long code = 0;
+  curl_easy_getinfo(g->easy, CURLINFO_RESPONSE_CODE, &code);
+  g->a->status = (int)code;
+  g->head_sent = 1;
+  return g->sink->on_head(g->sink->arg, g->a);
+}
+
 static size_t on_body(char *data, size_t size, size_t n, void *arg) {
   struct gather *g = arg;
   gw_answer_t *a = g->a;
   size_t len = size * n;
 
+  if (g->sink) {
+    if ((!g->head_sent && send_head(g) != 0) || g->sink->on_data(g->sink->arg, data, len) != 0) {
+      g->aborted = 1;
+      return 0; /* ends the transfer */
+    }
+    return len;
+  }
   if (a->len + len > g->u->max_answer) {
     g->too_large = 1;
     return 0; /* ends the transfer: CURLE_WRITE_ERROR */
@@ -292,44 +320,46 @@ fail:
   return NULL;
 }
 
-gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
-                                gw_answer_t *out) {
-  struct gather g = {.u = u, .a = out, .once = req->once};
-  struct curl_slist *hdrs;
-  gw_up_result_t result;
+/* The easy handle `c` set up for `req`, gathering into `g`: `*url` and
+ * `*hdrs` are what it borrows (the caller frees them after the transfer).
+ * Returns 0, or -1 when out of memory (nothing went out). */
+static int set_up(gw_upstream_t *u, CURL *c, const gw_up_request_t *req, struct gather *g,
+                  char **url, struct curl_slist **hdrs) {
   size_t ulen = strlen(u->base_url) + strlen(req->target) + 1;
-  char *url = malloc(ulen);
-  CURL *c = take(u);
-  CURLcode rc;
-  long code = 0;
 
-  memset(out, 0, sizeof *out);
-  hdrs = header_list(req);
-  if (c == NULL || url == NULL || hdrs == NULL) {
-    /* Nothing went out. */
-    curl_slist_free_all(hdrs);
-    free(url);
-    if (c)
-      give_back(u, c);
-    return GW_UP_NOT_SENT;
+  *url = malloc(ulen);
+  *hdrs = header_list(req);
+  if (*url == NULL || *hdrs == NULL) {
+    curl_slist_free_all(*hdrs);
+    free(*url);
+    *hdrs = NULL;
+    *url = NULL;
+    return -1;
   }
-  snprintf(url, ulen, "%s%s", u->base_url, req->target);
+  snprintf(*url, ulen, "%s%s", u->base_url, req->target);
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
-  curl_easy_setopt(c, CURLOPT_URL, url);
+  curl_easy_setopt(c, CURLOPT_URL, *url);
   /* The path goes as the client sent it (gw_target_ok() passed it): libcurl
    * would otherwise resolve dot segments the routes did not see. */
   curl_easy_setopt(c, CURLOPT_PATH_AS_IS, 1L);
   curl_easy_setopt(c, CURLOPT_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(c, CURLOPT_FOLLOWLOCATION, 0L);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, u->connect_timeout_ms);
-  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, u->timeout_ms);
-  curl_easy_setopt(c, CURLOPT_HTTPHEADER, hdrs);
+  if (g->sink) {
+    /* A streamed answer may take any time in all: the deadline is on
+     * silence instead, no byte for as long as a call may take. */
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
+    curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, u->timeout_ms < 1000 ? 1L : u->timeout_ms / 1000);
+  } else {
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, u->timeout_ms);
+  }
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, *hdrs);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);
-  curl_easy_setopt(c, CURLOPT_WRITEDATA, &g);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, g);
   curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, on_header);
-  curl_easy_setopt(c, CURLOPT_HEADERDATA, &g);
+  curl_easy_setopt(c, CURLOPT_HEADERDATA, g);
   curl_easy_setopt(c, CURLOPT_PREREQFUNCTION, on_prereq);
-  curl_easy_setopt(c, CURLOPT_PREREQDATA, &g);
+  curl_easy_setopt(c, CURLOPT_PREREQDATA, g);
   /* A connection idle for longer is not reused: fewer of the races where
    * the upstream closes it as a request goes out (which, for a request
    * sent once, leaves its outcome unknown). Most servers keep an idle
@@ -349,12 +379,20 @@ gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
     }
     curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, req->method);
   }
+  return 0;
+}
 
-  rc = curl_easy_perform(c);
+/* What became of the transfer on `c` that ended with `rc`; `out` keeps
+ * the status alone unless answered. */
+static gw_up_result_t classify(CURL *c, CURLcode rc, const struct gather *g,
+                               gw_answer_t *out) {
+  gw_up_result_t result;
+  long code = 0;
+
   curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &code);
   if (rc == CURLE_OK && code >= 100) {
     result = GW_UP_ANSWERED;
-  } else if (g.too_large && code >= 100) {
+  } else if (g->too_large && code >= 100) {
     result = GW_UP_TOO_LARGE;
   } else {
     result = idem__curl_nothing_sent(c) ? GW_UP_NOT_SENT : GW_UP_NO_ANSWER;
@@ -365,9 +403,222 @@ gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
     gw_answer_free(out);
     out->status = status;
   }
+  return result;
+}
+
+gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
+                                gw_answer_t *out) {
+  struct gather g = {.u = u, .a = out, .once = req->once};
+  struct curl_slist *hdrs = NULL;
+  gw_up_result_t result;
+  char *url = NULL;
+  CURL *c = take(u);
+
+  memset(out, 0, sizeof *out);
+  if (c == NULL || set_up(u, c, req, &g, &url, &hdrs) != 0) {
+    if (c)
+      give_back(u, c); /* nothing went out */
+    return GW_UP_NOT_SENT;
+  }
+  result = classify(c, curl_easy_perform(c), &g, out);
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, NULL);
   curl_slist_free_all(hdrs);
   free(url);
   give_back(u, c);
   return result;
+}
+
+gw_up_result_t gw_upstream_stream(gw_upstream_t *u, const gw_up_request_t *req,
+                                  const gw_up_stream_t *sink, gw_answer_t *out) {
+  struct gather g = {.u = u, .a = out, .once = req->once, .sink = sink};
+  struct curl_slist *hdrs = NULL;
+  gw_up_result_t result;
+  char *url = NULL;
+  CURL *c = take(u);
+  CURLcode rc;
+
+  memset(out, 0, sizeof *out);
+  g.easy = c;
+  if (c == NULL || set_up(u, c, req, &g, &url, &hdrs) != 0) {
+    if (c)
+      give_back(u, c); /* nothing went out */
+    return GW_UP_NOT_SENT;
+  }
+  rc = curl_easy_perform(c);
+  if (g.head_sent) {
+    /* Passed on as it came: whole, or cut (the client gone, or the
+     * upstream silent or gone midway). */
+    result = rc == CURLE_OK ? GW_UP_ANSWERED : GW_UP_NO_ANSWER;
+  } else {
+    result = classify(c, rc, &g, out); /* no body: the answer is whole in `out` */
+  }
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, NULL);
+  curl_slist_free_all(hdrs);
+  free(url);
+  give_back(u, c);
+  return result;
+}
+
+/* ---- calls without a waiting thread: libcurl's multi interface ---- */
+
+/* What the I/O thread keeps of a call under way. */
+struct gw_up_call_priv {
+  CURL *easy;
+  char *url;
+  struct curl_slist *hdrs;
+  struct gather g;
+};
+
+struct gw_up_loop {
+  gw_upstream_t *u;
+  CURLM *multi;
+  pthread_t thread;
+  pthread_mutex_t lock;
+  gw_up_call_t *queue, *queue_tail; /* handed over, not yet added */
+  int stopping;                     /* under `lock` */
+  CURL *idle[POOL_MAX];             /* the I/O thread's own */
+  int nidle;
+};
+
+/* On the I/O thread: ends `call` with `result` and hands it back. */
+static void finish(struct gw_up_loop *l, gw_up_call_t *call, gw_up_result_t result) {
+  struct gw_up_call_priv *p = call->priv_;
+  if (p) {
+    if (p->easy) {
+      curl_easy_setopt(p->easy, CURLOPT_HTTPHEADER, NULL);
+      if (l->nidle < POOL_MAX) {
+        curl_easy_reset(p->easy); /* its connections stay in the multi's cache */
+        l->idle[l->nidle++] = p->easy;
+      } else {
+        curl_easy_cleanup(p->easy);
+      }
+    }
+    curl_slist_free_all(p->hdrs);
+    free(p->url);
+    free(p);
+    call->priv_ = NULL;
+  }
+  call->result = result;
+  call->done(call); /* `call` is the caller's from here */
+}
+
+/* On the I/O thread: `call` set up and added to the multi, or finished
+ * as not sent. */
+static void start(struct gw_up_loop *l, gw_up_call_t *call) {
+  struct gw_up_call_priv *p = calloc(1, sizeof *p);
+  memset(&call->answer, 0, sizeof call->answer);
+  call->priv_ = p;
+  if (p == NULL) {
+    finish(l, call, GW_UP_NOT_SENT);
+    return;
+  }
+  p->easy = l->nidle > 0 ? l->idle[--l->nidle] : curl_easy_init();
+  p->g = (struct gather){.u = l->u, .a = &call->answer, .once = call->req.once};
+  if (p->easy == NULL || set_up(l->u, p->easy, &call->req, &p->g, &p->url, &p->hdrs) != 0) {
+    finish(l, call, GW_UP_NOT_SENT);
+    return;
+  }
+  curl_easy_setopt(p->easy, CURLOPT_PRIVATE, call);
+  if (curl_multi_add_handle(l->multi, p->easy) != CURLM_OK)
+    finish(l, call, GW_UP_NOT_SENT);
+}
+
+static void *loop_main(void *arg) {
+  struct gw_up_loop *l = arg;
+  int running = 0;
+
+  for (;;) {
+    gw_up_call_t *q;
+    CURLMsg *msg;
+    int left, stopping;
+
+    pthread_mutex_lock(&l->lock);
+    q = l->queue;
+    l->queue = l->queue_tail = NULL;
+    stopping = l->stopping;
+    pthread_mutex_unlock(&l->lock);
+    while (q) {
+      gw_up_call_t *next = q->next_;
+      start(l, q);
+      q = next;
+    }
+    curl_multi_perform(l->multi, &running);
+    while ((msg = curl_multi_info_read(l->multi, &left)) != NULL) {
+      gw_up_call_t *call = NULL;
+      struct gw_up_call_priv *p;
+      gw_up_result_t result;
+      if (msg->msg != CURLMSG_DONE)
+        continue;
+      curl_easy_getinfo(msg->easy_handle, CURLINFO_PRIVATE, (char **)&call);
+      p = call->priv_;
+      result = classify(p->easy, msg->data.result, &p->g, &call->answer);
+      curl_multi_remove_handle(l->multi, p->easy);
+      finish(l, call, result);
+    }
+    /* Stopping: the calls under way end (each within its deadline) and
+     * nothing more is handed over (gw_upstream_submit() refuses). */
+    if (stopping && running == 0)
+      break;
+    curl_multi_poll(l->multi, NULL, 0, 1000, NULL);
+  }
+  return NULL;
+}
+
+int gw_upstream_loop_start(gw_upstream_t *u) {
+  struct gw_up_loop *l = calloc(1, sizeof *l);
+  if (l == NULL || (l->multi = curl_multi_init()) == NULL) {
+    free(l);
+    return -1;
+  }
+  l->u = u;
+  /* Connections kept alive across calls: as many as calls at once. */
+  curl_multi_setopt(l->multi, CURLMOPT_MAXCONNECTS, (long)POOL_MAX);
+  pthread_mutex_init(&l->lock, NULL);
+  if (pthread_create(&l->thread, NULL, loop_main, l) != 0) {
+    pthread_mutex_destroy(&l->lock);
+    curl_multi_cleanup(l->multi);
+    free(l);
+    return -1;
+  }
+  u->loop = l;
+  return 0;
+}
+
+int gw_upstream_submit(gw_upstream_t *u, gw_up_call_t *call) {
+  struct gw_up_loop *l = u->loop;
+  int ok;
+  if (l == NULL)
+    return -1;
+  call->next_ = NULL;
+  call->priv_ = NULL;
+  pthread_mutex_lock(&l->lock);
+  ok = !l->stopping;
+  if (ok) {
+    if (l->queue_tail)
+      l->queue_tail->next_ = call;
+    else
+      l->queue = call;
+    l->queue_tail = call;
+  }
+  pthread_mutex_unlock(&l->lock);
+  if (ok)
+    curl_multi_wakeup(l->multi);
+  return ok ? 0 : -1;
+}
+
+void gw_upstream_loop_stop(gw_upstream_t *u) {
+  struct gw_up_loop *l = u ? u->loop : NULL;
+  if (l == NULL)
+    return;
+  pthread_mutex_lock(&l->lock);
+  l->stopping = 1;
+  pthread_mutex_unlock(&l->lock);
+  curl_multi_wakeup(l->multi);
+  pthread_join(l->thread, NULL);
+  for (int i = 0; i < l->nidle; i++)
+    curl_easy_cleanup(l->idle[i]);
+  curl_multi_cleanup(l->multi);
+  pthread_mutex_destroy(&l->lock);
+  free(l);
+  u->loop = NULL;
 }

@@ -65,6 +65,64 @@ void gw_upstream_free(gw_upstream_t *u);
 gw_up_result_t gw_upstream_call(gw_upstream_t *u, const gw_up_request_t *req,
                                 gw_answer_t *out);
 
+/* Where a streamed answer goes (gw_upstream_stream()). */
+typedef struct gw_up_stream {
+  /* Called once, at the first byte of the body, with the answer's status
+   * and headers (its body empty). Returns 0 to go on, else the transfer
+   * ends. */
+  int (*on_head)(void *arg, const gw_answer_t *head);
+  /* Called with each piece of the body as it comes; may wait (the
+   * client's pace holds the upstream's back). Returns 0 to go on, else
+   * the transfer ends. */
+  int (*on_data)(void *arg, const char *data, size_t n);
+  void *arg;
+} gw_up_stream_t;
+
+/* As gw_upstream_call(), the body passed to `sink` as it comes rather
+ * than gathered, without a cap: the deadline is then on the upstream's
+ * silence (no byte for the call's deadline), not on the whole. When
+ * on_head() was called, returns GW_UP_ANSWERED for a whole answer passed
+ * on and GW_UP_NO_ANSWER for one cut short; otherwise (an answer without
+ * a body, or none) as gw_upstream_call(), `out` holding it. `out` is
+ * zeroed first; free it with gw_answer_free(). */
+gw_up_result_t gw_upstream_stream(gw_upstream_t *u, const gw_up_request_t *req,
+                                  const gw_up_stream_t *sink, gw_answer_t *out);
+
+/* One call without a waiting thread (gw_upstream_submit()). The caller
+ * owns it: sets `req` (borrowed until `done`), `done` and `arg`, and
+ * keeps it until `done` is called. */
+typedef struct gw_up_call gw_up_call_t;
+struct gw_up_call {
+  gw_up_request_t req;
+  /* Called once, on the I/O thread, when the call is over: `result` and
+   * `answer` (as gw_upstream_call() fills it; the caller frees it) are
+   * set. It must not wait: the I/O thread runs every call. */
+  void (*done)(gw_up_call_t *call);
+  void *arg;
+  gw_up_result_t result;
+  gw_answer_t answer;
+  /* The client's own while the call goes on. */
+  gw_up_call_t *next_;
+  void *priv_;
+};
+
+/* Starts the I/O thread of `u` (one), which runs the calls given to
+ * gw_upstream_submit() at once on libcurl's multi interface, with the
+ * same deadline, caps, kept-alive connections and results as
+ * gw_upstream_call(). Returns 0, or -1 when it cannot. */
+int gw_upstream_loop_start(gw_upstream_t *u);
+
+/* Hands `call` to the I/O thread. Returns 0: `call->done` follows once
+ * (it may run before this returns); -1, with nothing sent and `done` not
+ * to be called, when there is no I/O thread or it is stopping. Safe from
+ * any thread. */
+int gw_upstream_submit(gw_upstream_t *u, gw_up_call_t *call);
+
+/* Stops the I/O thread: new calls are refused, the calls under way end
+ * (each within its deadline, `done` called), then the thread is joined.
+ * Without an I/O thread, nothing. gw_upstream_free() does it too. */
+void gw_upstream_loop_stop(gw_upstream_t *u);
+
 /* Frees what `a` owns and zeroes it. */
 void gw_answer_free(gw_answer_t *a);
 

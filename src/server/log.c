@@ -263,3 +263,38 @@ void idemd_log_request(const idemd_request_t *r) {
   l.buf[l.len++] = '\n';
   write_lines(l.buf, l.len, 1);
 }
+
+void idemd_log_gateway_request(const idemd_gateway_line_t *g) {
+  struct line l = {.len = 0};
+  char ts[40], num[64];
+  size_t n;
+  int64_t us;
+
+  if (min_level > 1)
+    return;
+  timestamp(ts, sizeof ts);
+  PUT_LIT(&l, "{\"ts\":\"");
+  put(&l, ts, strlen(ts));
+  PUT_LIT(&l, "\",\"level\":\"info\",\"msg\":\"request\"");
+  put_str(&l, "request_id", g->request_id);
+  put_str(&l, "method", g->method ? g->method : "");
+  put_str(&l, "operation", idemd_op_name(g->op));
+  put_str(&l, "outcome", idemd_outcome_name(g->outcome));
+  PUT_LIT(&l, ",\"status\":");
+  put(&l, num, idem__json_int(num, g->status));
+  us = idem_mono_us() - g->start_us;
+  if (us < 0)
+    us = 0;
+  PUT_LIT(&l, ",\"latency_ms\":");
+  n = idem__json_int(num, us / 1000);
+  n += put_fraction(num + n, (int)(us % 1000));
+  put(&l, num, n);
+  put_str(&l, "path", g->path ? g->path : "");
+  if (g->route)
+    put_str(&l, "route", g->route);
+  if (g->key_id && g->key_id[0])
+    put_str(&l, "key_id", g->key_id);
+  l.buf[l.len++] = '}';
+  l.buf[l.len++] = '\n';
+  write_lines(l.buf, l.len, 1);
+}

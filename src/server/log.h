@@ -23,6 +23,21 @@ void idemd_log_request(const idemd_request_t *r);
  * idemd_log_request()'s are. */
 void idemd_log_line(const char *line, size_t n);
 
+/* What idemd gateway's request line holds (gateway/server.c); borrowed. */
+typedef struct idemd_gateway_line {
+  const char *request_id, *method, *path;
+  const char *route;  /* NULL: not a keyed route */
+  const char *key_id; /* NULL or "": none */
+  idemd_op_t op;
+  idemd_outcome_t outcome;
+  int status;
+  int64_t start_us; /* idem_mono_us() when the request came */
+} idemd_gateway_line_t;
+
+/* Writes the request line of idemd gateway, as idemd_log_request()
+ * formats its own (no JSON tree: the hot path of a replay), batched. */
+void idemd_log_gateway_request(const idemd_gateway_line_t *g);
+
 /* Starts batching request lines, flushed every `every_ms` and whenever
  * the next line would not fit: in 64 KiB when stderr is a regular file,
  * in 4 KiB (PIPE_BUF) otherwise (looked at here, once). Event lines are

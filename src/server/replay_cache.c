@@ -22,6 +22,8 @@ struct entry {
   char fingerprint[IDEM_FINGERPRINT_LEN];
   char location[IDEM_LOCATION_MAX + 1];
   char *operation, *key, *body; /* point into `data` */
+  void *value;                  /* idemd_replay_cache_put_value()'s, or NULL */
+  void (*free_value)(void *value);
   char data[];
 };
 
@@ -77,6 +79,8 @@ static void drop(struct shard *s, struct entry *e) {
   else
     s->tail = e->prev;
   s->bytes -= e->size;
+  if (e->value)
+    e->free_value(e->value);
   free(e);
 }
 
@@ -116,28 +120,37 @@ void idemd_replay_cache_free(idemd_replay_cache_t *c) {
   free(c);
 }
 
-void idemd_replay_cache_put(idemd_replay_cache_t *c, const idem_scope_t *scope,
-                            const char *fingerprint, int status,
-                            const char *replay_body, const char *location,
-                            int64_t expires_at_ms) {
+/* Both forms of put: `value` (NULL: none) is the cache's from here,
+ * freed with `free_value` when not kept. */
+static void put(idemd_replay_cache_t *c, const idem_scope_t *scope, const char *fingerprint,
+                int status, const char *replay_body, const char *location,
+                int64_t expires_at_ms, void *value, size_t value_bytes,
+                void (*free_value)(void *)) {
   uint64_t h;
   struct shard *s;
   struct entry *e, **slot;
   size_t oplen, keylen, bodylen, size;
 
-  if (c == NULL || replay_body == NULL || expires_at_ms == 0)
+  if (c == NULL || replay_body == NULL || expires_at_ms == 0) {
+    if (value)
+      free_value(value);
     return;
+  }
   h = hash_scope(scope);
   s = &c->shards[h % SHARDS];
   oplen = strlen(scope->operation) + 1;
   keylen = strlen(scope->key) + 1;
   bodylen = strlen(replay_body) + 1;
-  size = sizeof *e + oplen + keylen + bodylen;
-  if (size > s->budget / 4) /* one entry never takes over a shard */
+  size = sizeof *e + oplen + keylen + bodylen + value_bytes;
+  /* one entry never takes over a shard */
+  if (size > s->budget / 4 || (e = malloc(sizeof *e + oplen + keylen + bodylen)) == NULL) {
+    if (value)
+      free_value(value);
     return;
-  if ((e = malloc(size)) == NULL)
-    return;
+  }
   e->prev = NULL; /* the rest is set below */
+  e->value = value;
+  e->free_value = free_value;
   e->hash = h;
   e->tenant_id = scope->tenant_id;
   e->expires_at = expires_at_ms;
@@ -174,6 +187,51 @@ void idemd_replay_cache_put(idemd_replay_cache_t *c, const idem_scope_t *scope,
   while (s->bytes > s->budget && s->tail != e)
     drop(s, s->tail);
   pthread_mutex_unlock(&s->lock);
+}
+
+void idemd_replay_cache_put(idemd_replay_cache_t *c, const idem_scope_t *scope,
+                            const char *fingerprint, int status,
+                            const char *replay_body, const char *location,
+                            int64_t expires_at_ms) {
+  put(c, scope, fingerprint, status, replay_body, location, expires_at_ms, NULL, 0, NULL);
+}
+
+void idemd_replay_cache_put_value(idemd_replay_cache_t *c, const idem_scope_t *scope,
+                                  const char *fingerprint, int status, void *value,
+                                  size_t value_bytes, void (*free_value)(void *value),
+                                  int64_t expires_at_ms) {
+  put(c, scope, fingerprint, status, "", "", expires_at_ms, value, value_bytes, free_value);
+}
+
+int idemd_replay_cache_use(idemd_replay_cache_t *c, const idem_scope_t *scope,
+                           int64_t now_ms,
+                           int (*use)(void *value, int status, const char *fingerprint,
+                                      void *arg),
+                           void *arg) {
+  uint64_t h;
+  struct shard *s;
+  int used = 0;
+
+  if (c == NULL)
+    return 0;
+  h = hash_scope(scope);
+  s = &c->shards[h % SHARDS];
+  pthread_mutex_lock(&s->lock);
+  for (struct entry *e = s->buckets[(h / SHARDS) % BUCKETS]; e; e = e->chain) {
+    if (!same_scope(e, h, scope))
+      continue;
+    if (e->expires_at <= now_ms) {
+      drop(s, e); /* expired: the key is as good as never seen */
+      break;
+    }
+    if (e->value && (used = use(e->value, e->status, e->fingerprint, arg)) != 0)
+      to_front(s, e);
+    break;
+  }
+  pthread_mutex_unlock(&s->lock);
+  if (used)
+    atomic_fetch_add_explicit(&c->hits, 1, memory_order_relaxed);
+  return used;
 }
 
 int idemd_replay_cache_get(idemd_replay_cache_t *c, const idem_scope_t *scope,

@@ -42,6 +42,26 @@ void idemd_replay_cache_put(idemd_replay_cache_t *c, const idem_scope_t *scope,
 int idemd_replay_cache_get(idemd_replay_cache_t *c, const idem_scope_t *scope,
                            int64_t now_ms, idemd_replay_t *out);
 
+/* As idemd_replay_cache_put(), for a caller's own form of the replay
+ * (idemd gateway's ready answer): `value` is the cache's from here, freed
+ * with free_value(value) once dropped (or at once when not kept), and
+ * charged `value_bytes` against the budget. */
+void idemd_replay_cache_put_value(idemd_replay_cache_t *c, const idem_scope_t *scope,
+                                  const char *fingerprint, int status, void *value,
+                                  size_t value_bytes, void (*free_value)(void *value),
+                                  int64_t expires_at_ms);
+
+/* Looks `scope` up at `now_ms` and, for a live entry put with a value,
+ * calls use(value, status, fingerprint, arg) under the entry's lock (it
+ * must not wait, nor call the cache): `value` stays valid only during
+ * the call. Returns what use() returned (not 0 counts as a hit), or 0
+ * when there is no such entry. */
+int idemd_replay_cache_use(idemd_replay_cache_t *c, const idem_scope_t *scope,
+                           int64_t now_ms,
+                           int (*use)(void *value, int status, const char *fingerprint,
+                                      void *arg),
+                           void *arg);
+
 /* Hits so far (for /metrics). */
 uint64_t idemd_replay_cache_hits(const idemd_replay_cache_t *c);
 

@@ -260,6 +260,26 @@ def test_different_body_is_422(php, gw):
     assert php_count(php) == before
 
 
+def test_replays_from_memory(py, gw_py, admin_py):
+    """A replayed key is kept ready in memory: its next replays are the
+    same bytes and headers (Set-Cookie never), another request under it is
+    422 from there too, and nothing is sent again."""
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    s0, h0, b0 = req(gw_py, "POST", "/charges", h, "{}")
+    hits = metric(admin_py, "idem_replay_cache_hits_total")
+    seen = [req(gw_py, "POST", "/charges", h, "{}") for _ in range(3)]
+    assert metric(admin_py, "idem_replay_cache_hits_total") >= hits + 2
+    for s, hs, b in seen:
+        assert (s, b) == (s0, b0) and header(hs, "Idempotent-Replayed") == "true", (s, b)
+        assert header(hs, "Location") == header(h0, "Location")
+        assert header(hs, "Set-Cookie") is None
+    s, _, b = req(gw_py, "POST", "/charges", h, '{"other": 1}')
+    assert s == 422, (s, b)
+    assert metric(admin_py, "idem_replay_cache_hits_total") >= hits + 3
+    assert executions(py, key) == 1
+
+
 def test_bad_keys_never_reach_the_upstream(php, gw):
     before = php_count(php)
     bad = [None, "", "   ", "a" * 256, "caf\u00e9", "tab\there", '"unterminated']
@@ -352,6 +372,41 @@ def test_pass_through_byte_for_byte(py, gw_py):
     assert [v for k, v in names if k == "x-forwarded-for"] == ["10.0.0.1, 127.0.0.1"], names
 
 
+def hwm_kib(p):
+    with open("/proc/%d/status" % p.pid) as f:
+        return int(re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def test_pass_through_streams_past_every_cap(py):
+    """An answer larger than any cap passes through byte for byte, and the
+    gateway's memory does not grow with it: the answer is streamed."""
+    p, port, _, _ = start_gateway(py, ["POST /charges"], "--max-answer", "1000")
+    req(port, "GET", "/big?n=70000")
+    before = hwm_kib(p)
+    n = 50 << 20
+    s, hs, b = req(port, "GET", "/big?n=%d" % n, timeout=120)
+    assert s == 200 and len(b) == n and b == b"x" * n, (s, len(b))
+    grew = hwm_kib(p) - before
+    assert grew < 24 << 10, "the gateway's peak RSS grew %d KiB" % grew
+    stop_gateway(p)
+
+
+def test_pass_through_first_bytes_before_the_end(py, gw_py):
+    """A slow upstream's first bytes reach the client before it is done."""
+    c = http.client.HTTPConnection("127.0.0.1", gw_py, timeout=10)
+    t0 = time.monotonic()
+    c.request("GET", "/drip?ms=1500")
+    r = c.getresponse()
+    first = r.read(6)
+    t_first = time.monotonic() - t0
+    rest = r.read()
+    t_all = time.monotonic() - t0
+    c.close()
+    assert r.status == 200 and first + rest == b"first;second;", (r.status, first, rest)
+    assert r.getheader("Transfer-Encoding") == "chunked", r.getheaders()
+    assert t_first < 1.0 <= t_all, (t_first, t_all)
+
+
 def test_lost_answer_is_pending(py, gw_py, admin_py):
     key = new_key()
     h = {"Idempotency-Key": key, "Content-Type": "application/json"}
@@ -363,6 +418,63 @@ def test_lost_answer_is_pending(py, gw_py, admin_py):
     metrics = req(admin_py, "GET", "/metrics")[2].decode()
     assert re.search(r"^idem_records_pending [1-9]", metrics, re.M), metrics
     assert re.search(r"^idem_gateway_upstream_no_answer_total [1-9]", metrics, re.M)
+
+
+def test_timeout_after_send_is_pending(py):
+    """Sent, and no answer within --upstream-timeout (the I/O thread's
+    deadline): pending, 202, never sent again; its retry replays 202."""
+    p, port, admin, _ = start_gateway(py, ["POST /charges"], "--upstream-timeout", "300ms",
+                                      "--lease", "2s")
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    t0 = time.monotonic()
+    s, hs, b = req(port, "POST", "/charges?sleep=1500", h, "{}")
+    took = time.monotonic() - t0
+    assert s == 202 and header(hs, "Retry-After") == "5", (s, b)
+    assert took < 1.2, "answered after %.2f s, not at the deadline" % took
+    s, hs, b = req(port, "POST", "/charges?sleep=1500", h, "{}")
+    assert s == 202 and header(hs, "Idempotent-Replayed") == "true", (s, b)
+    time.sleep(1.5)  # the upstream's own (late) answer is over
+    assert executions(py, key) == 1, "executed %d times" % executions(py, key)
+    assert metric(admin, "idem_gateway_upstream_no_answer_total") == 1
+    stop_gateway(p)
+
+
+def test_twenty_at_once_one_execution_fast_upstream(py, gw_py):
+    """As test_twenty_at_once_make_one, through the Python upstream: the
+    nineteen duplicates park on the key (no thread each) and replay."""
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    res = together(20, lambda: req(gw_py, "POST", "/charges?sleep=300", h, "{}"))
+    assert executions(py, key) == 1, "executed %d times" % executions(py, key)
+    assert {s for s, _, _ in res} == {201}, [s for s, _, _ in res]
+    assert len({b for _, _, b in res}) == 1
+    replayed = [header(hs, "Idempotent-Replayed") for _, hs, _ in res]
+    assert replayed.count("true") == 19, replayed
+
+
+def test_duplicate_waits_no_longer_than_its_bound(py):
+    """A duplicate in flight waits --inflight-wait, then 409: the parked
+    request is woken at its bound while the original is at the upstream."""
+    p, port, _, _ = start_gateway(py, ["POST /charges"], "--inflight-wait", "200ms")
+    key = new_key()
+    h = {"Idempotency-Key": key, "Content-Type": "application/json"}
+    first = {}
+    t = threading.Thread(target=lambda: first.update(
+        r=req(port, "POST", "/charges?sleep=1500", h, "{}")))
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    s, hs, b = req(port, "POST", "/charges?sleep=1500", h, "{}")
+    took = time.monotonic() - t0
+    assert s == 409 and header(hs, "Retry-After") == "1", (s, b)
+    assert took < 1.0, "the duplicate waited %.2f s" % took
+    t.join()
+    assert first["r"][0] == 201, first["r"]
+    s, hs, b = req(port, "POST", "/charges?sleep=1500", h, "{}")
+    assert s == 201 and header(hs, "Idempotent-Replayed") == "true", (s, b)
+    assert executions(py, key) == 1
+    stop_gateway(p)
 
 
 def test_too_large_answer_blocks_a_second_run(py, gw_small):

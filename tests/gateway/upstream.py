@@ -118,6 +118,19 @@ class Handler(BaseHTTPRequestHandler):
         if url.path.startswith("/status/"):
             return self.send(int(url.path[8:]), b'{"status":"as asked"}',
                              headers=[("X-Custom", "yes")])
+        if url.path == "/drip":
+            # Its first bytes, then ?ms=MS of silence, then the rest.
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i, part in enumerate((b"first;", b"second;")):
+                if i:
+                    time.sleep(int(q["ms"][0]) / 1000)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            return None
         if url.path == "/slow":
             time.sleep(int(q["ms"][0]) / 1000)
             return self.send(200, b'{"slow":true}')

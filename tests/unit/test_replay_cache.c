@@ -184,11 +184,58 @@ static void test_many_in_each_bucket(void **state) {
   idemd_replay_cache_free(c);
 }
 
+/* put_value()/use(): a caller's own value, handed to use() while live,
+ * freed once when replaced, expired, over the budget or with the cache,
+ * and at once when it cannot be kept. */
+static int freed;
+static void free_counted(void *v) {
+  freed++;
+  free(v);
+}
+
+static int use_it(void *value, int status, const char *fingerprint, void *arg) {
+  *(const char **)arg = value;
+  assert_int_equal(status, 201);
+  assert_string_equal(fingerprint, FP_A);
+  return 1;
+}
+
+static void test_values(void **state) {
+  idemd_replay_cache_t *c = idemd_replay_cache_new(16 * 4096);
+  idem_scope_t sc = {7, "create_payment", "k1"}, other = {7, "create_payment", "k2"};
+  const char *seen = NULL;
+  (void)state;
+
+  freed = 0;
+  assert_int_equal(idemd_replay_cache_use(c, &sc, 1000, use_it, &seen), 0);
+  idemd_replay_cache_put_value(c, &sc, FP_A, 201, strdup("one"), 3, free_counted, 5000);
+  assert_int_equal(idemd_replay_cache_use(c, &sc, 1000, use_it, &seen), 1);
+  assert_string_equal(seen, "one");
+  assert_int_equal(idemd_replay_cache_hits(c), 1);
+  /* Replaced: the old value freed. */
+  idemd_replay_cache_put_value(c, &sc, FP_A, 201, strdup("two"), 3, free_counted, 5000);
+  assert_int_equal(freed, 1);
+  assert_int_equal(idemd_replay_cache_use(c, &sc, 1000, use_it, &seen), 1);
+  assert_string_equal(seen, "two");
+  /* Expired: a miss, and freed. */
+  assert_int_equal(idemd_replay_cache_use(c, &sc, 5000, use_it, &seen), 0);
+  assert_int_equal(freed, 2);
+  /* Too large for a shard: not kept, freed at once. */
+  idemd_replay_cache_put_value(c, &other, FP_A, 201, strdup("big"), 4096, free_counted, 5000);
+  assert_int_equal(freed, 3);
+  assert_int_equal(idemd_replay_cache_use(c, &other, 1000, use_it, &seen), 0);
+  /* Freed with the cache. */
+  idemd_replay_cache_put_value(c, &other, FP_A, 201, strdup("three"), 3, free_counted, 5000);
+  idemd_replay_cache_free(c);
+  assert_int_equal(freed, 4);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_hit_and_miss),     cmocka_unit_test(test_expired_is_a_miss),
       cmocka_unit_test(test_scopes_are_separate), cmocka_unit_test(test_put_replaces),
       cmocka_unit_test(test_budget),      cmocka_unit_test(test_many_in_each_bucket),
+      cmocka_unit_test(test_values),
   };
   return cmocka_run_group_tests(tests, NULL, NULL);
 }
