@@ -32,8 +32,8 @@ typedef struct idem_tx idem_tx_t;
  * the whole write back (the reservation too) and is what the reserve or
  * complete then returns. IDEM_EREFUSED is the code for a rule of the
  * caller's own that the write would break (a balance, a state checked in
- * the transaction): nothing is written and the key stays free. It may run more than once for one write (SQLite
- * runs a batch again, write by write, after any write of it failed), and
+ * the transaction): nothing is written and the key stays free. It may run more than once for one write (both
+ * stores run a batch again, write by write, after any write of it failed), and
  * only the run that commits leaves anything: it must write only through
  * the handle, set what it reports afresh each time, and not wait (the
  * write lock is held, for other writes too, while it runs). fn NULL: no
@@ -237,7 +237,8 @@ int idem_store_local_reads(const idem_store_t *store);
 
 /* 1 when the store has asynchronous forms of its reservation and
  * completion (idem_store_reserve_async(), idem_store_complete_async()):
- * SQLite; 0 when they return IDEM_ENOTSUP (PostgreSQL). */
+ * both of idem's stores, whose writes go through a group commit; 0 when
+ * they return IDEM_ENOTSUP (a backend without them). */
 int idem_store_async_writes(const idem_store_t *store);
 
 /* Creates or upgrades the schema to this program's version. Idempotent.
@@ -276,8 +277,8 @@ IDEM_WARN_UNUSED int idem_store_complete(idem_store_t *store,
  * have returned; everything `req` or `c` points at, and `out` and
  * `result`, must stay valid until then. Any other return means nothing
  * was queued and `done` will not be called: IDEM_ENOTSUP when the store
- * has no asynchronous writes (PostgreSQL), else the error the synchronous
- * form would have returned at once. */
+ * has no asynchronous writes (idem_store_async_writes()), else the error
+ * the synchronous form would have returned at once. */
 IDEM_WARN_UNUSED int idem_store_reserve_async(idem_store_t *store,
                                               const idem_reserve_t *req,
                                               idem_record_t *out,
@@ -291,7 +292,7 @@ IDEM_WARN_UNUSED int idem_store_complete_async(idem_store_t *store,
  * this returns IDEM_OK, and rolled back when it returns anything else
  * (which this returns): for a program's own schema and the writes that go
  * with no key. As for effects (above), it may run more than once and must
- * not wait; on SQLite it joins the group commit. */
+ * not wait; it joins the group commit (both stores). */
 IDEM_WARN_UNUSED int idem_store_write(idem_store_t *store, const idem_effect_t *e);
 
 /* Runs e->fn(e->arg, tx) with a connection for reads (on SQLite a reader,

@@ -12,12 +12,14 @@
  * The semantics are those of the SQLite store: the same atomic reservation
  * (INSERT ... ON CONFLICT), completion conditional on the owner token, and
  * resources written in the transaction of their record. */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include "store_impl.h"
 
 #include <errno.h>
 #include <libpq-fe.h>
 #include <poll.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,7 +36,6 @@ enum stmt_id {
   ST_RESERVE,
   ST_READ_RECORD,
   ST_COMPLETE,
-  ST_NOTIFY,
   ST_META_PUT,
   ST_META_GET,
   ST_SWEEP,
@@ -73,15 +74,19 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "RETURNING 1",
     [ST_READ_RECORD] = "SELECT " RECORD_COLUMNS
                        " FROM idempotency_records WHERE " SCOPE_MATCH,
+    /* The NOTIFY goes out only when the update changed the row (one per
+     * row it returned), delivered to every instance at commit: a
+     * completion that lost its lease sends nothing, and needs no rollback
+     * that would undo the other writes of its batch. */
     [ST_COMPLETE] =
-        "UPDATE idempotency_records SET state = $4, response_status = $5, "
+        "WITH u AS (UPDATE idempotency_records SET state = $4, response_status = $5, "
         "response_body = $6, location = $7, "
         "resource_id = COALESCE($8, resource_id), "
         "provider_ref = COALESCE($9, provider_ref), owner_token = NULL, "
         "lease_expires_at = NULL, updated_at = $10, expires_at = $11 "
         "WHERE " SCOPE_MATCH " AND state IN ('processing', 'pending') "
-        "AND owner_token = $12",
-    [ST_NOTIFY] = "SELECT pg_notify('" NOTIFY_CHANNEL "', $1)",
+        "AND owner_token = $12 RETURNING 1) "
+        "SELECT pg_notify('" NOTIFY_CHANNEL "', $13) FROM u",
     [ST_RECORDS_LIST] = "SELECT " RECORD_COLUMNS " FROM idempotency_records "
                         "WHERE tenant_id = $1 AND ($2::text IS NULL OR state = $2) "
                         "AND ($3::bigint = 0 OR updated_at < $3) "
@@ -220,11 +225,37 @@ static const char fresh[] =
     "WHERE state IN ('processing', 'pending');";
 #define MIGRATE_LOCK "7305818436" /* pg_advisory_xact_lock key for migrations */
 
+/* How many writer threads (and connections) run batches at once: while
+ * one waits on its COMMIT's flush, another runs its statements
+ * (docs/performance.md, "PostgreSQL: group commit"). */
+#define WRITERS 4
+/* At most this many writes in one transaction. */
+#define MAX_BATCH 128
+
+struct conn;
+
+/* A write waiting for a writer. A synchronous caller sleeps on `done`
+ * alone; an asynchronous one is called back (`cb`) by the writer, after
+ * the COMMIT, and its job, first in a malloc'd block, is freed first. */
+struct job {
+  int (*fn)(struct conn *, void *);
+  void *arg;
+  int rc;
+  sem_t done;
+  idem_store_done_fn cb;
+  void *cb_arg;
+  /* Its caller answers a request once told (a completion, a single-step
+   * reservation, a synchronous caller): told before the batch's others. */
+  int answers;
+  int64_t queued_ms; /* idem_mono_ms() when queued */
+  struct job *next;
+};
+
 struct conn {
   PGconn *pg;
   unsigned prepared; /* bit i: stmt i is prepared on this connection */
-  /* in_tx() with `piped` set: the transaction's BEGIN has not been sent,
-   * and goes out with its first statement (run_piped()). */
+  /* In a writer's batch: the transaction's BEGIN has not been sent, and
+   * goes out with its first statement (run_piped()). */
   int begin_pending;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
@@ -262,6 +293,18 @@ typedef struct pg_store {
   pthread_t listener, watchdog;
   int listener_started, watchdog_started;
   atomic_int stopping;
+
+  /* Group commit (the writers, below): callers queue their writes and
+   * sleep; WRITERS threads, each on a connection of the pool, take every
+   * write queued at that moment, run them in one transaction with one
+   * COMMIT, then tell each caller its own result. */
+  pthread_mutex_t q_lock;
+  pthread_cond_t q_ready; /* a writer waits for work */
+  struct job *q_head, *q_tail;
+  int q_stopping;
+  pthread_t writers[WRITERS];
+  int writers_started;
+  atomic_uint_fast64_t commits, writes, batch_reruns;
 } pg_store_t;
 
 static const idem_store_methods_t pg_methods;
@@ -482,7 +525,7 @@ static int prepare(struct conn *c, enum stmt_id id, char *name) {
  * not ST_COUNT_ (a statement whose rows are not needed, such as the NOTIFY
  * after a completion). Returns `id`'s result, which the caller clears, or
  * NULL with the first error recorded: a statement after a failed one is
- * not run, and the transaction is left failed, for in_tx() to roll back.
+ * not run, and the transaction is left failed, for the writer to roll back.
  * docs/performance.md, "PostgreSQL: fewer round trips". */
 static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
                            const char *const *params, enum stmt_id then, int tn,
@@ -724,7 +767,8 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
                          const char *owner, const idem_outcome_t *o,
                          int64_t now_ms, int64_t ttl_ms) {
   char t[24], status[16], now[24], exp[24];
-  const char *p[12] = {num(t, sizeof t, sc->tenant_id), sc->operation, sc->key,
+  char payload[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
+  const char *p[13] = {num(t, sizeof t, sc->tenant_id), sc->operation, sc->key,
                        idem_state_name(o->state),
                        num(status, sizeof status, o->status), o->body,
                        o->location, o->resource_id, o->provider_ref,
@@ -732,18 +776,16 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
                        o->state == IDEM_STATE_PENDING
                            ? NULL
                            : num(exp, sizeof exp, now_ms + ttl_ms),
-                       owner};
-  char payload[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
-  const char *np[1] = {payload};
+                       owner, payload};
   PGresult *res;
   int rc;
 
-  /* The NOTIFY goes with the update, delivered to every instance at
-   * commit; when the update changed no row, the rollback drops it. */
+  /* The update and its NOTIFY are one statement (ST_COMPLETE), sent with
+   * the transaction's BEGIN when that is pending. */
   notify_payload(payload, sizeof payload, sc);
-  if ((res = run_piped(c, ST_COMPLETE, 12, p, ST_NOTIFY, 1, np, &rc)) == NULL)
+  if ((res = run(c, ST_COMPLETE, 13, p, &rc)) == NULL)
     return rc;
-  rc = atoi(PQcmdTuples(res)) == 1 ? IDEM_OK : IDEM_ELOST;
+  rc = PQntuples(res) == 1 ? IDEM_OK : IDEM_ELOST;
   PQclear(res);
   return rc;
 }
@@ -777,24 +819,244 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   return idem__won_record(req, owner, 0, out);
 }
 
-/* Runs fn(c, arg) in a transaction on a pooled connection: committed
- * when it returns IDEM_OK, rolled back otherwise. With `piped`, fn's
- * first statement goes through run(), which sends the BEGIN with it. */
-static int in_tx(pg_store_t *s, int piped, int (*fn)(struct conn *, void *), void *arg) {
-  struct conn *c;
+/* The group-commit writers (docs/performance.md, "PostgreSQL: group
+ * commit"). Each takes every write queued at that moment (up to
+ * MAX_BATCH) and runs them on a pooled connection in one transaction: one
+ * COMMIT, one flush of the WAL and one wake-up of the waiters on other
+ * instances (the NOTIFYs go out at that COMMIT) for all. A write that
+ * fails is undone alone: the batch runs first with nothing between its
+ * writes; if one fails (its error aborts the transaction), the
+ * transaction is rolled back and the batch runs again, each write in a
+ * SAVEPOINT of its own, as the SQLite writer does (sqlite_writer.c).
+ * Every write of the store may run twice (store.h says so of effects and
+ * idem_store_write(); reservations and completions set all their outputs
+ * on each run). The unique constraint still decides between writers and
+ * instances: a reservation of a key another batch holds waits for that
+ * batch's COMMIT, within lock_timeout. */
+
+static __thread int on_writer; /* this thread is one of the writers */
+
+/* Moves the watchdog's deadline of a writer's connection on, before each
+ * write of its batch: each write is bounded as a call of its own was. */
+static void rewatch(pg_store_t *s, struct conn *c) {
+  pthread_mutex_lock(&s->pool_lock);
+  c->deadline_ms = idem_mono_ms() + 2 * (int64_t)s->timeout_ms;
+  pthread_mutex_unlock(&s->pool_lock);
+}
+
+/* Runs one of the savepoint statements; IDEM_OK or the error recorded. */
+static int savepoint(struct conn *c, const char *sql) { return simple(c, sql); }
+
+/* Runs the batch's writes one after the other in one transaction, with
+ * its BEGIN sent with the first statement. Returns 1 when all succeeded
+ * (the transaction stays open for the COMMIT), 0 when one failed (the
+ * transaction is rolled back: the batch must run again write by write). */
+static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
+  c->begin_pending = 1;
+  for (struct job *j = jobs; j; j = j->next) {
+    rewatch(s, c);
+    j->rc = j->fn(c, j->arg);
+    /* IDEM_ELOST (a lease lost) is returned with nothing written and the
+     * transaction intact: that write's result, not a failure to undo. */
+    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
+      (void)tx_end(c, 0);
+      return 0;
+    }
+  }
+  return 1;
+}
+
+static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
   int rc;
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  c->begin_pending = piped;
-  if ((rc = piped ? IDEM_OK : simple(c, "BEGIN")) == IDEM_OK) {
-    rc = fn(c, arg);
-    int end = tx_end(c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
+  if (run_batch_whole(s, c, jobs))
+    goto commit;
+  atomic_fetch_add(&s->batch_reruns, 1);
+  rewatch(s, c);
+  if ((rc = simple(c, "BEGIN")) != IDEM_OK) {
+    for (struct job *j = jobs; j; j = j->next)
+      j->rc = rc;
+    return;
   }
-  conn_put(s, c);
-  return rc;
+  for (struct job *j = jobs; j; j = j->next) {
+    rewatch(s, c);
+    /* A transaction the server aborted (a savepoint that failed, a
+     * connection lost) runs nothing more: the rest fail unrun. */
+    if (PQtransactionStatus(c->pg) != PQTRANS_INTRANS) {
+      j->rc = IDEM_ESTORE;
+      continue;
+    }
+    if ((j->rc = savepoint(c, "SAVEPOINT idem_write")) != IDEM_OK)
+      continue;
+    j->rc = j->fn(c, j->arg);
+    if (j->rc != IDEM_OK && savepoint(c, "ROLLBACK TO SAVEPOINT idem_write") != IDEM_OK)
+      j->rc = IDEM_ESTORE;
+    if (savepoint(c, "RELEASE SAVEPOINT idem_write") != IDEM_OK && j->rc == IDEM_OK)
+      j->rc = IDEM_ESTORE;
+  }
+commit:
+  rewatch(s, c);
+  if (c->begin_pending) { /* nothing was sent: nothing to commit */
+    c->begin_pending = 0;
+    return;
+  }
+  /* COMMIT of a transaction the server aborted answers ROLLBACK, not an
+   * error: it must not pass for durable. */
+  rc = PQtransactionStatus(c->pg) == PQTRANS_INTRANS ? tx_end(c, 1) : IDEM_ESTORE;
+  if (rc != IDEM_OK) {
+    (void)tx_end(c, 0);
+    for (struct job *j = jobs; j; j = j->next)
+      if (j->rc == IDEM_OK)
+        j->rc = rc;
+  }
+}
+
+/* Tells one write's caller its result. The job may be gone once told. */
+static void tell(struct job *j) {
+  if (j->cb) {
+    idem_store_done_fn cb = j->cb;
+    void *cb_arg = j->cb_arg;
+    int rc = j->rc;
+    free(j);
+    cb(cb_arg, rc); /* may queue more writes: q_lock is not held */
+  } else {
+    sem_post(&j->done);
+  }
+}
+
+/* Tells a committed batch's callers, those that answer a request first
+ * (as sqlite_writer.c does, for the same reason). */
+static void tell_callers(struct job *batch) {
+  struct job *rest = NULL, **tail = &rest;
+
+  for (struct job *j = batch, *next; j; j = next) {
+    next = j->next;
+    if (j->answers) {
+      tell(j);
+    } else {
+      *tail = j;
+      tail = &j->next;
+    }
+  }
+  *tail = NULL;
+  for (struct job *j = rest, *next; j; j = next) {
+    next = j->next;
+    tell(j);
+  }
+}
+
+/* Takes the batch's writes that waited past the bound out of it, failed
+ * unrun: with every writer stuck on a database that hangs, a write must
+ * not wait for a writer longer than it would for a pooled connection
+ * (conn_get()). Returns what is left to run. */
+static struct job *drop_late(pg_store_t *s, struct job *batch, struct job **late) {
+  int64_t oldest = idem_mono_ms() - s->timeout_ms;
+  struct job *keep = NULL, **kt = &keep, **lt = late;
+
+  for (struct job *j = batch, *next; j; j = next) {
+    next = j->next;
+    if (j->queued_ms < oldest) {
+      j->rc = IDEM_ESTORE;
+      *lt = j;
+      lt = &j->next;
+    } else {
+      *kt = j;
+      kt = &j->next;
+    }
+  }
+  *kt = NULL;
+  *lt = NULL;
+  return keep;
+}
+
+static void *writer_loop(void *arg) {
+  pg_store_t *s = arg;
+
+  on_writer = 1;
+  pthread_setname_np(pthread_self(), "idem-pg-writer"); /* for top -H, perf */
+  pthread_mutex_lock(&s->q_lock);
+  for (;;) {
+    struct job *batch, *last, *late = NULL;
+    struct conn *c;
+    int n = 1, rc;
+
+    while (s->q_head == NULL && !s->q_stopping)
+      pthread_cond_wait(&s->q_ready, &s->q_lock);
+    if (s->q_head == NULL)
+      break; /* stopping, and every queued write has run */
+    /* Take what is queued now: while this batch commits, the next forms
+     * (and another writer may take it). */
+    batch = last = s->q_head;
+    while (last->next && n < MAX_BATCH) {
+      last = last->next;
+      n++;
+    }
+    s->q_head = last->next;
+    if (s->q_head == NULL)
+      s->q_tail = NULL;
+    else
+      pthread_cond_signal(&s->q_ready); /* more queued: another writer */
+    last->next = NULL;
+    pthread_mutex_unlock(&s->q_lock);
+
+    batch = drop_late(s, batch, &late);
+    if (late) {
+      idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
+      tell_callers(late);
+    }
+    if (batch != NULL) {
+      if ((rc = conn_get(s, &c)) != IDEM_OK) {
+        for (struct job *j = batch; j; j = j->next)
+          j->rc = rc;
+      } else {
+        run_batch(s, c, batch);
+        conn_put(s, c);
+        atomic_fetch_add(&s->commits, 1);
+        atomic_fetch_add(&s->writes, (uint_fast64_t)n);
+      }
+      tell_callers(batch);
+    }
+    pthread_mutex_lock(&s->q_lock);
+  }
+  pthread_mutex_unlock(&s->q_lock);
+  return NULL;
+}
+
+static void enqueue(pg_store_t *s, struct job *j) {
+  int idle;
+
+  j->next = NULL;
+  j->queued_ms = idem_mono_ms();
+  pthread_mutex_lock(&s->q_lock);
+  idle = s->q_head == NULL; /* else a writer will find it queued */
+  if (s->q_tail)
+    s->q_tail->next = j;
+  else
+    s->q_head = j;
+  s->q_tail = j;
+  pthread_mutex_unlock(&s->q_lock);
+  if (idle)
+    pthread_cond_signal(&s->q_ready);
+}
+
+/* Runs `fn` in a transaction of a writer's batch and returns once it is
+ * committed: IDEM_OK only when it is durable, else its error, and nothing
+ * it did is kept. `fn` may run twice (a batch run again). */
+static int write_job(pg_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
+  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK, .answers = 1};
+
+  if (on_writer) {
+    /* A done callback that writes synchronously would wait on its own
+     * writer (store.h forbids it): fail loudly instead. */
+    idem__store_set_error("synchronous write from a writer thread");
+    return IDEM_EINVAL;
+  }
+  sem_init(&j.done, 0, 0);
+  enqueue(s, &j);
+  while (sem_wait(&j.done) != 0) /* EINTR only */
+    ;
+  sem_destroy(&j.done);
+  return j.rc;
 }
 
 struct reserve_args {
@@ -817,9 +1079,35 @@ static int pg_reserve(idem_store_t *base, const idem_reserve_t *req,
 
   if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
     return IDEM_ECRYPTO;
-  if ((rc = in_tx((pg_store_t *)base, 1, reserve_fn, &a)) != IDEM_OK)
+  if ((rc = write_job((pg_store_t *)base, reserve_fn, &a)) != IDEM_OK)
     idem_record_reset(out);
   return rc;
+}
+
+/* An asynchronous reservation: the job, its arguments and the owner
+ * token in one block, until a writer calls back. */
+struct async_reserve {
+  struct job job; /* first: the writer frees the block through it */
+  struct reserve_args a;
+  char owner[IDEM_TOKEN_MAX + 1];
+};
+
+static int pg_reserve_async(idem_store_t *base, const idem_reserve_t *req,
+                            idem_record_t *out, idem_reserve_result_t *result,
+                            idem_store_done_fn done, void *arg) {
+  struct async_reserve *ar = calloc(1, sizeof *ar);
+
+  if (ar == NULL)
+    return IDEM_ENOMEM;
+  if (idem_random_token(ar->owner, IDEM_TOKEN_MAX) != IDEM_OK) {
+    free(ar);
+    return IDEM_ECRYPTO;
+  }
+  ar->a = (struct reserve_args){req, ar->owner, out, result};
+  ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .cb = done, .cb_arg = arg,
+                         .answers = req->outcome != NULL};
+  enqueue((pg_store_t *)base, &ar->job);
+  return IDEM_OK;
 }
 
 static int complete_fn(struct conn *c, void *arg) {
@@ -832,7 +1120,19 @@ static int complete_fn(struct conn *c, void *arg) {
 }
 
 static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
-  return in_tx((pg_store_t *)base, 1, complete_fn, (void *)cp);
+  return write_job((pg_store_t *)base, complete_fn, (void *)cp);
+}
+
+static int pg_complete_async(idem_store_t *base, const idem_complete_t *cp,
+                             idem_store_done_fn done, void *arg) {
+  struct job *j = calloc(1, sizeof *j);
+
+  if (j == NULL)
+    return IDEM_ENOMEM;
+  *j = (struct job){.fn = complete_fn, .arg = (void *)cp, .cb = done, .cb_arg = arg,
+                    .answers = 1};
+  enqueue((pg_store_t *)base, j);
+  return IDEM_OK;
 }
 
 static int caller_write_fn(struct conn *c, void *arg) {
@@ -840,7 +1140,14 @@ static int caller_write_fn(struct conn *c, void *arg) {
 }
 
 static int pg_write(idem_store_t *base, const idem_effect_t *e) {
-  return in_tx((pg_store_t *)base, 0, caller_write_fn, (void *)e);
+  return write_job((pg_store_t *)base, caller_write_fn, (void *)e);
+}
+
+static void pg_stats(idem_store_t *base, idem_store_stats_t *out) {
+  pg_store_t *s = (pg_store_t *)base;
+  out->commits = atomic_load_explicit(&s->commits, memory_order_relaxed);
+  out->writes = atomic_load_explicit(&s->writes, memory_order_relaxed);
+  out->batch_reruns = atomic_load_explicit(&s->batch_reruns, memory_order_relaxed);
 }
 
 static int pg_read(idem_store_t *base, const idem_effect_t *e) {
@@ -951,13 +1258,15 @@ static int pg_records_list(idem_store_t *base, const idem_records_query_t *q,
  * lock_timeout, and /readyz says so while no request writes. */
 static int probe_fn(struct conn *c, void *arg) {
   const char *p[1] = {arg};
-  int rc = simple(c, "LOCK TABLE idempotency_records IN ROW EXCLUSIVE MODE");
+  int rc = begin_now(c);
+  if (rc == IDEM_OK)
+    rc = simple(c, "LOCK TABLE idempotency_records IN ROW EXCLUSIVE MODE");
   return rc == IDEM_OK ? run_cmd(c, ST_PROBE, 1, p, NULL) : rc;
 }
 
 static int pg_probe(idem_store_t *base) {
   char now[24];
-  return in_tx((pg_store_t *)base, 0, probe_fn, (void *)num(now, sizeof now, idem_now_ms()));
+  return write_job((pg_store_t *)base, probe_fn, (void *)num(now, sizeof now, idem_now_ms()));
 }
 
 static int pg_meta_get_or_put(idem_store_t *base, const char *name,
@@ -1169,6 +1478,13 @@ static void pg_close(idem_store_t *base) {
   pg_store_t *s = (pg_store_t *)base;
   struct conn *c;
 
+  /* The writers first: every queued write runs, on a pool still open. */
+  pthread_mutex_lock(&s->q_lock);
+  s->q_stopping = 1;
+  pthread_cond_broadcast(&s->q_ready);
+  pthread_mutex_unlock(&s->q_lock);
+  for (int i = 0; i < s->writers_started; i++)
+    pthread_join(s->writers[i], NULL);
   pthread_mutex_lock(&s->pool_lock);
   atomic_store(&s->stopping, 1);
   pthread_cond_broadcast(&s->stop_cond);
@@ -1186,6 +1502,8 @@ static void pg_close(idem_store_t *base) {
   pthread_cond_destroy(&s->conn_freed);
   pthread_cond_destroy(&s->stop_cond);
   pthread_mutex_destroy(&s->pool_lock);
+  pthread_cond_destroy(&s->q_ready);
+  pthread_mutex_destroy(&s->q_lock);
   free(s->url);
   free(s);
 }
@@ -1242,6 +1560,8 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
   s->max_conns = opts->pool_size > 0 ? opts->pool_size : 64;
   set_params(s);
   pthread_mutex_init(&s->pool_lock, NULL);
+  pthread_mutex_init(&s->q_lock, NULL);
+  pthread_cond_init(&s->q_ready, NULL);
   {
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1255,6 +1575,13 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
     return IDEM_ENOMEM;
   }
   s->watchdog_started = 1;
+  for (int i = 0; i < WRITERS; i++) {
+    if (pthread_create(&s->writers[i], NULL, writer_loop, s) != 0) {
+      pg_close(&s->base);
+      return IDEM_ENOMEM;
+    }
+    s->writers_started++;
+  }
   /* Connect once now so a wrong URL or a stopped server fails here. */
   if ((rc = conn_get(s, &c)) != IDEM_OK) {
     pg_close(&s->base);
@@ -1282,4 +1609,7 @@ static const idem_store_methods_t pg_methods = {
     .write = pg_write,
     .read = pg_read,
     .probe = pg_probe,
+    .stats = pg_stats,
+    .reserve_async = pg_reserve_async,
+    .complete_async = pg_complete_async,
 };
