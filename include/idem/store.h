@@ -67,6 +67,28 @@ void *idem_tx_handle(const idem_tx_t *tx);
  * be made (idem_store_last_error() says why). Lent for the effect's call. */
 void *idem_tx_statement(idem_tx_t *tx, unsigned slot, const char *sql);
 
+/* PostgreSQL: runs the caller's prepared statement `name` (as
+ * idem_tx_statement() made it) with `n` text parameters (NULL: SQL NULL)
+ * when the effect needs neither its rows nor its count of rows: it is
+ * queued in libpq's pipeline and goes out with the next statement that
+ * needs an answer, or the COMMIT, so that a batch of writes costs fewer
+ * round trips (docs/performance.md, "PostgreSQL: group commit"). IDEM_OK
+ * means queued: its error, if any, comes from the next idem_tx_flush(),
+ * or fails the write it belongs to (as if the effect had returned it;
+ * IDEM_EEXIST for a unique violation). From the first call until
+ * idem_tx_flush() or the effect's return, the connection is in pipeline
+ * mode: run nothing on the handle directly in between. IDEM_ENOTSUP on
+ * SQLite (run the statement), IDEM_EINVAL for a bad argument. */
+IDEM_WARN_UNUSED int idem_tx_send(idem_tx_t *tx, const char *name, int n,
+                                  const char *const *values);
+
+/* Sends what idem_tx_send() queued, waits for its results and leaves
+ * pipeline mode: IDEM_OK, or the first of their errors (IDEM_EEXIST for a
+ * unique violation; the transaction is then failed, and so is the write).
+ * Then the handle runs statements as usual. IDEM_OK when nothing is
+ * queued, and always on SQLite. */
+IDEM_WARN_UNUSED int idem_tx_flush(idem_tx_t *tx);
+
 /* Inside a write (an effect or idem_store_write(), not idem_store_read()):
  * takes over the record of `scope` when it is pending or processing and
  * no owner's lease holds it at the transaction's time (its owner died, or

@@ -257,6 +257,9 @@ struct conn {
   /* In a writer's batch: the transaction's BEGIN has not been sent, and
    * goes out with its first statement (run_piped()). */
   int begin_pending;
+  /* Statements sent in pipeline mode whose results are not read yet (the
+   * caller's idem_tx_send()); pipe_end() reads them. */
+  int queued;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
   uint32_t caller_prepared;
@@ -460,6 +463,7 @@ static int conn_get(pg_store_t *s, struct conn **out) {
 static void conn_put(pg_store_t *s, struct conn *c) {
   int keep = !atomic_load_explicit(&c->cut, memory_order_relaxed) &&
              PQstatus(c->pg) == CONNECTION_OK &&
+             PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF &&
              PQtransactionStatus(c->pg) == PQTRANS_IDLE;
   pthread_mutex_lock(&s->pool_lock);
   unwatch_locked(s, c);
@@ -501,14 +505,53 @@ static void *watchdog_loop(void *arg) {
   return NULL;
 }
 
+/* Ends the pipeline that idem_tx_send() began, if any: a Sync, then the
+ * results of every statement queued, read. IDEM_OK, or the first of their
+ * errors (the transaction is then failed). Leaves pipeline mode, so that
+ * the connection runs statements as usual again. */
+static int pipe_end(struct conn *c) {
+  int err = IDEM_OK, q = 0, synced = 0;
+  PGresult *res;
+
+  if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF)
+    return IDEM_OK;
+  if (!PQpipelineSync(c->pg))
+    err = fail(c, NULL, "send");
+  /* Each statement's results end with a NULL, the Sync's result ends the
+   * pipeline; a connection that broke gives NULLs only. */
+  while (!synced && q <= c->queued) {
+    ExecStatusType st;
+    if ((res = PQgetResult(c->pg)) == NULL) {
+      q++;
+      continue;
+    }
+    st = PQresultStatus(res);
+    if (st == PGRES_PIPELINE_SYNC)
+      synced = 1;
+    else if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK &&
+             st != PGRES_PIPELINE_ABORTED && err == IDEM_OK)
+      err = fail(c, res, "queued statement");
+    PQclear(res);
+  }
+  c->queued = 0;
+  if (!PQexitPipelineMode(c->pg) && err == IDEM_OK)
+    err = fail(c, NULL, "pipeline");
+  if (err == IDEM_OK && !synced)
+    err = fail(c, NULL, "queued statement");
+  return err;
+}
+
 /* Prepares statement `id` on this connection on its first use; its name
  * goes in `name` (16 bytes). IDEM_OK, or the error recorded. */
 static int prepare(struct conn *c, enum stmt_id id, char *name) {
   PGresult *res;
+  int rc;
 
   snprintf(name, 16, "idem_%d", (int)id);
   if (c->prepared & (1u << id))
     return IDEM_OK;
+  if ((rc = pipe_end(c)) != IDEM_OK)
+    return rc;
   res = PQprepare(c->pg, name, stmt_sql[id], 0, NULL);
   if (PQresultStatus(res) != PGRES_COMMAND_OK) {
     int err = fail(c, res, "prepare");
@@ -521,37 +564,36 @@ static int prepare(struct conn *c, enum stmt_id id, char *name) {
 }
 
 /* Sends, in one round trip (libpq's pipeline mode), the transaction's
- * BEGIN when it is pending, statement `id`, and statement `then` when it is
- * not ST_COUNT_ (a statement whose rows are not needed, such as the NOTIFY
- * after a completion). Returns `id`'s result, which the caller clears, or
- * NULL with the first error recorded: a statement after a failed one is
- * not run, and the transaction is left failed, for the writer to roll back.
+ * BEGIN when it is pending, and statement `id`, after the statements
+ * idem_tx_send() queued (whose results it reads first: their errors are
+ * this call's). Returns `id`'s result, which the caller clears, or NULL
+ * with the first error recorded: a statement after a failed one is not
+ * run, and the transaction is left failed, for the writer to roll back.
  * docs/performance.md, "PostgreSQL: fewer round trips". */
 static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
-                           const char *const *params, enum stmt_id then, int tn,
-                           const char *const *tparams, int *err) {
-  char name[16], tname[16];
-  int begin = c->begin_pending, queries, q = 0, synced = 0;
+                           const char *const *params, int *err) {
+  char name[16];
+  int begin, skip, queries, q = 0, synced = 0;
   PGresult *res, *kept = NULL;
 
-  c->begin_pending = 0;
   *err = IDEM_OK;
-  if ((*err = prepare(c, id, name)) != IDEM_OK ||
-      (then != ST_COUNT_ && (*err = prepare(c, then, tname)) != IDEM_OK))
+  if ((*err = prepare(c, id, name)) != IDEM_OK) /* may end the pipeline */
     return NULL;
-  if (!PQenterPipelineMode(c->pg)) {
+  begin = c->begin_pending;
+  skip = c->queued;
+  c->begin_pending = 0;
+  c->queued = 0;
+  if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF && !PQenterPipelineMode(c->pg)) {
     *err = fail(c, NULL, "pipeline");
     return NULL;
   }
   if (!(begin ? PQsendQueryParams(c->pg, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) : 1) ||
       !PQsendQueryPrepared(c->pg, name, n, params, NULL, NULL, 0) ||
-      !(then != ST_COUNT_ ? PQsendQueryPrepared(c->pg, tname, tn, tparams, NULL, NULL, 0)
-                          : 1) ||
       !PQpipelineSync(c->pg))
     *err = fail(c, NULL, "send");
   /* Each query's results end with a NULL; the sync's result ends the
    * pipeline. A connection that broke gives NULLs only. */
-  queries = begin + 1 + (then != ST_COUNT_);
+  queries = skip + begin + 1;
   while (!synced && q <= queries) {
     ExecStatusType st;
     if ((res = PQgetResult(c->pg)) == NULL) {
@@ -562,12 +604,12 @@ static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
     if (st == PGRES_PIPELINE_SYNC) {
       synced = 1;
     } else if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK) {
-      if (q == begin && kept == NULL) {
+      if (q == skip + begin && kept == NULL) {
         kept = res;
         continue;
       }
     } else if (st != PGRES_PIPELINE_ABORTED && *err == IDEM_OK) {
-      *err = fail(c, res, begin && q == 0 ? "BEGIN" : "query");
+      *err = fail(c, res, q < skip ? "queued statement" : begin && q == skip ? "BEGIN" : "query");
     }
     PQclear(res);
   }
@@ -591,8 +633,8 @@ static PGresult *run(struct conn *c, enum stmt_id id, int n,
   PGresult *res;
   ExecStatusType st;
 
-  if (c->begin_pending)
-    return run_piped(c, id, n, params, ST_COUNT_, 0, NULL, err);
+  if (c->begin_pending || PQpipelineStatus(c->pg) != PQ_PIPELINE_OFF)
+    return run_piped(c, id, n, params, err);
   if ((*err = prepare(c, id, name)) != IDEM_OK)
     return NULL;
   res = PQexecPrepared(c->pg, name, n, params, NULL, NULL, 0);
@@ -623,8 +665,12 @@ static int run_cmd(struct conn *c, enum stmt_id id, int n,
 }
 
 static int simple(struct conn *c, const char *sql) {
-  PGresult *res = PQexec(c->pg, sql);
-  int rc = IDEM_OK;
+  PGresult *res;
+  int rc = pipe_end(c);
+
+  if (rc != IDEM_OK)
+    return rc;
+  res = PQexec(c->pg, sql);
   if (PQresultStatus(res) != PGRES_COMMAND_OK && PQresultStatus(res) != PGRES_TUPLES_OK)
     rc = fail(c, res, sql);
   PQclear(res);
@@ -645,8 +691,31 @@ static int tx_end(struct conn *c, int ok) {
     c->begin_pending = 0;
     return IDEM_OK;
   }
-  if (ok)
-    return simple(c, "COMMIT");
+  if (ok) {
+    /* The COMMIT goes out with what idem_tx_send() queued: one round
+     * trip; if one of those failed, the COMMIT is not run. */
+    int rc = IDEM_OK;
+    if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF) {
+      /* COMMIT of a transaction the server aborted answers ROLLBACK, not
+       * an error: it must not pass for durable. */
+      if (PQtransactionStatus(c->pg) != PQTRANS_INTRANS) {
+        idem__store_set_error("postgres: COMMIT of a failed transaction");
+        return IDEM_ESTORE;
+      }
+      return simple(c, "COMMIT");
+    }
+    if (!PQsendQueryParams(c->pg, "COMMIT", 0, NULL, NULL, NULL, NULL, 0))
+      rc = fail(c, NULL, "send");
+    else
+      c->queued++;
+    int end = pipe_end(c);
+    if (rc == IDEM_OK)
+      rc = end;
+    if (rc == IDEM_OK && PQtransactionStatus(c->pg) != PQTRANS_IDLE)
+      rc = fail(c, NULL, "COMMIT");
+    return rc;
+  }
+  (void)pipe_end(c); /* its errors are the rollback's reason */
   if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
     (void)simple(c, "ROLLBACK");
   return IDEM_OK;
@@ -703,6 +772,11 @@ static void *tx_statement(idem_tx_t *tx, unsigned slot, const char *sql) {
 
   if (begin_now(c) != IDEM_OK)
     return NULL;
+  if ((c->caller_prepared & (1u << slot)) &&
+      (c->caller_sql[slot] == sql || strcmp(c->caller_sql[slot], sql) == 0))
+    return name;
+  if (pipe_end(c) != IDEM_OK) /* PQprepare() does not run in a pipeline */
+    return NULL;
   if ((c->caller_prepared & (1u << slot)) && c->caller_sql[slot] != sql &&
       strcmp(c->caller_sql[slot], sql) != 0) {
     char drop[48];
@@ -742,7 +816,32 @@ static int tx_take_over(idem_tx_t *tx, const idem_scope_t *sc, const char *owner
   return err;
 }
 
-static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over};
+/* At most this many statements queued before they are sent and their
+ * results read: libpq writes while the server's answers pile up unread,
+ * and both would wait on the other once the sockets' buffers are full. */
+#define MAX_QUEUED 64
+
+/* idem_tx_send(): the statement joins the pipeline (entered on the
+ * first), its results read by the next statement that needs an answer. */
+static int tx_send(idem_tx_t *tx, const char *name, int n, const char *const *values) {
+  struct conn *c = tx->conn;
+  int rc;
+
+  if ((rc = begin_now(c)) != IDEM_OK)
+    return rc;
+  if (c->queued >= MAX_QUEUED && (rc = pipe_end(c)) != IDEM_OK)
+    return rc;
+  if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF && !PQenterPipelineMode(c->pg))
+    return fail(c, NULL, "pipeline");
+  if (!PQsendQueryPrepared(c->pg, name, n, values, NULL, NULL, 0))
+    return fail(c, NULL, "send");
+  c->queued++;
+  return IDEM_OK;
+}
+
+static int tx_flush(idem_tx_t *tx) { return pipe_end(tx->conn); }
+
+static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over, tx_send, tx_flush};
 
 /* Runs the caller's effect `e` on connection `c`. */
 static int run_effect(struct conn *c, const idem_effect_t *e, int64_t now_ms,
@@ -751,8 +850,10 @@ static int run_effect(struct conn *c, const idem_effect_t *e, int64_t now_ms,
   int rc;
   if (e == NULL || e->fn == NULL)
     return IDEM_OK;
-  /* The effect may run statements on idem_tx_handle() itself. */
-  if ((rc = begin_now(c)) != IDEM_OK)
+  /* The effect may run statements on idem_tx_handle() itself: not in a
+   * pipeline. What it queues itself (idem_tx_send()) goes out with the
+   * next statement that needs an answer, or the COMMIT. */
+  if ((rc = pipe_end(c)) != IDEM_OK || (rc = begin_now(c)) != IDEM_OK)
     return rc;
   return idem__effect_run(e, &tx);
 }
@@ -866,11 +967,25 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
   return 1;
 }
 
+/* What a batch's statements queued (idem_tx_send()) is known to have
+ * run only at its COMMIT, which goes out with them: a COMMIT that fails
+ * after a batch whose writes all returned IDEM_OK makes it run again,
+ * write by write, where each write's queued statements are sent at its
+ * end. A connection lost meanwhile fails that run at its BEGIN: nothing
+ * runs twice on a COMMIT that may have been done. */
 static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
   int rc;
 
-  if (run_batch_whole(s, c, jobs))
-    goto commit;
+  if (run_batch_whole(s, c, jobs)) {
+    rewatch(s, c);
+    if (c->begin_pending) { /* nothing was sent: nothing to commit */
+      c->begin_pending = 0;
+      return;
+    }
+    if ((rc = tx_end(c, 1)) == IDEM_OK)
+      return;
+    (void)tx_end(c, 0);
+  }
   atomic_fetch_add(&s->batch_reruns, 1);
   rewatch(s, c);
   if ((rc = simple(c, "BEGIN")) != IDEM_OK) {
@@ -879,6 +994,7 @@ static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
     return;
   }
   for (struct job *j = jobs; j; j = j->next) {
+    int sent;
     rewatch(s, c);
     /* A transaction the server aborted (a savepoint that failed, a
      * connection lost) runs nothing more: the rest fail unrun. */
@@ -889,17 +1005,15 @@ static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
     if ((j->rc = savepoint(c, "SAVEPOINT idem_write")) != IDEM_OK)
       continue;
     j->rc = j->fn(c, j->arg);
+    sent = pipe_end(c); /* what it queued, run: its errors are this write's */
+    if (j->rc == IDEM_OK)
+      j->rc = sent;
     if (j->rc != IDEM_OK && savepoint(c, "ROLLBACK TO SAVEPOINT idem_write") != IDEM_OK)
       j->rc = IDEM_ESTORE;
     if (savepoint(c, "RELEASE SAVEPOINT idem_write") != IDEM_OK && j->rc == IDEM_OK)
       j->rc = IDEM_ESTORE;
   }
-commit:
   rewatch(s, c);
-  if (c->begin_pending) { /* nothing was sent: nothing to commit */
-    c->begin_pending = 0;
-    return;
-  }
   /* COMMIT of a transaction the server aborted answers ROLLBACK, not an
    * error: it must not pass for durable. */
   rc = PQtransactionStatus(c->pg) == PQTRANS_INTRANS ? tx_end(c, 1) : IDEM_ESTORE;
@@ -1158,6 +1272,8 @@ static int pg_read(idem_store_t *base, const idem_effect_t *e) {
   if ((rc = conn_get(s, &c)) != IDEM_OK)
     return rc;
   rc = run_effect(c, e, idem_now_ms(), 0);
+  if (rc == IDEM_OK)
+    rc = pipe_end(c);
   (void)tx_end(c, 0); /* a transaction left open is not kept */
   conn_put(s, c);
   return rc;

@@ -1463,6 +1463,74 @@ static void app_table(fixture_t *fx) {
   assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
 }
 
+/* Statements an effect queues (idem_tx_send(), PostgreSQL's pipeline):
+ * `n` rows of app_rows under keys `key`-0...; with `dup`, the last one's
+ * key is the first's again, and with `flush` the effect asks for the
+ * results itself and returns what idem_tx_flush() said. */
+struct queued_rows {
+  int64_t tenant;
+  const char *key;
+  int n, dup, flush;
+  int sent_rc, flush_rc;
+};
+
+static int send_rows(void *arg, idem_tx_t *tx) {
+  struct queued_rows *q = arg;
+  const char *name = idem_tx_statement(tx, 5, "INSERT INTO app_rows (tenant, k, note) "
+                                              "VALUES ($1, $2, 'queued')");
+  char t[24], k[64];
+  const char *p[2] = {t, k};
+
+  if (name == NULL)
+    return IDEM_ESTORE;
+  snprintf(t, sizeof t, "%lld", (long long)q->tenant);
+  q->sent_rc = IDEM_OK;
+  for (int i = 0; i < q->n && q->sent_rc == IDEM_OK; i++) {
+    snprintf(k, sizeof k, "%s-%d", q->key, q->dup && i == q->n - 1 ? 0 : i);
+    q->sent_rc = idem_tx_send(tx, name, 2, p);
+  }
+  if (q->sent_rc != IDEM_OK)
+    return q->sent_rc;
+  if (q->flush)
+    return q->flush_rc = idem_tx_flush(tx);
+  return IDEM_OK;
+}
+
+/* idem_tx_send() (PostgreSQL): queued statements are written with their
+ * write, more of them than are ever queued at once; one that fails
+ * (a unique violation) fails its write, whether the effect flushes or
+ * leaves them to the COMMIT, and leaves nothing of it; SQLite says
+ * IDEM_ENOTSUP. */
+static void test_queued_statements(void **state) {
+  fixture_t *fx = *state;
+  struct queued_rows q = {fx->tenant.id, "q-ok", 100, 0, 0, 0, 0};
+  idem_effect_t e = {send_rows, &q};
+
+  app_table(fx);
+  if (strcmp(idem_store_backend(fx->store), "sqlite") == 0) {
+    assert_int_equal(idem_store_write(fx->store, &e), IDEM_ENOTSUP);
+    assert_int_equal(q.sent_rc, IDEM_ENOTSUP);
+    return;
+  }
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  assert_int_equal(app_rows(fx, NULL), 100);
+
+  q = (struct queued_rows){fx->tenant.id, "q-dup", 5, 1, 0, 0, 0};
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_EEXIST);
+  assert_int_equal(q.sent_rc, IDEM_OK); /* only queued */
+  assert_int_equal(app_rows(fx, NULL), 100);
+
+  q = (struct queued_rows){fx->tenant.id, "q-flush", 5, 1, 1, 0, 0};
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_EEXIST);
+  assert_int_equal(q.flush_rc, IDEM_EEXIST);
+  assert_int_equal(app_rows(fx, NULL), 100);
+
+  q = (struct queued_rows){fx->tenant.id, "q-flushed", 3, 0, 1, 0, 0};
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  assert_int_equal(q.flush_rc, IDEM_OK);
+  assert_int_equal(app_rows(fx, NULL), 103);
+}
+
 /* An effect is written with the reservation that wins the key, once; a
  * reservation that finds the key held runs none. */
 static void test_effect_with_reservation(void **state) {
@@ -2560,6 +2628,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_effect_with_completion),
       STORE_TEST(test_effects_in_a_failed_batch),
       STORE_TEST(test_caller_write_and_read),
+      STORE_TEST(test_queued_statements),
       STORE_TEST(test_caller_statements_kept),
       STORE_TEST(test_take_over),
       STORE_TEST(test_claim),
