@@ -1,8 +1,11 @@
 /* The PostgreSQL store: many idemd instances share one database. Short
- * transactions of prepared statements, a pool of connections (one per
- * concurrent caller, re-opened after the server restarts), and a listener
- * connection that turns NOTIFY from any instance into in-process wake-ups,
- * so a duplicate waiting on another instance's key wakes when it finishes.
+ * transactions of prepared statements, written through a group commit (a
+ * few writer threads, each running every write queued at that moment in
+ * one transaction, statements pipelined where no answer is needed), a
+ * pool of connections (re-opened after the server restarts), and a
+ * listener connection that turns NOTIFY from any instance into in-process
+ * wake-ups, so a duplicate waiting on another instance's key wakes when
+ * it finishes.
  * A database that hangs does not hang the caller: every statement, lock
  * wait, connect and wait for a pooled connection is bounded, and a
  * watchdog cuts the socket of a call that outlives twice the bound (a
