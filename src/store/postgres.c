@@ -234,6 +234,10 @@ static const char fresh[] =
 #define WRITERS 4
 /* At most this many writes in one transaction. */
 #define MAX_BATCH 128
+/* How long a whole batch waits for a row lock before it runs again write
+ * by write (run_batch()): a batch waiting on another that waits on it
+ * would otherwise wait for PostgreSQL's deadlock_timeout (1 s). */
+#define WHOLE_LOCK_WAIT_MS 100
 
 struct conn;
 
@@ -263,6 +267,9 @@ struct conn {
   /* Statements sent in pipeline mode whose results are not read yet (the
    * caller's idem_tx_send()); pipe_end() reads them. */
   int queued;
+  /* When not 0, the transaction's BEGIN sets lock_timeout to this (SET
+   * LOCAL): a whole batch's shorter lock waits (run_batch_whole()). */
+  int lock_wait_ms;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
   uint32_t caller_prepared;
@@ -575,22 +582,27 @@ static int prepare(struct conn *c, enum stmt_id id, char *name) {
  * docs/performance.md, "PostgreSQL: fewer round trips". */
 static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
                            const char *const *params, int *err) {
-  char name[16];
+  char name[16], set[48];
   int begin, skip, queries, q = 0, synced = 0;
   PGresult *res, *kept = NULL;
 
   *err = IDEM_OK;
   if ((*err = prepare(c, id, name)) != IDEM_OK) /* may end the pipeline */
     return NULL;
-  begin = c->begin_pending;
+  /* BEGIN, and the SET LOCAL of a whole batch's lock waits: `begin`
+   * statements before ours. */
+  begin = c->begin_pending ? 1 + (c->lock_wait_ms > 0) : 0;
   skip = c->queued;
   c->begin_pending = 0;
   c->queued = 0;
+  if (begin > 1)
+    snprintf(set, sizeof set, "SET LOCAL lock_timeout = %d", c->lock_wait_ms);
   if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF && !PQenterPipelineMode(c->pg)) {
     *err = fail(c, NULL, "pipeline");
     return NULL;
   }
   if (!(begin ? PQsendQueryParams(c->pg, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) : 1) ||
+      !(begin > 1 ? PQsendQueryParams(c->pg, set, 0, NULL, NULL, NULL, NULL, 0) : 1) ||
       !PQsendQueryPrepared(c->pg, name, n, params, NULL, NULL, 0) ||
       !PQpipelineSync(c->pg))
     *err = fail(c, NULL, "send");
@@ -612,7 +624,7 @@ static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
         continue;
       }
     } else if (st != PGRES_PIPELINE_ABORTED && *err == IDEM_OK) {
-      *err = fail(c, res, q < skip ? "queued statement" : begin && q == skip ? "BEGIN" : "query");
+      *err = fail(c, res, q < skip ? "queued statement" : q < skip + begin ? "BEGIN" : "query");
     }
     PQclear(res);
   }
@@ -686,6 +698,11 @@ static int begin_now(struct conn *c) {
   if (!c->begin_pending)
     return IDEM_OK;
   c->begin_pending = 0;
+  if (c->lock_wait_ms > 0) { /* one round trip for both (simple protocol) */
+    char sql[64];
+    snprintf(sql, sizeof sql, "BEGIN; SET LOCAL lock_timeout = %d", c->lock_wait_ms);
+    return simple(c, sql);
+  }
   return simple(c, "BEGIN");
 }
 
@@ -948,15 +965,13 @@ static void rewatch(pg_store_t *s, struct conn *c) {
   pthread_mutex_unlock(&s->pool_lock);
 }
 
-/* Runs one of the savepoint statements; IDEM_OK or the error recorded. */
-static int savepoint(struct conn *c, const char *sql) { return simple(c, sql); }
-
 /* Runs the batch's writes one after the other in one transaction, with
  * its BEGIN sent with the first statement. Returns 1 when all succeeded
  * (the transaction stays open for the COMMIT), 0 when one failed (the
  * transaction is rolled back: the batch must run again write by write). */
 static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
   c->begin_pending = 1;
+  c->lock_wait_ms = s->timeout_ms < WHOLE_LOCK_WAIT_MS ? s->timeout_ms : WHOLE_LOCK_WAIT_MS;
   for (struct job *j = jobs; j; j = j->next) {
     rewatch(s, c);
     j->rc = j->fn(c, j->arg);
@@ -972,12 +987,20 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
 
 /* What a batch's statements queued (idem_tx_send()) is known to have
  * run only at its COMMIT, which goes out with them: a COMMIT that fails
- * after a batch whose writes all returned IDEM_OK makes it run again,
- * write by write, where each write's queued statements are sent at its
- * end. A connection lost meanwhile fails that run at its BEGIN: nothing
+ * after a batch whose writes all returned IDEM_OK makes it run again.
+ *
+ * A batch that failed runs again write by write, each write in a
+ * transaction of its own (not in savepoints of one): a transaction holds
+ * the row locks of all its writes until its COMMIT, and two batches that
+ * lock rows the other holds (refunds of the same payments, in another
+ * order) wait on each other until PostgreSQL breaks the deadlock, a
+ * second later; savepoints would keep the locks and meet again. A write
+ * alone locks what one request did before the group commit. The batch
+ * stays bounded: once it has run for twice the bound, the writes left
+ * fail unrun. A connection lost meanwhile fails the first BEGIN: nothing
  * runs twice on a COMMIT that may have been done. */
 static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
-  int rc;
+  int64_t started = idem_mono_ms();
 
   if (run_batch_whole(s, c, jobs)) {
     rewatch(s, c);
@@ -985,46 +1008,34 @@ static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
       c->begin_pending = 0;
       return;
     }
-    if ((rc = tx_end(c, 1)) == IDEM_OK)
+    if (tx_end(c, 1) == IDEM_OK)
       return;
     (void)tx_end(c, 0);
   }
   atomic_fetch_add(&s->batch_reruns, 1);
-  rewatch(s, c);
-  if ((rc = simple(c, "BEGIN")) != IDEM_OK) {
-    for (struct job *j = jobs; j; j = j->next)
-      j->rc = rc;
-    return;
-  }
   for (struct job *j = jobs; j; j = j->next) {
-    int sent;
     rewatch(s, c);
-    /* A transaction the server aborted (a savepoint that failed, a
-     * connection lost) runs nothing more: the rest fail unrun. */
-    if (PQtransactionStatus(c->pg) != PQTRANS_INTRANS) {
+    if (PQstatus(c->pg) != CONNECTION_OK ||
+        idem_mono_ms() - started > 2 * (int64_t)s->timeout_ms) {
+      idem__store_set_error("postgres: the batch ran past the bound (or lost its "
+                            "connection); its last writes were not run");
       j->rc = IDEM_ESTORE;
       continue;
     }
-    if ((j->rc = savepoint(c, "SAVEPOINT idem_write")) != IDEM_OK)
-      continue;
+    c->begin_pending = 1;
+    c->lock_wait_ms = 0; /* this write waits as long as a call of its own */
     j->rc = j->fn(c, j->arg);
-    sent = pipe_end(c); /* what it queued, run: its errors are this write's */
-    if (j->rc == IDEM_OK)
-      j->rc = sent;
-    if (j->rc != IDEM_OK && savepoint(c, "ROLLBACK TO SAVEPOINT idem_write") != IDEM_OK)
-      j->rc = IDEM_ESTORE;
-    if (savepoint(c, "RELEASE SAVEPOINT idem_write") != IDEM_OK && j->rc == IDEM_OK)
-      j->rc = IDEM_ESTORE;
-  }
-  rewatch(s, c);
-  /* COMMIT of a transaction the server aborted answers ROLLBACK, not an
-   * error: it must not pass for durable. */
-  rc = PQtransactionStatus(c->pg) == PQTRANS_INTRANS ? tx_end(c, 1) : IDEM_ESTORE;
-  if (rc != IDEM_OK) {
-    (void)tx_end(c, 0);
-    for (struct job *j = jobs; j; j = j->next)
-      if (j->rc == IDEM_OK)
+    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
+      (void)tx_end(c, 0);
+    } else if (c->begin_pending) {
+      c->begin_pending = 0; /* nothing sent */
+    } else {
+      int rc = tx_end(c, 1);
+      if (rc != IDEM_OK) {
+        (void)tx_end(c, 0);
         j->rc = rc;
+      }
+    }
   }
 }
 
