@@ -948,12 +948,14 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
  * fails is undone alone: the batch runs first with nothing between its
  * writes; if one fails (its error aborts the transaction), the
  * transaction is rolled back and the batch runs again, each write in a
- * SAVEPOINT of its own, as the SQLite writer does (sqlite_writer.c).
+ * transaction of its own (run_batch(); the SQLite writer, which has no
+ * row locks to meet, uses savepoints).
  * Every write of the store may run twice (store.h says so of effects and
  * idem_store_write(); reservations and completions set all their outputs
  * on each run). The unique constraint still decides between writers and
  * instances: a reservation of a key another batch holds waits for that
- * batch's COMMIT, within lock_timeout. */
+ * batch's COMMIT, within lock_timeout (WHOLE_LOCK_WAIT_MS for a whole
+ * batch). */
 
 static __thread int on_writer; /* this thread is one of the writers */
 
