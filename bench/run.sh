@@ -14,7 +14,9 @@
 #      payments), new-key orders, replays, key reuse with another
 #      body; req/s, p50, p99, the slowest answer and the ratio to nginx;
 #   3. the same on PostgreSQL (a throwaway cluster), with pgbench running
-#      the same statements as its baseline;
+#      the same statements, one transaction per write, and as its baseline
+#      (the physical limit) batched and pipelined as the group commit
+#      sends them; then one and two instances behind nginx;
 #   4. a long run of mixed requests, reporting idemd's RSS before and after;
 #   5. with --tls, new-key payments and replays over HTTPS (keep-alive, a
 #      throwaway ECDSA P-256 certificate), and replays on a new connection
@@ -89,7 +91,7 @@ thread_ticks() {
     # comm may hold spaces; the fields after it are counted from its ")".
     ticks=$(sed -E 's/.*\) //' "$t/stat" 2>/dev/null | awk '{ print $12 + $13 }') || continue
     case "$comm" in
-      idem-writer) w=$((w + ticks)) ;;
+      idem-writer|idem-pg-writer) w=$((w + ticks)) ;;
       MHD-*) e=$((e + ticks)) ;;
       *) o=$((o + ticks)) ;;
     esac
@@ -395,30 +397,89 @@ if [ "$skip_pg" = 0 ]; then
   url=$("$repo/scripts/pg-cluster.sh" start "$pg")
   "$idemd" migrate --db "$url" 2>/dev/null
   psql "$url" -qc "INSERT INTO tenants (name, created_at) VALUES ('pgbench', 0)"
-  cat >"$run/pgbench.sql" <<'SQL'
-\set k random(1, 2000000000)
-BEGIN;
-INSERT INTO idempotency_records (tenant_id, operation, key, fingerprint, state, correlation_id, owner_token, lease_expires_at, created_at, updated_at, resource_id)
-  VALUES ((SELECT id FROM tenants WHERE name = 'pgbench'), 'create_payment', :client_id || '-' || :k, 'f', 'processing', 'c', 'o', 1, 1, 1, 'pb_' || :client_id || '_' || :k)
-  ON CONFLICT (tenant_id, operation, key) DO NOTHING;
-INSERT INTO resources (id, tenant_id, kind, status, body, created_at, updated_at)
-  VALUES ('pb_' || :client_id || '_' || :k, (SELECT id FROM tenants WHERE name = 'pgbench'), 'payment', 'pending', '{}', 1, 1) ON CONFLICT DO NOTHING;
-INSERT INTO outbox (resource_id, tenant_id, operation, key, created_at, next_attempt_at)
-  VALUES ('pb_' || :client_id || '_' || :k, 1, 'create_payment', :client_id || '-' || :k, 1, 1) ON CONFLICT DO NOTHING;
-COMMIT;
-BEGIN;
-UPDATE idempotency_records SET state = 'completed', response_status = 201, response_body = '{}', owner_token = NULL, updated_at = 2, expires_at = 3
-  WHERE operation = 'create_payment' AND key = :client_id || '-' || :k AND state = 'processing' AND owner_token = 'o';
-UPDATE resources SET status = 'succeeded', updated_at = 2 WHERE id = 'pb_' || :client_id || '_' || :k;
-DELETE FROM outbox WHERE resource_id = 'pb_' || :client_id || '_' || :k;
-COMMIT;
+  tid=$(psql "$url" -Atc "SELECT id FROM tenants WHERE name = 'pgbench'")
+  # pgbench_script B PIPE: the statements of B payments as idemd's writes
+  # make them (a reservation with the payment's row and its outbox row;
+  # a completion with the payment's update and the outbox row's delete),
+  # B reservations in one transaction and B completions in the next, as
+  # the group commit batches them; with PIPE, each transaction in one
+  # round trip (libpq's pipeline, as idemd sends a batch's queued
+  # statements). Every statement finds its row by its primary key.
+  pgbench_script() {
+    local b=$1 pipe=$2 i
+    for i in $(seq "$b"); do echo "\\set k$i random(1, 2000000000)"; done
+    [ "$pipe" = 1 ] && echo '\startpipeline'
+    echo 'BEGIN;'
+    for i in $(seq "$b"); do cat <<SQL
+INSERT INTO idempotency_records (tenant_id, operation, key, fingerprint, state, correlation_id, owner_token, lease_expires_at, created_at, updated_at, resource_id) VALUES ($tid, 'create_payment', :client_id || '-' || :k$i, 'f', 'processing', 'c', 'o', 1, 1, 1, 'pb_' || :client_id || '_' || :k$i) ON CONFLICT (tenant_id, operation, key) DO NOTHING;
+INSERT INTO resources (id, tenant_id, kind, status, body, created_at, updated_at) VALUES ('pb_' || :client_id || '_' || :k$i, $tid, 'payment', 'pending', '{}', 1, 1) ON CONFLICT DO NOTHING;
+INSERT INTO outbox (resource_id, tenant_id, operation, key, created_at, next_attempt_at) VALUES ('pb_' || :client_id || '_' || :k$i, $tid, 'create_payment', :client_id || '-' || :k$i, 1, 1) ON CONFLICT DO NOTHING;
 SQL
-  tps=$(pgbench -n -c 64 -j 2 -T "$duration" -f "$run/pgbench.sql" "$url" 2>/dev/null |
-        awk '/^tps/ { print int($3) }' | tail -n 1)
+    done
+    echo 'COMMIT;'
+    echo 'BEGIN;'
+    for i in $(seq "$b"); do cat <<SQL
+UPDATE idempotency_records SET state = 'completed', response_status = 201, response_body = '{}', owner_token = NULL, updated_at = 2, expires_at = 3 WHERE tenant_id = $tid AND operation = 'create_payment' AND key = :client_id || '-' || :k$i AND state = 'processing' AND owner_token = 'o';
+UPDATE resources SET status = 'succeeded', updated_at = 2 WHERE tenant_id = $tid AND id = 'pb_' || :client_id || '_' || :k$i;
+DELETE FROM outbox WHERE tenant_id = $tid AND resource_id = 'pb_' || :client_id || '_' || :k$i;
+SQL
+    done
+    echo 'COMMIT;'
+    [ "$pipe" = 1 ] && echo '\endpipeline'
+    true
+  }
+  # pgbench_tps FILE CLIENTS MODE -> transactions (pairs) a second
+  pgbench_tps() {
+    pgbench -n -M "$3" -c "$2" -j 2 -T "$duration" -f "$1" "$url" 2>/dev/null |
+      awk '/^tps/ { print int($3) }' | tail -n 1
+  }
+  pgbench_script 1 0 >"$run/pgbench.sql"
+  tps=$(pgbench_tps "$run/pgbench.sql" 64 simple)
   echo "pgbench, the two transactions of one payment (-c 64):  ${tps:-?} payments/s"
-  baseline=${tps:-0}
+  # The physical limit: the same statements batched and pipelined, the
+  # best of a few batch sizes and client counts (payments/s = TPS x B).
+  best=0 best_at=""
+  for b in 4 16 32; do
+    pgbench_script "$b" 1 >"$run/pgbench-$b.sql"
+    for c in 4 8; do
+      t=$(pgbench_tps "$run/pgbench-$b.sql" "$c" prepared)
+      if [ "$(( ${t:-0} * b ))" -gt "$best" ]; then best=$(( ${t:-0} * b )); best_at="B=$b, -c $c, $t TPS"; fi
+    done
+  done
+  echo "pgbench, B payments per transaction pair, pipelined (best: $best_at):  $best payments/s"
+  baseline=$best
   bench_idemd postgresql "$url"
   kill "$idemd_pid"; wait "$idemd_pid" 2>/dev/null || true
+
+  # Through nginx (deploy/nginx/idem.conf): one instance, then two on the
+  # same database; the same token, new keys each run (load.lua).
+  pg_behind_nginx() { # N -> wrk runs through nginx in front of N instances
+    local n=$1 ports=() i port lb
+    for i in $(seq "$n"); do
+      port=$(free_port)
+      "$idemd" serve --db "$url" --listen "127.0.0.1:$port" 2>"$run/idemd-nginx-$n-$i.log" &
+      pids+=($!)
+      wait_http "$port"
+      ports+=("$port")
+    done
+    lb=$(free_port)
+    mkdir -p "$run/lb"/{body,proxy,fastcgi,uwsgi,scgi}
+    sed -e "s|@RUN@|$run/lb|g" -e "s|@PORT_A@|${ports[0]}|g" -e "s|@PORT_B@|${ports[$((n - 1))]}|g" \
+        -e "s|@PORT_LB@|$lb|g" "$repo/deploy/nginx/idem.conf" >"$run/lb/nginx.conf"
+    "$nginx" -c "$run/lb/nginx.conf" -e "$run/lb/error.log" 2>/dev/null || "$nginx" -c "$run/lb/nginx.conf"
+    wait_http "$lb"
+    cpu_pid=""
+    wrk_run "idemd postgresql x$n behind nginx: new-key POST /payments" "$lb" new /payments "$pay" 201
+    wrk_run "idemd postgresql x$n behind nginx: new-key POST /orders" "$lb" new /orders "$order" 201
+    wrk_run "idemd postgresql x$n behind nginx: replays of one key" "$lb" replay /payments "$pay" 201 bench-key
+    kill "$(cat "$run/lb/nginx.pid")"
+    for i in $(seq "$n"); do
+      kill "${pids[$(( ${#pids[@]} - i ))]}" 2>/dev/null || true
+      wait "${pids[$(( ${#pids[@]} - i ))]}" 2>/dev/null || true
+    done
+  }
+  pg_behind_nginx 1
+  pg_behind_nginx 2
 fi
 
 if [ "$failures" -gt 0 ]; then

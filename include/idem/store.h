@@ -32,8 +32,8 @@ typedef struct idem_tx idem_tx_t;
  * the whole write back (the reservation too) and is what the reserve or
  * complete then returns. IDEM_EREFUSED is the code for a rule of the
  * caller's own that the write would break (a balance, a state checked in
- * the transaction): nothing is written and the key stays free. It may run more than once for one write (SQLite
- * runs a batch again, write by write, after any write of it failed), and
+ * the transaction): nothing is written and the key stays free. It may run more than once for one write (both
+ * stores run a batch again, write by write, after any write of it failed), and
  * only the run that commits leaves anything: it must write only through
  * the handle, set what it reports afresh each time, and not wait (the
  * write lock is held, for other writes too, while it runs). fn NULL: no
@@ -66,6 +66,28 @@ void *idem_tx_handle(const idem_tx_t *tx);
  * prepared on the connection, for PQexecPrepared(). NULL when it cannot
  * be made (idem_store_last_error() says why). Lent for the effect's call. */
 void *idem_tx_statement(idem_tx_t *tx, unsigned slot, const char *sql);
+
+/* PostgreSQL: runs the caller's prepared statement `name` (as
+ * idem_tx_statement() made it) with `n` text parameters (NULL: SQL NULL)
+ * when the effect needs neither its rows nor its count of rows: it is
+ * queued in libpq's pipeline and goes out with the next statement that
+ * needs an answer, or the COMMIT, so that a batch of writes costs fewer
+ * round trips (docs/performance.md, "PostgreSQL: group commit"). IDEM_OK
+ * means queued: its error, if any, comes from the next idem_tx_flush(),
+ * or fails the write it belongs to (as if the effect had returned it;
+ * IDEM_EEXIST for a unique violation). From the first call until
+ * idem_tx_flush() or the effect's return, the connection is in pipeline
+ * mode: run nothing on the handle directly in between. IDEM_ENOTSUP on
+ * SQLite (run the statement), IDEM_EINVAL for a bad argument. */
+IDEM_WARN_UNUSED int idem_tx_send(idem_tx_t *tx, const char *name, int n,
+                                  const char *const *values);
+
+/* Sends what idem_tx_send() queued, waits for its results and leaves
+ * pipeline mode: IDEM_OK, or the first of their errors (IDEM_EEXIST for a
+ * unique violation; the transaction is then failed, and so is the write).
+ * Then the handle runs statements as usual. IDEM_OK when nothing is
+ * queued, and always on SQLite. */
+IDEM_WARN_UNUSED int idem_tx_flush(idem_tx_t *tx);
 
 /* Inside a write (an effect or idem_store_write(), not idem_store_read()):
  * takes over the record of `scope` when it is pending or processing and
@@ -237,7 +259,8 @@ int idem_store_local_reads(const idem_store_t *store);
 
 /* 1 when the store has asynchronous forms of its reservation and
  * completion (idem_store_reserve_async(), idem_store_complete_async()):
- * SQLite; 0 when they return IDEM_ENOTSUP (PostgreSQL). */
+ * both of idem's stores, whose writes go through a group commit; 0 when
+ * they return IDEM_ENOTSUP (a backend without them). */
 int idem_store_async_writes(const idem_store_t *store);
 
 /* Creates or upgrades the schema to this program's version. Idempotent.
@@ -276,8 +299,8 @@ IDEM_WARN_UNUSED int idem_store_complete(idem_store_t *store,
  * have returned; everything `req` or `c` points at, and `out` and
  * `result`, must stay valid until then. Any other return means nothing
  * was queued and `done` will not be called: IDEM_ENOTSUP when the store
- * has no asynchronous writes (PostgreSQL), else the error the synchronous
- * form would have returned at once. */
+ * has no asynchronous writes (idem_store_async_writes()), else the error
+ * the synchronous form would have returned at once. */
 IDEM_WARN_UNUSED int idem_store_reserve_async(idem_store_t *store,
                                               const idem_reserve_t *req,
                                               idem_record_t *out,
@@ -291,7 +314,7 @@ IDEM_WARN_UNUSED int idem_store_complete_async(idem_store_t *store,
  * this returns IDEM_OK, and rolled back when it returns anything else
  * (which this returns): for a program's own schema and the writes that go
  * with no key. As for effects (above), it may run more than once and must
- * not wait; on SQLite it joins the group commit. */
+ * not wait; it joins the group commit (both stores). */
 IDEM_WARN_UNUSED int idem_store_write(idem_store_t *store, const idem_effect_t *e);
 
 /* Runs e->fn(e->arg, tx) with a connection for reads (on SQLite a reader,

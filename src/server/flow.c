@@ -16,6 +16,7 @@
 #include "server/replay_cache.h"
 #include "server/reply.h"
 #include "server/suspend.h"
+#include "server/workers.h"
 
 static enum MHD_Result mismatch(idemd_request_t *r) {
   r->outcome = OUTCOME_MISMATCH;
@@ -525,7 +526,16 @@ static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e
     idem_outcome_t out;
     idem_effect_t then;
     int64_t expires_at;
-    int rc = idem_engine_begin(srv->engine, &b, &rec, &d);
+    int rc;
+
+    /* Its reservation, and the completion below, wait on the store's
+     * group commit, not at work: another worker may take a request
+     * meanwhile, and the batches grow (docs/performance.md, "PostgreSQL:
+     * group commit"). A wait for a duplicate in flight inside is the
+     * same wait (on_wait). */
+    idemd_workers_wait_begin();
+    rc = idem_engine_begin(srv->engine, &b, &rec, &d);
+    idemd_workers_wait_end();
 
     r->inflight_deadline = b.wait_until_ms;
     if (rc != IDEM_OK) {
@@ -543,7 +553,9 @@ static enum MHD_Result run_in_worker(idemd_request_t *r, const idemd_effect_t *e
     /* Not later than the store's: memory must not replay a record the
      * store has let expire. */
     expires_at = idem_now_ms() + srv->cfg.key_ttl_ms;
+    idemd_workers_wait_begin();
     rc = idem_engine_complete(srv->engine, &rec, &out, &then);
+    idemd_workers_wait_end();
     idem_record_reset(&rec);
     if (rc == IDEM_ELOST) /* our lease ran out and another owner took over */
       continue;

@@ -1,8 +1,11 @@
 /* The PostgreSQL store: many idemd instances share one database. Short
- * transactions of prepared statements, a pool of connections (one per
- * concurrent caller, re-opened after the server restarts), and a listener
- * connection that turns NOTIFY from any instance into in-process wake-ups,
- * so a duplicate waiting on another instance's key wakes when it finishes.
+ * transactions of prepared statements, written through a group commit (a
+ * few writer threads, each running every write queued at that moment in
+ * one transaction, statements pipelined where no answer is needed), a
+ * pool of connections (re-opened after the server restarts), and a
+ * listener connection that turns NOTIFY from any instance into in-process
+ * wake-ups, so a duplicate waiting on another instance's key wakes when
+ * it finishes.
  * A database that hangs does not hang the caller: every statement, lock
  * wait, connect and wait for a pooled connection is bounded, and a
  * watchdog cuts the socket of a call that outlives twice the bound (a
@@ -12,12 +15,14 @@
  * The semantics are those of the SQLite store: the same atomic reservation
  * (INSERT ... ON CONFLICT), completion conditional on the owner token, and
  * resources written in the transaction of their record. */
+#define _GNU_SOURCE /* pthread_setname_np */
 #include "store_impl.h"
 
 #include <errno.h>
 #include <libpq-fe.h>
 #include <poll.h>
 #include <pthread.h>
+#include <semaphore.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,7 +39,6 @@ enum stmt_id {
   ST_RESERVE,
   ST_READ_RECORD,
   ST_COMPLETE,
-  ST_NOTIFY,
   ST_META_PUT,
   ST_META_GET,
   ST_SWEEP,
@@ -73,15 +77,19 @@ static const char *const stmt_sql[ST_COUNT_] = {
         "RETURNING 1",
     [ST_READ_RECORD] = "SELECT " RECORD_COLUMNS
                        " FROM idempotency_records WHERE " SCOPE_MATCH,
+    /* The NOTIFY goes out only when the update changed the row (one per
+     * row it returned), delivered to every instance at commit: a
+     * completion that lost its lease sends nothing, and needs no rollback
+     * that would undo the other writes of its batch. */
     [ST_COMPLETE] =
-        "UPDATE idempotency_records SET state = $4, response_status = $5, "
+        "WITH u AS (UPDATE idempotency_records SET state = $4, response_status = $5, "
         "response_body = $6, location = $7, "
         "resource_id = COALESCE($8, resource_id), "
         "provider_ref = COALESCE($9, provider_ref), owner_token = NULL, "
         "lease_expires_at = NULL, updated_at = $10, expires_at = $11 "
         "WHERE " SCOPE_MATCH " AND state IN ('processing', 'pending') "
-        "AND owner_token = $12",
-    [ST_NOTIFY] = "SELECT pg_notify('" NOTIFY_CHANNEL "', $1)",
+        "AND owner_token = $12 RETURNING 1) "
+        "SELECT pg_notify('" NOTIFY_CHANNEL "', $13) FROM u",
     [ST_RECORDS_LIST] = "SELECT " RECORD_COLUMNS " FROM idempotency_records "
                         "WHERE tenant_id = $1 AND ($2::text IS NULL OR state = $2) "
                         "AND ($3::bigint = 0 OR updated_at < $3) "
@@ -220,12 +228,48 @@ static const char fresh[] =
     "WHERE state IN ('processing', 'pending');";
 #define MIGRATE_LOCK "7305818436" /* pg_advisory_xact_lock key for migrations */
 
+/* How many writer threads (and connections) run batches at once: while
+ * one waits on its COMMIT's flush, another runs its statements
+ * (docs/performance.md, "PostgreSQL: group commit"). */
+#define WRITERS 4
+/* At most this many writes in one transaction. */
+#define MAX_BATCH 128
+/* How long a whole batch waits for a row lock before it runs again write
+ * by write (run_batch()): a batch waiting on another that waits on it
+ * would otherwise wait for PostgreSQL's deadlock_timeout (1 s). */
+#define WHOLE_LOCK_WAIT_MS 100
+
+struct conn;
+
+/* A write waiting for a writer. A synchronous caller sleeps on `done`
+ * alone; an asynchronous one is called back (`cb`) by the writer, after
+ * the COMMIT, and its job, first in a malloc'd block, is freed first. */
+struct job {
+  int (*fn)(struct conn *, void *);
+  void *arg;
+  int rc;
+  sem_t done;
+  idem_store_done_fn cb;
+  void *cb_arg;
+  /* Its caller answers a request once told (a completion, a single-step
+   * reservation, a synchronous caller): told before the batch's others. */
+  int answers;
+  int64_t queued_ms; /* idem_mono_ms() when queued */
+  struct job *next;
+};
+
 struct conn {
   PGconn *pg;
   unsigned prepared; /* bit i: stmt i is prepared on this connection */
-  /* in_tx() with `piped` set: the transaction's BEGIN has not been sent,
-   * and goes out with its first statement (run_piped()). */
+  /* In a writer's batch: the transaction's BEGIN has not been sent, and
+   * goes out with its first statement (run_piped()). */
   int begin_pending;
+  /* Statements sent in pipeline mode whose results are not read yet (the
+   * caller's idem_tx_send()); pipe_end() reads them. */
+  int queued;
+  /* When not 0, the transaction's BEGIN sets lock_timeout to this (SET
+   * LOCAL): a whole batch's shorter lock waits (run_batch_whole()). */
+  int lock_wait_ms;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
   uint32_t caller_prepared;
@@ -262,6 +306,18 @@ typedef struct pg_store {
   pthread_t listener, watchdog;
   int listener_started, watchdog_started;
   atomic_int stopping;
+
+  /* Group commit (the writers, below): callers queue their writes and
+   * sleep; WRITERS threads, each on a connection of the pool, take every
+   * write queued at that moment, run them in one transaction with one
+   * COMMIT, then tell each caller its own result. */
+  pthread_mutex_t q_lock;
+  pthread_cond_t q_ready; /* a writer waits for work */
+  struct job *q_head, *q_tail;
+  int q_stopping;
+  pthread_t writers[WRITERS];
+  int writers_started;
+  atomic_uint_fast64_t commits, writes, batch_reruns;
 } pg_store_t;
 
 static const idem_store_methods_t pg_methods;
@@ -417,6 +473,7 @@ static int conn_get(pg_store_t *s, struct conn **out) {
 static void conn_put(pg_store_t *s, struct conn *c) {
   int keep = !atomic_load_explicit(&c->cut, memory_order_relaxed) &&
              PQstatus(c->pg) == CONNECTION_OK &&
+             PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF &&
              PQtransactionStatus(c->pg) == PQTRANS_IDLE;
   pthread_mutex_lock(&s->pool_lock);
   unwatch_locked(s, c);
@@ -458,14 +515,53 @@ static void *watchdog_loop(void *arg) {
   return NULL;
 }
 
+/* Ends the pipeline that idem_tx_send() began, if any: a Sync, then the
+ * results of every statement queued, read. IDEM_OK, or the first of their
+ * errors (the transaction is then failed). Leaves pipeline mode, so that
+ * the connection runs statements as usual again. */
+static int pipe_end(struct conn *c) {
+  int err = IDEM_OK, q = 0, synced = 0;
+  PGresult *res;
+
+  if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF)
+    return IDEM_OK;
+  if (!PQpipelineSync(c->pg))
+    err = fail(c, NULL, "send");
+  /* Each statement's results end with a NULL, the Sync's result ends the
+   * pipeline; a connection that broke gives NULLs only. */
+  while (!synced && q <= c->queued) {
+    ExecStatusType st;
+    if ((res = PQgetResult(c->pg)) == NULL) {
+      q++;
+      continue;
+    }
+    st = PQresultStatus(res);
+    if (st == PGRES_PIPELINE_SYNC)
+      synced = 1;
+    else if (st != PGRES_COMMAND_OK && st != PGRES_TUPLES_OK &&
+             st != PGRES_PIPELINE_ABORTED && err == IDEM_OK)
+      err = fail(c, res, "queued statement");
+    PQclear(res);
+  }
+  c->queued = 0;
+  if (!PQexitPipelineMode(c->pg) && err == IDEM_OK)
+    err = fail(c, NULL, "pipeline");
+  if (err == IDEM_OK && !synced)
+    err = fail(c, NULL, "queued statement");
+  return err;
+}
+
 /* Prepares statement `id` on this connection on its first use; its name
  * goes in `name` (16 bytes). IDEM_OK, or the error recorded. */
 static int prepare(struct conn *c, enum stmt_id id, char *name) {
   PGresult *res;
+  int rc;
 
   snprintf(name, 16, "idem_%d", (int)id);
   if (c->prepared & (1u << id))
     return IDEM_OK;
+  if ((rc = pipe_end(c)) != IDEM_OK)
+    return rc;
   res = PQprepare(c->pg, name, stmt_sql[id], 0, NULL);
   if (PQresultStatus(res) != PGRES_COMMAND_OK) {
     int err = fail(c, res, "prepare");
@@ -478,37 +574,41 @@ static int prepare(struct conn *c, enum stmt_id id, char *name) {
 }
 
 /* Sends, in one round trip (libpq's pipeline mode), the transaction's
- * BEGIN when it is pending, statement `id`, and statement `then` when it is
- * not ST_COUNT_ (a statement whose rows are not needed, such as the NOTIFY
- * after a completion). Returns `id`'s result, which the caller clears, or
- * NULL with the first error recorded: a statement after a failed one is
- * not run, and the transaction is left failed, for in_tx() to roll back.
+ * BEGIN when it is pending, and statement `id`, after the statements
+ * idem_tx_send() queued (whose results it reads first: their errors are
+ * this call's). Returns `id`'s result, which the caller clears, or NULL
+ * with the first error recorded: a statement after a failed one is not
+ * run, and the transaction is left failed, for the writer to roll back.
  * docs/performance.md, "PostgreSQL: fewer round trips". */
 static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
-                           const char *const *params, enum stmt_id then, int tn,
-                           const char *const *tparams, int *err) {
-  char name[16], tname[16];
-  int begin = c->begin_pending, queries, q = 0, synced = 0;
+                           const char *const *params, int *err) {
+  char name[16], set[48];
+  int begin, skip, queries, q = 0, synced = 0;
   PGresult *res, *kept = NULL;
 
-  c->begin_pending = 0;
   *err = IDEM_OK;
-  if ((*err = prepare(c, id, name)) != IDEM_OK ||
-      (then != ST_COUNT_ && (*err = prepare(c, then, tname)) != IDEM_OK))
+  if ((*err = prepare(c, id, name)) != IDEM_OK) /* may end the pipeline */
     return NULL;
-  if (!PQenterPipelineMode(c->pg)) {
+  /* BEGIN, and the SET LOCAL of a whole batch's lock waits: `begin`
+   * statements before ours. */
+  begin = c->begin_pending ? 1 + (c->lock_wait_ms > 0) : 0;
+  skip = c->queued;
+  c->begin_pending = 0;
+  c->queued = 0;
+  if (begin > 1)
+    snprintf(set, sizeof set, "SET LOCAL lock_timeout = %d", c->lock_wait_ms);
+  if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF && !PQenterPipelineMode(c->pg)) {
     *err = fail(c, NULL, "pipeline");
     return NULL;
   }
   if (!(begin ? PQsendQueryParams(c->pg, "BEGIN", 0, NULL, NULL, NULL, NULL, 0) : 1) ||
+      !(begin > 1 ? PQsendQueryParams(c->pg, set, 0, NULL, NULL, NULL, NULL, 0) : 1) ||
       !PQsendQueryPrepared(c->pg, name, n, params, NULL, NULL, 0) ||
-      !(then != ST_COUNT_ ? PQsendQueryPrepared(c->pg, tname, tn, tparams, NULL, NULL, 0)
-                          : 1) ||
       !PQpipelineSync(c->pg))
     *err = fail(c, NULL, "send");
   /* Each query's results end with a NULL; the sync's result ends the
    * pipeline. A connection that broke gives NULLs only. */
-  queries = begin + 1 + (then != ST_COUNT_);
+  queries = skip + begin + 1;
   while (!synced && q <= queries) {
     ExecStatusType st;
     if ((res = PQgetResult(c->pg)) == NULL) {
@@ -519,12 +619,12 @@ static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
     if (st == PGRES_PIPELINE_SYNC) {
       synced = 1;
     } else if (st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK) {
-      if (q == begin && kept == NULL) {
+      if (q == skip + begin && kept == NULL) {
         kept = res;
         continue;
       }
     } else if (st != PGRES_PIPELINE_ABORTED && *err == IDEM_OK) {
-      *err = fail(c, res, begin && q == 0 ? "BEGIN" : "query");
+      *err = fail(c, res, q < skip ? "queued statement" : q < skip + begin ? "BEGIN" : "query");
     }
     PQclear(res);
   }
@@ -548,8 +648,8 @@ static PGresult *run(struct conn *c, enum stmt_id id, int n,
   PGresult *res;
   ExecStatusType st;
 
-  if (c->begin_pending)
-    return run_piped(c, id, n, params, ST_COUNT_, 0, NULL, err);
+  if (c->begin_pending || PQpipelineStatus(c->pg) != PQ_PIPELINE_OFF)
+    return run_piped(c, id, n, params, err);
   if ((*err = prepare(c, id, name)) != IDEM_OK)
     return NULL;
   res = PQexecPrepared(c->pg, name, n, params, NULL, NULL, 0);
@@ -580,8 +680,12 @@ static int run_cmd(struct conn *c, enum stmt_id id, int n,
 }
 
 static int simple(struct conn *c, const char *sql) {
-  PGresult *res = PQexec(c->pg, sql);
-  int rc = IDEM_OK;
+  PGresult *res;
+  int rc = pipe_end(c);
+
+  if (rc != IDEM_OK)
+    return rc;
+  res = PQexec(c->pg, sql);
   if (PQresultStatus(res) != PGRES_COMMAND_OK && PQresultStatus(res) != PGRES_TUPLES_OK)
     rc = fail(c, res, sql);
   PQclear(res);
@@ -594,6 +698,11 @@ static int begin_now(struct conn *c) {
   if (!c->begin_pending)
     return IDEM_OK;
   c->begin_pending = 0;
+  if (c->lock_wait_ms > 0) { /* one round trip for both (simple protocol) */
+    char sql[64];
+    snprintf(sql, sizeof sql, "BEGIN; SET LOCAL lock_timeout = %d", c->lock_wait_ms);
+    return simple(c, sql);
+  }
   return simple(c, "BEGIN");
 }
 
@@ -602,8 +711,31 @@ static int tx_end(struct conn *c, int ok) {
     c->begin_pending = 0;
     return IDEM_OK;
   }
-  if (ok)
-    return simple(c, "COMMIT");
+  if (ok) {
+    /* The COMMIT goes out with what idem_tx_send() queued: one round
+     * trip; if one of those failed, the COMMIT is not run. */
+    int rc = IDEM_OK;
+    if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF) {
+      /* COMMIT of a transaction the server aborted answers ROLLBACK, not
+       * an error: it must not pass for durable. */
+      if (PQtransactionStatus(c->pg) != PQTRANS_INTRANS) {
+        idem__store_set_error("postgres: COMMIT of a failed transaction");
+        return IDEM_ESTORE;
+      }
+      return simple(c, "COMMIT");
+    }
+    if (!PQsendQueryParams(c->pg, "COMMIT", 0, NULL, NULL, NULL, NULL, 0))
+      rc = fail(c, NULL, "send");
+    else
+      c->queued++;
+    int end = pipe_end(c);
+    if (rc == IDEM_OK)
+      rc = end;
+    if (rc == IDEM_OK && PQtransactionStatus(c->pg) != PQTRANS_IDLE)
+      rc = fail(c, NULL, "COMMIT");
+    return rc;
+  }
+  (void)pipe_end(c); /* its errors are the rollback's reason */
   if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
     (void)simple(c, "ROLLBACK");
   return IDEM_OK;
@@ -660,6 +792,11 @@ static void *tx_statement(idem_tx_t *tx, unsigned slot, const char *sql) {
 
   if (begin_now(c) != IDEM_OK)
     return NULL;
+  if ((c->caller_prepared & (1u << slot)) &&
+      (c->caller_sql[slot] == sql || strcmp(c->caller_sql[slot], sql) == 0))
+    return name;
+  if (pipe_end(c) != IDEM_OK) /* PQprepare() does not run in a pipeline */
+    return NULL;
   if ((c->caller_prepared & (1u << slot)) && c->caller_sql[slot] != sql &&
       strcmp(c->caller_sql[slot], sql) != 0) {
     char drop[48];
@@ -699,7 +836,32 @@ static int tx_take_over(idem_tx_t *tx, const idem_scope_t *sc, const char *owner
   return err;
 }
 
-static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over};
+/* At most this many statements queued before they are sent and their
+ * results read: libpq writes while the server's answers pile up unread,
+ * and both would wait on the other once the sockets' buffers are full. */
+#define MAX_QUEUED 64
+
+/* idem_tx_send(): the statement joins the pipeline (entered on the
+ * first), its results read by the next statement that needs an answer. */
+static int tx_send(idem_tx_t *tx, const char *name, int n, const char *const *values) {
+  struct conn *c = tx->conn;
+  int rc;
+
+  if ((rc = begin_now(c)) != IDEM_OK)
+    return rc;
+  if (c->queued >= MAX_QUEUED && (rc = pipe_end(c)) != IDEM_OK)
+    return rc;
+  if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF && !PQenterPipelineMode(c->pg))
+    return fail(c, NULL, "pipeline");
+  if (!PQsendQueryPrepared(c->pg, name, n, values, NULL, NULL, 0))
+    return fail(c, NULL, "send");
+  c->queued++;
+  return IDEM_OK;
+}
+
+static int tx_flush(idem_tx_t *tx) { return pipe_end(tx->conn); }
+
+static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over, tx_send, tx_flush};
 
 /* Runs the caller's effect `e` on connection `c`. */
 static int run_effect(struct conn *c, const idem_effect_t *e, int64_t now_ms,
@@ -708,8 +870,10 @@ static int run_effect(struct conn *c, const idem_effect_t *e, int64_t now_ms,
   int rc;
   if (e == NULL || e->fn == NULL)
     return IDEM_OK;
-  /* The effect may run statements on idem_tx_handle() itself. */
-  if ((rc = begin_now(c)) != IDEM_OK)
+  /* The effect may run statements on idem_tx_handle() itself: not in a
+   * pipeline. What it queues itself (idem_tx_send()) goes out with the
+   * next statement that needs an answer, or the COMMIT. */
+  if ((rc = pipe_end(c)) != IDEM_OK || (rc = begin_now(c)) != IDEM_OK)
     return rc;
   return idem__effect_run(e, &tx);
 }
@@ -724,7 +888,8 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
                          const char *owner, const idem_outcome_t *o,
                          int64_t now_ms, int64_t ttl_ms) {
   char t[24], status[16], now[24], exp[24];
-  const char *p[12] = {num(t, sizeof t, sc->tenant_id), sc->operation, sc->key,
+  char payload[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
+  const char *p[13] = {num(t, sizeof t, sc->tenant_id), sc->operation, sc->key,
                        idem_state_name(o->state),
                        num(status, sizeof status, o->status), o->body,
                        o->location, o->resource_id, o->provider_ref,
@@ -732,18 +897,16 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
                        o->state == IDEM_STATE_PENDING
                            ? NULL
                            : num(exp, sizeof exp, now_ms + ttl_ms),
-                       owner};
-  char payload[32 + IDEM_OPERATION_MAX + IDEM_KEY_MAX];
-  const char *np[1] = {payload};
+                       owner, payload};
   PGresult *res;
   int rc;
 
-  /* The NOTIFY goes with the update, delivered to every instance at
-   * commit; when the update changed no row, the rollback drops it. */
+  /* The update and its NOTIFY are one statement (ST_COMPLETE), sent with
+   * the transaction's BEGIN when that is pending. */
   notify_payload(payload, sizeof payload, sc);
-  if ((res = run_piped(c, ST_COMPLETE, 12, p, ST_NOTIFY, 1, np, &rc)) == NULL)
+  if ((res = run(c, ST_COMPLETE, 13, p, &rc)) == NULL)
     return rc;
-  rc = atoi(PQcmdTuples(res)) == 1 ? IDEM_OK : IDEM_ELOST;
+  rc = PQntuples(res) == 1 ? IDEM_OK : IDEM_ELOST;
   PQclear(res);
   return rc;
 }
@@ -777,24 +940,253 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
   return idem__won_record(req, owner, 0, out);
 }
 
-/* Runs fn(c, arg) in a transaction on a pooled connection: committed
- * when it returns IDEM_OK, rolled back otherwise. With `piped`, fn's
- * first statement goes through run(), which sends the BEGIN with it. */
-static int in_tx(pg_store_t *s, int piped, int (*fn)(struct conn *, void *), void *arg) {
-  struct conn *c;
-  int rc;
+/* The group-commit writers (docs/performance.md, "PostgreSQL: group
+ * commit"). Each takes every write queued at that moment (up to
+ * MAX_BATCH) and runs them on a pooled connection in one transaction: one
+ * COMMIT, one flush of the WAL and one wake-up of the waiters on other
+ * instances (the NOTIFYs go out at that COMMIT) for all. A write that
+ * fails is undone alone: the batch runs first with nothing between its
+ * writes; if one fails (its error aborts the transaction), the
+ * transaction is rolled back and the batch runs again, each write in a
+ * transaction of its own (run_batch(); the SQLite writer, which has no
+ * row locks to meet, uses savepoints).
+ * Every write of the store may run twice (store.h says so of effects and
+ * idem_store_write(); reservations and completions set all their outputs
+ * on each run). The unique constraint still decides between writers and
+ * instances: a reservation of a key another batch holds waits for that
+ * batch's COMMIT, within lock_timeout (WHOLE_LOCK_WAIT_MS for a whole
+ * batch). */
 
-  if ((rc = conn_get(s, &c)) != IDEM_OK)
-    return rc;
-  c->begin_pending = piped;
-  if ((rc = piped ? IDEM_OK : simple(c, "BEGIN")) == IDEM_OK) {
-    rc = fn(c, arg);
-    int end = tx_end(c, rc == IDEM_OK);
-    if (rc == IDEM_OK)
-      rc = end;
+static __thread int on_writer; /* this thread is one of the writers */
+
+/* Moves the watchdog's deadline of a writer's connection on, before each
+ * write of its batch: each write is bounded as a call of its own was. */
+static void rewatch(pg_store_t *s, struct conn *c) {
+  pthread_mutex_lock(&s->pool_lock);
+  c->deadline_ms = idem_mono_ms() + 2 * (int64_t)s->timeout_ms;
+  pthread_mutex_unlock(&s->pool_lock);
+}
+
+/* Runs the batch's writes one after the other in one transaction, with
+ * its BEGIN sent with the first statement. Returns 1 when all succeeded
+ * (the transaction stays open for the COMMIT), 0 when one failed (the
+ * transaction is rolled back: the batch must run again write by write). */
+static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
+  c->begin_pending = 1;
+  c->lock_wait_ms = s->timeout_ms < WHOLE_LOCK_WAIT_MS ? s->timeout_ms : WHOLE_LOCK_WAIT_MS;
+  for (struct job *j = jobs; j; j = j->next) {
+    rewatch(s, c);
+    j->rc = j->fn(c, j->arg);
+    /* IDEM_ELOST (a lease lost) is returned with nothing written and the
+     * transaction intact: that write's result, not a failure to undo. */
+    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
+      (void)tx_end(c, 0);
+      return 0;
+    }
   }
-  conn_put(s, c);
-  return rc;
+  return 1;
+}
+
+/* What a batch's statements queued (idem_tx_send()) is known to have
+ * run only at its COMMIT, which goes out with them: a COMMIT that fails
+ * after a batch whose writes all returned IDEM_OK makes it run again.
+ *
+ * A batch that failed runs again write by write, each write in a
+ * transaction of its own (not in savepoints of one): a transaction holds
+ * the row locks of all its writes until its COMMIT, and two batches that
+ * lock rows the other holds (refunds of the same payments, in another
+ * order) wait on each other until PostgreSQL breaks the deadlock, a
+ * second later; savepoints would keep the locks and meet again. A write
+ * alone locks what one request did before the group commit. The batch
+ * stays bounded: once it has run for twice the bound, the writes left
+ * fail unrun. A connection lost meanwhile fails the first BEGIN: nothing
+ * runs twice on a COMMIT that may have been done. */
+static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
+  int64_t started = idem_mono_ms();
+
+  if (run_batch_whole(s, c, jobs)) {
+    rewatch(s, c);
+    if (c->begin_pending) { /* nothing was sent: nothing to commit */
+      c->begin_pending = 0;
+      return;
+    }
+    if (tx_end(c, 1) == IDEM_OK)
+      return;
+    (void)tx_end(c, 0);
+  }
+  atomic_fetch_add(&s->batch_reruns, 1);
+  for (struct job *j = jobs; j; j = j->next) {
+    rewatch(s, c);
+    if (PQstatus(c->pg) != CONNECTION_OK ||
+        idem_mono_ms() - started > 2 * (int64_t)s->timeout_ms) {
+      idem__store_set_error("postgres: the batch ran past the bound (or lost its "
+                            "connection); its last writes were not run");
+      j->rc = IDEM_ESTORE;
+      continue;
+    }
+    c->begin_pending = 1;
+    c->lock_wait_ms = 0; /* this write waits as long as a call of its own */
+    j->rc = j->fn(c, j->arg);
+    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
+      (void)tx_end(c, 0);
+    } else if (c->begin_pending) {
+      c->begin_pending = 0; /* nothing sent */
+    } else {
+      int rc = tx_end(c, 1);
+      if (rc != IDEM_OK) {
+        (void)tx_end(c, 0);
+        j->rc = rc;
+      }
+    }
+  }
+}
+
+/* Tells one write's caller its result. The job may be gone once told. */
+static void tell(struct job *j) {
+  if (j->cb) {
+    idem_store_done_fn cb = j->cb;
+    void *cb_arg = j->cb_arg;
+    int rc = j->rc;
+    free(j);
+    cb(cb_arg, rc); /* may queue more writes: q_lock is not held */
+  } else {
+    sem_post(&j->done);
+  }
+}
+
+/* Tells a committed batch's callers, those that answer a request first
+ * (as sqlite_writer.c does, for the same reason). */
+static void tell_callers(struct job *batch) {
+  struct job *rest = NULL, **tail = &rest;
+
+  for (struct job *j = batch, *next; j; j = next) {
+    next = j->next;
+    if (j->answers) {
+      tell(j);
+    } else {
+      *tail = j;
+      tail = &j->next;
+    }
+  }
+  *tail = NULL;
+  for (struct job *j = rest, *next; j; j = next) {
+    next = j->next;
+    tell(j);
+  }
+}
+
+/* Takes the batch's writes that waited past the bound out of it, failed
+ * unrun: with every writer stuck on a database that hangs, a write must
+ * not wait for a writer longer than it would for a pooled connection
+ * (conn_get()). Returns what is left to run. */
+static struct job *drop_late(pg_store_t *s, struct job *batch, struct job **late) {
+  int64_t oldest = idem_mono_ms() - s->timeout_ms;
+  struct job *keep = NULL, **kt = &keep, **lt = late;
+
+  for (struct job *j = batch, *next; j; j = next) {
+    next = j->next;
+    if (j->queued_ms < oldest) {
+      j->rc = IDEM_ESTORE;
+      *lt = j;
+      lt = &j->next;
+    } else {
+      *kt = j;
+      kt = &j->next;
+    }
+  }
+  *kt = NULL;
+  *lt = NULL;
+  return keep;
+}
+
+static void *writer_loop(void *arg) {
+  pg_store_t *s = arg;
+
+  on_writer = 1;
+  pthread_setname_np(pthread_self(), "idem-pg-writer"); /* for top -H, perf */
+  pthread_mutex_lock(&s->q_lock);
+  for (;;) {
+    struct job *batch, *last, *late = NULL;
+    struct conn *c;
+    int n = 1, rc;
+
+    while (s->q_head == NULL && !s->q_stopping)
+      pthread_cond_wait(&s->q_ready, &s->q_lock);
+    if (s->q_head == NULL)
+      break; /* stopping, and every queued write has run */
+    /* Take what is queued now: while this batch commits, the next forms
+     * (and another writer may take it). */
+    batch = last = s->q_head;
+    while (last->next && n < MAX_BATCH) {
+      last = last->next;
+      n++;
+    }
+    s->q_head = last->next;
+    if (s->q_head == NULL)
+      s->q_tail = NULL;
+    else
+      pthread_cond_signal(&s->q_ready); /* more queued: another writer */
+    last->next = NULL;
+    pthread_mutex_unlock(&s->q_lock);
+
+    batch = drop_late(s, batch, &late);
+    if (late) {
+      idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
+      tell_callers(late);
+    }
+    if (batch != NULL) {
+      if ((rc = conn_get(s, &c)) != IDEM_OK) {
+        for (struct job *j = batch; j; j = j->next)
+          j->rc = rc;
+      } else {
+        run_batch(s, c, batch);
+        conn_put(s, c);
+        atomic_fetch_add(&s->commits, 1);
+        atomic_fetch_add(&s->writes, (uint_fast64_t)n);
+      }
+      tell_callers(batch);
+    }
+    pthread_mutex_lock(&s->q_lock);
+  }
+  pthread_mutex_unlock(&s->q_lock);
+  return NULL;
+}
+
+static void enqueue(pg_store_t *s, struct job *j) {
+  int idle;
+
+  j->next = NULL;
+  j->queued_ms = idem_mono_ms();
+  pthread_mutex_lock(&s->q_lock);
+  idle = s->q_head == NULL; /* else a writer will find it queued */
+  if (s->q_tail)
+    s->q_tail->next = j;
+  else
+    s->q_head = j;
+  s->q_tail = j;
+  pthread_mutex_unlock(&s->q_lock);
+  if (idle)
+    pthread_cond_signal(&s->q_ready);
+}
+
+/* Runs `fn` in a transaction of a writer's batch and returns once it is
+ * committed: IDEM_OK only when it is durable, else its error, and nothing
+ * it did is kept. `fn` may run twice (a batch run again). */
+static int write_job(pg_store_t *s, int (*fn)(struct conn *, void *), void *arg) {
+  struct job j = {.fn = fn, .arg = arg, .rc = IDEM_OK, .answers = 1};
+
+  if (on_writer) {
+    /* A done callback that writes synchronously would wait on its own
+     * writer (store.h forbids it): fail loudly instead. */
+    idem__store_set_error("synchronous write from a writer thread");
+    return IDEM_EINVAL;
+  }
+  sem_init(&j.done, 0, 0);
+  enqueue(s, &j);
+  while (sem_wait(&j.done) != 0) /* EINTR only */
+    ;
+  sem_destroy(&j.done);
+  return j.rc;
 }
 
 struct reserve_args {
@@ -817,9 +1209,35 @@ static int pg_reserve(idem_store_t *base, const idem_reserve_t *req,
 
   if (idem_random_token(owner, IDEM_TOKEN_MAX) != IDEM_OK)
     return IDEM_ECRYPTO;
-  if ((rc = in_tx((pg_store_t *)base, 1, reserve_fn, &a)) != IDEM_OK)
+  if ((rc = write_job((pg_store_t *)base, reserve_fn, &a)) != IDEM_OK)
     idem_record_reset(out);
   return rc;
+}
+
+/* An asynchronous reservation: the job, its arguments and the owner
+ * token in one block, until a writer calls back. */
+struct async_reserve {
+  struct job job; /* first: the writer frees the block through it */
+  struct reserve_args a;
+  char owner[IDEM_TOKEN_MAX + 1];
+};
+
+static int pg_reserve_async(idem_store_t *base, const idem_reserve_t *req,
+                            idem_record_t *out, idem_reserve_result_t *result,
+                            idem_store_done_fn done, void *arg) {
+  struct async_reserve *ar = calloc(1, sizeof *ar);
+
+  if (ar == NULL)
+    return IDEM_ENOMEM;
+  if (idem_random_token(ar->owner, IDEM_TOKEN_MAX) != IDEM_OK) {
+    free(ar);
+    return IDEM_ECRYPTO;
+  }
+  ar->a = (struct reserve_args){req, ar->owner, out, result};
+  ar->job = (struct job){.fn = reserve_fn, .arg = &ar->a, .cb = done, .cb_arg = arg,
+                         .answers = req->outcome != NULL};
+  enqueue((pg_store_t *)base, &ar->job);
+  return IDEM_OK;
 }
 
 static int complete_fn(struct conn *c, void *arg) {
@@ -832,7 +1250,19 @@ static int complete_fn(struct conn *c, void *arg) {
 }
 
 static int pg_complete(idem_store_t *base, const idem_complete_t *cp) {
-  return in_tx((pg_store_t *)base, 1, complete_fn, (void *)cp);
+  return write_job((pg_store_t *)base, complete_fn, (void *)cp);
+}
+
+static int pg_complete_async(idem_store_t *base, const idem_complete_t *cp,
+                             idem_store_done_fn done, void *arg) {
+  struct job *j = calloc(1, sizeof *j);
+
+  if (j == NULL)
+    return IDEM_ENOMEM;
+  *j = (struct job){.fn = complete_fn, .arg = (void *)cp, .cb = done, .cb_arg = arg,
+                    .answers = 1};
+  enqueue((pg_store_t *)base, j);
+  return IDEM_OK;
 }
 
 static int caller_write_fn(struct conn *c, void *arg) {
@@ -840,7 +1270,14 @@ static int caller_write_fn(struct conn *c, void *arg) {
 }
 
 static int pg_write(idem_store_t *base, const idem_effect_t *e) {
-  return in_tx((pg_store_t *)base, 0, caller_write_fn, (void *)e);
+  return write_job((pg_store_t *)base, caller_write_fn, (void *)e);
+}
+
+static void pg_stats(idem_store_t *base, idem_store_stats_t *out) {
+  pg_store_t *s = (pg_store_t *)base;
+  out->commits = atomic_load_explicit(&s->commits, memory_order_relaxed);
+  out->writes = atomic_load_explicit(&s->writes, memory_order_relaxed);
+  out->batch_reruns = atomic_load_explicit(&s->batch_reruns, memory_order_relaxed);
 }
 
 static int pg_read(idem_store_t *base, const idem_effect_t *e) {
@@ -851,6 +1288,8 @@ static int pg_read(idem_store_t *base, const idem_effect_t *e) {
   if ((rc = conn_get(s, &c)) != IDEM_OK)
     return rc;
   rc = run_effect(c, e, idem_now_ms(), 0);
+  if (rc == IDEM_OK)
+    rc = pipe_end(c);
   (void)tx_end(c, 0); /* a transaction left open is not kept */
   conn_put(s, c);
   return rc;
@@ -951,13 +1390,15 @@ static int pg_records_list(idem_store_t *base, const idem_records_query_t *q,
  * lock_timeout, and /readyz says so while no request writes. */
 static int probe_fn(struct conn *c, void *arg) {
   const char *p[1] = {arg};
-  int rc = simple(c, "LOCK TABLE idempotency_records IN ROW EXCLUSIVE MODE");
+  int rc = begin_now(c);
+  if (rc == IDEM_OK)
+    rc = simple(c, "LOCK TABLE idempotency_records IN ROW EXCLUSIVE MODE");
   return rc == IDEM_OK ? run_cmd(c, ST_PROBE, 1, p, NULL) : rc;
 }
 
 static int pg_probe(idem_store_t *base) {
   char now[24];
-  return in_tx((pg_store_t *)base, 0, probe_fn, (void *)num(now, sizeof now, idem_now_ms()));
+  return write_job((pg_store_t *)base, probe_fn, (void *)num(now, sizeof now, idem_now_ms()));
 }
 
 static int pg_meta_get_or_put(idem_store_t *base, const char *name,
@@ -1169,6 +1610,13 @@ static void pg_close(idem_store_t *base) {
   pg_store_t *s = (pg_store_t *)base;
   struct conn *c;
 
+  /* The writers first: every queued write runs, on a pool still open. */
+  pthread_mutex_lock(&s->q_lock);
+  s->q_stopping = 1;
+  pthread_cond_broadcast(&s->q_ready);
+  pthread_mutex_unlock(&s->q_lock);
+  for (int i = 0; i < s->writers_started; i++)
+    pthread_join(s->writers[i], NULL);
   pthread_mutex_lock(&s->pool_lock);
   atomic_store(&s->stopping, 1);
   pthread_cond_broadcast(&s->stop_cond);
@@ -1186,6 +1634,8 @@ static void pg_close(idem_store_t *base) {
   pthread_cond_destroy(&s->conn_freed);
   pthread_cond_destroy(&s->stop_cond);
   pthread_mutex_destroy(&s->pool_lock);
+  pthread_cond_destroy(&s->q_ready);
+  pthread_mutex_destroy(&s->q_lock);
   free(s->url);
   free(s);
 }
@@ -1242,6 +1692,8 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
   s->max_conns = opts->pool_size > 0 ? opts->pool_size : 64;
   set_params(s);
   pthread_mutex_init(&s->pool_lock, NULL);
+  pthread_mutex_init(&s->q_lock, NULL);
+  pthread_cond_init(&s->q_ready, NULL);
   {
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1255,6 +1707,13 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
     return IDEM_ENOMEM;
   }
   s->watchdog_started = 1;
+  for (int i = 0; i < WRITERS; i++) {
+    if (pthread_create(&s->writers[i], NULL, writer_loop, s) != 0) {
+      pg_close(&s->base);
+      return IDEM_ENOMEM;
+    }
+    s->writers_started++;
+  }
   /* Connect once now so a wrong URL or a stopped server fails here. */
   if ((rc = conn_get(s, &c)) != IDEM_OK) {
     pg_close(&s->base);
@@ -1282,4 +1741,7 @@ static const idem_store_methods_t pg_methods = {
     .write = pg_write,
     .read = pg_read,
     .probe = pg_probe,
+    .stats = pg_stats,
+    .reserve_async = pg_reserve_async,
+    .complete_async = pg_complete_async,
 };

@@ -351,7 +351,7 @@ static int tx_take_over(idem_tx_t *tx, const idem_scope_t *sc, const char *owner
   return rc;
 }
 
-static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over};
+static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over, NULL, NULL};
 
 /* Runs the caller's effect `e` on connection `c`. */
 static int run_effect(struct conn *c, const idem_effect_t *e, int64_t now_ms,

@@ -374,6 +374,18 @@ int idem_tx_take_over(idem_tx_t *tx, const idem_scope_t *scope, int64_t lease_ms
   return tx->ops->take_over(tx, scope, owner, tx->now_ms + lease_ms, out);
 }
 
+int idem_tx_send(idem_tx_t *tx, const char *name, int n, const char *const *values) {
+  if (tx->ops->send == NULL)
+    return IDEM_ENOTSUP;
+  if (name == NULL || n < 0 || (n > 0 && values == NULL))
+    return IDEM_EINVAL;
+  return tx->ops->send(tx, name, n, values);
+}
+
+int idem_tx_flush(idem_tx_t *tx) {
+  return tx->ops->flush ? tx->ops->flush(tx) : IDEM_OK;
+}
+
 int idem__effect_run(const idem_effect_t *e, idem_tx_t *tx) {
   int rc;
 

@@ -24,6 +24,9 @@ typedef struct idem__tx_ops {
   void *(*statement)(idem_tx_t *tx, unsigned slot, const char *sql);
   int (*take_over)(idem_tx_t *tx, const idem_scope_t *scope, const char *owner,
                    int64_t lease_expires_at, idem_record_t *out);
+  /* Optional (PostgreSQL): idem_tx_send() and idem_tx_flush(). */
+  int (*send)(idem_tx_t *tx, const char *name, int n, const char *const *values);
+  int (*flush)(idem_tx_t *tx);
 } idem__tx_ops_t;
 
 /* What an effect is lent (store.h): set up by the backend around the call. */

@@ -716,10 +716,10 @@ static int async_wait(struct async_result *a) {
   return rc;
 }
 
-/* The asynchronous forms on SQLite: the same results as the synchronous
- * ones (won, then exists without the owner token; a completion by its
- * owner, IDEM_ELOST for anyone else), each callback called once. On a
- * store without them: IDEM_ENOTSUP and no callback. */
+/* The asynchronous forms (both stores): the same results as the
+ * synchronous ones (won, then exists without the owner token; a
+ * completion by its owner, IDEM_ELOST for anyone else), each callback
+ * called once. On a store without them: IDEM_ENOTSUP and no callback. */
 static void test_async_reserve_and_complete(void **state) {
   fixture_t *fx = *state;
   struct async_result a = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0};
@@ -734,7 +734,7 @@ static void test_async_reserve_and_complete(void **state) {
   make_fp(fp, 1);
   req = request(fx, "create_order", "async-1", fp);
   rc = idem_store_reserve_async(fx->store, &req, &won, &result, async_done, &a);
-  if (strcmp(idem_store_backend(fx->store), "sqlite") != 0) {
+  if (!idem_store_async_writes(fx->store)) {
     assert_int_equal(rc, IDEM_ENOTSUP);
     assert_int_equal(a.calls, 0);
     return;
@@ -798,7 +798,7 @@ static void test_sync_write_from_callback_fails(void **state) {
   idem_reserve_t req;
   idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
 
-  if (strcmp(idem_store_backend(fx->store), "sqlite") != 0)
+  if (!idem_store_async_writes(fx->store))
     skip();
   make_fp(fp, 1);
   req = request(fx, "create_order", "from-callback", fp);
@@ -842,8 +842,9 @@ static void async_many_done(void *arg, int rc) {
 /* A write that fails among others queued with it: it alone fails and
  * leaves nothing behind (here a reservation whose payment id is taken,
  * after its record was inserted), and every other write of its batch is
- * kept. On SQLite the writes of a batch first run without savepoints, so
- * the failure rolls the batch back and runs it again write by write. */
+ * kept. On both stores the writes of a batch first run without
+ * savepoints, so the failure rolls the batch back and runs it again write
+ * by write (on PostgreSQL the failed INSERT aborted the transaction). */
 static void test_failed_write_among_others(void **state) {
   enum { N = 41, BAD = 20 };
   fixture_t *fx = *state;
@@ -856,8 +857,8 @@ static void test_failed_write_among_others(void **state) {
   char fp[IDEM_FINGERPRINT_LEN], keys[N][32];
   idem_store_stats_t before, after;
 
-  if (strcmp(idem_store_backend(fx->store), "sqlite") != 0)
-    skip(); /* the asynchronous forms are SQLite's */
+  if (!idem_store_async_writes(fx->store))
+    skip();
   make_fp(fp, 1);
   new_payment(&taken);
   {
@@ -905,6 +906,155 @@ static void test_failed_write_among_others(void **state) {
   assert_int_equal(count(fx, "outbox"), N - 1);
   idem_store_stats(fx->store, &after);
   assert_true(after.batch_reruns > before.batch_reruns);
+}
+
+/* A session of its own that holds the lock every write of a record needs
+ * (SQLite: BEGIN IMMEDIATE; PostgreSQL: the records table in SHARE
+ * mode), until lock_release(). */
+struct write_lock {
+  sqlite3 *db;
+  PGconn *pg;
+};
+
+static void lock_hold(fixture_t *fx, struct write_lock *l) {
+  memset(l, 0, sizeof *l);
+  if (fx->dir[0]) {
+    assert_int_equal(sqlite3_open(fx->path, &l->db), SQLITE_OK);
+    assert_int_equal(sqlite3_exec(l->db, "BEGIN IMMEDIATE", NULL, NULL, NULL), SQLITE_OK);
+  } else {
+    PGresult *res;
+    l->pg = PQconnectdb(getenv("IDEM_TEST_STORE_URL"));
+    assert_int_equal(PQstatus(l->pg), CONNECTION_OK);
+    res = PQexec(l->pg, "BEGIN; LOCK TABLE idempotency_records IN SHARE MODE");
+    assert_int_equal(PQresultStatus(res), PGRES_COMMAND_OK);
+    PQclear(res);
+  }
+}
+
+static void lock_release(struct write_lock *l) {
+  if (l->db) {
+    assert_int_equal(sqlite3_exec(l->db, "COMMIT", NULL, NULL, NULL), SQLITE_OK);
+    sqlite3_close(l->db);
+  } else {
+    PQclear(PQexec(l->pg, "COMMIT"));
+    PQfinish(l->pg);
+  }
+}
+
+/* The group commit batches: N reservations queued while another session
+ * holds the write lock are committed in fewer transactions than writes.
+ * Not a timing assertion: while the lock is held no transaction can
+ * commit, so each writer (one on SQLite, a few on PostgreSQL) holds at
+ * most one batch stuck on it, and all else queued by the time it is
+ * released is taken at once by the first writer that comes free. */
+static void test_group_commit_batches(void **state) {
+  enum { N = 40 };
+  fixture_t *fx = *state;
+  struct async_many m = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}};
+  struct async_slot slots[N];
+  idem_reserve_t reqs[N];
+  idem_record_t recs[N];
+  idem_reserve_result_t results[N];
+  char fp[IDEM_FINGERPRINT_LEN], keys[N][32];
+  idem_store_stats_t before, after;
+  struct write_lock lock;
+
+  if (!idem_store_async_writes(fx->store))
+    skip();
+  make_fp(fp, 1);
+  memset(recs, 0, sizeof recs);
+  idem_store_stats(fx->store, &before);
+  lock_hold(fx, &lock);
+  for (int i = 0; i < N; i++) {
+    snprintf(keys[i], sizeof keys[i], "grouped-%d", i);
+    reqs[i] = request(fx, "create_order", keys[i], fp);
+    slots[i] = (struct async_slot){&m, i};
+    assert_int_equal(idem_store_reserve_async(fx->store, &reqs[i], &recs[i], &results[i],
+                                              async_many_done, &slots[i]),
+                     IDEM_OK);
+  }
+  lock_release(&lock);
+  pthread_mutex_lock(&m.lock);
+  while (m.calls < N)
+    pthread_cond_wait(&m.cond, &m.lock);
+  pthread_mutex_unlock(&m.lock);
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(m.rc[i], IDEM_OK);
+    assert_int_equal(results[i], IDEM_RESERVE_WON);
+    idem_record_reset(&recs[i]);
+  }
+  idem_store_stats(fx->store, &after);
+  assert_int_equal(after.writes - before.writes, N);
+  /* At most a stuck batch per writer (4 on PostgreSQL), then the rest. */
+  assert_true(after.commits - before.commits <= N / 4);
+  assert_int_equal(count(fx, "processing"), N);
+}
+
+/* NOTIFY after a batched commit (PostgreSQL): completions committed
+ * together by one store wake the waiters of another store on the same
+ * database, as another instance's would be. The second store's listener
+ * is known to listen before the tickets are taken, so a wake-up can come
+ * only from the completions' NOTIFYs. */
+static void test_batched_commit_notifies_other_store(void **state) {
+  enum { N = 6 };
+  fixture_t *fx = *state;
+  const char *url = getenv("IDEM_TEST_STORE_URL");
+  struct async_many m = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}};
+  struct async_slot slots[N];
+  idem_complete_t cs[N];
+  idem_reserve_t reqs[N];
+  idem_record_t recs[N];
+  uint64_t tickets[N];
+  char fp[IDEM_FINGERPRINT_LEN], keys[N][32];
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+  idem_store_t *other = NULL;
+  PGconn *pg;
+  int listening = 0;
+
+  if (fx->dir[0])
+    skip(); /* one process per SQLite file: nothing to notify */
+  assert_int_equal(idem_store_open(url, NULL, &other), IDEM_OK);
+  /* Both stores' listeners (fx->store's and other's) idle after LISTEN. */
+  pg = PQconnectdb(url);
+  assert_int_equal(PQstatus(pg), CONNECTION_OK);
+  for (int tries = 0; tries < 500 && listening < 2; tries++) {
+    PGresult *res = PQexec(pg, "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle' "
+                               "AND query LIKE 'LISTEN %'");
+    assert_int_equal(PQresultStatus(res), PGRES_TUPLES_OK);
+    listening = atoi(PQgetvalue(res, 0, 0));
+    PQclear(res);
+    if (listening < 2)
+      usleep(10 * 1000);
+  }
+  PQfinish(pg);
+  assert_true(listening >= 2);
+
+  make_fp(fp, 1);
+  memset(recs, 0, sizeof recs);
+  for (int i = 0; i < N; i++) {
+    snprintf(keys[i], sizeof keys[i], "notified-%d", i);
+    reqs[i] = request(fx, "create_order", keys[i], fp);
+    assert_int_equal(reserve(fx, &reqs[i], &recs[i]), IDEM_RESERVE_WON);
+    tickets[i] = idem_store_watch(other, &reqs[i].scope);
+  }
+  for (int i = 0; i < N; i++) {
+    cs[i] = (idem_complete_t){.scope = reqs[i].scope, .owner_token = recs[i].owner_token,
+                              .now_ms = fx->now + 1, .ttl_ms = TTL_MS, .outcome = out};
+    slots[i] = (struct async_slot){&m, i};
+    assert_int_equal(idem_store_complete_async(fx->store, &cs[i], async_many_done, &slots[i]),
+                     IDEM_OK);
+  }
+  for (int i = 0; i < N; i++)
+    assert_int_equal(idem_store_wait(other, &reqs[i].scope, tickets[i], 10000), IDEM_OK);
+  pthread_mutex_lock(&m.lock);
+  while (m.calls < N)
+    pthread_cond_wait(&m.cond, &m.lock);
+  pthread_mutex_unlock(&m.lock);
+  for (int i = 0; i < N; i++) {
+    assert_int_equal(m.rc[i], IDEM_OK);
+    idem_record_reset(&recs[i]);
+  }
+  idem_store_close(other);
 }
 
 static void test_complete_needs_the_owner(void **state) {
@@ -1313,6 +1463,74 @@ static void app_table(fixture_t *fx) {
   assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
 }
 
+/* Statements an effect queues (idem_tx_send(), PostgreSQL's pipeline):
+ * `n` rows of app_rows under keys `key`-0...; with `dup`, the last one's
+ * key is the first's again, and with `flush` the effect asks for the
+ * results itself and returns what idem_tx_flush() said. */
+struct queued_rows {
+  int64_t tenant;
+  const char *key;
+  int n, dup, flush;
+  int sent_rc, flush_rc;
+};
+
+static int send_rows(void *arg, idem_tx_t *tx) {
+  struct queued_rows *q = arg;
+  const char *name = idem_tx_statement(tx, 5, "INSERT INTO app_rows (tenant, k, note) "
+                                              "VALUES ($1, $2, 'queued')");
+  char t[24], k[64];
+  const char *p[2] = {t, k};
+
+  if (name == NULL)
+    return IDEM_ESTORE;
+  snprintf(t, sizeof t, "%lld", (long long)q->tenant);
+  q->sent_rc = IDEM_OK;
+  for (int i = 0; i < q->n && q->sent_rc == IDEM_OK; i++) {
+    snprintf(k, sizeof k, "%s-%d", q->key, q->dup && i == q->n - 1 ? 0 : i);
+    q->sent_rc = idem_tx_send(tx, name, 2, p);
+  }
+  if (q->sent_rc != IDEM_OK)
+    return q->sent_rc;
+  if (q->flush)
+    return q->flush_rc = idem_tx_flush(tx);
+  return IDEM_OK;
+}
+
+/* idem_tx_send() (PostgreSQL): queued statements are written with their
+ * write, more of them than are ever queued at once; one that fails
+ * (a unique violation) fails its write, whether the effect flushes or
+ * leaves them to the COMMIT, and leaves nothing of it; SQLite says
+ * IDEM_ENOTSUP. */
+static void test_queued_statements(void **state) {
+  fixture_t *fx = *state;
+  struct queued_rows q = {fx->tenant.id, "q-ok", 100, 0, 0, 0, 0};
+  idem_effect_t e = {send_rows, &q};
+
+  app_table(fx);
+  if (strcmp(idem_store_backend(fx->store), "sqlite") == 0) {
+    assert_int_equal(idem_store_write(fx->store, &e), IDEM_ENOTSUP);
+    assert_int_equal(q.sent_rc, IDEM_ENOTSUP);
+    return;
+  }
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  assert_int_equal(app_rows(fx, NULL), 100);
+
+  q = (struct queued_rows){fx->tenant.id, "q-dup", 5, 1, 0, 0, 0};
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_EEXIST);
+  assert_int_equal(q.sent_rc, IDEM_OK); /* only queued */
+  assert_int_equal(app_rows(fx, NULL), 100);
+
+  q = (struct queued_rows){fx->tenant.id, "q-flush", 5, 1, 1, 0, 0};
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_EEXIST);
+  assert_int_equal(q.flush_rc, IDEM_EEXIST);
+  assert_int_equal(app_rows(fx, NULL), 100);
+
+  q = (struct queued_rows){fx->tenant.id, "q-flushed", 3, 0, 1, 0, 0};
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_OK);
+  assert_int_equal(q.flush_rc, IDEM_OK);
+  assert_int_equal(app_rows(fx, NULL), 103);
+}
+
 /* An effect is written with the reservation that wins the key, once; a
  * reservation that finds the key held runs none. */
 static void test_effect_with_reservation(void **state) {
@@ -1430,7 +1648,7 @@ static void test_effects_in_a_failed_batch(void **state) {
     reqs[i] = request(fx, "create_note", keys[i], fps[i]);
     reqs[i].effect = (idem_effect_t){insert_row, &rows[i]};
   }
-  if (strcmp(idem_store_backend(fx->store), "sqlite") != 0) {
+  if (!idem_store_async_writes(fx->store)) {
     /* No group commit: each reservation is its own transaction. */
     for (int i = 0; i < N; i++) {
       int rc = idem_store_reserve(fx->store, &reqs[i], &recs[i], &results[i]);
@@ -2410,6 +2628,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_effect_with_completion),
       STORE_TEST(test_effects_in_a_failed_batch),
       STORE_TEST(test_caller_write_and_read),
+      STORE_TEST(test_queued_statements),
       STORE_TEST(test_caller_statements_kept),
       STORE_TEST(test_take_over),
       STORE_TEST(test_claim),
@@ -2421,6 +2640,8 @@ int main(int argc, char **argv) {
       STORE_TEST(test_wait_wakes_on_completion),
       STORE_TEST(test_wait_times_out),
       STORE_TEST(test_failed_write_among_others),
+      STORE_TEST(test_group_commit_batches),
+      STORE_TEST(test_batched_commit_notifies_other_store),
       STORE_TEST(test_sweep),
       STORE_TEST(test_sweep_large_batch),
       STORE_TEST(test_meta_first_value_wins),
