@@ -119,6 +119,11 @@ typedef struct gw {
   int upstream_loop;             /* the upstream's I/O thread runs (keyed.c) */
   atomic_int handed_off;         /* connections suspended off their event thread */
   atomic_int draining;           /* stopping: a duplicate in flight waits no more */
+  /* Set at SIGTERM: a keyed request not decided yet is answered 503 with
+   * Retry-After before any reservation (gw_keyed()), so nothing new is
+   * handed off while shutdown waits for `handed_off` to reach 0. */
+  atomic_int stopping;
+  atomic_int deciding; /* event threads inside the keyed flow right now */
   struct idemd_replay_cache *replays; /* ready replays of completed keys, or NULL */
   idem_hmac_t *scope_mac;  /* scopes keys by the --scope-header value */
   idem_hmac_t *key_id_mac; /* key ids in logs */

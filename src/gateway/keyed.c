@@ -620,9 +620,29 @@ static enum MHD_Result async_decide(gw_req_t *r) {
   }
 }
 
-enum MHD_Result gw_keyed_resumed(gw_req_t *r) {
+/* The gateway stops (docs/gateway.md, "Stopping"): a keyed request not
+ * decided yet is answered at once, before any reservation, so that
+ * nothing is handed off any more while shutdown waits for what was. */
+static enum MHD_Result refuse_stopping(gw_req_t *r) {
+  /* The connection closes after it: the client's retry connects anew, to
+   * another gateway (this one's listening socket is closed). */
+  static const char *const extra[] = {"Retry-After", "1", "Connection", "close", NULL};
+  gw_answer_t a = {0};
+  enum MHD_Result ret = MHD_NO;
+
+  r->outcome = OUTCOME_ERROR;
+  if (gw_answer_own(503, "{\"error\":\"the gateway is stopping; nothing was sent, retry "
+                         "with the same key\"}", &a) == IDEM_OK)
+    ret = gw_send(r, &a, extra);
+  gw_answer_free(&a);
+  return ret;
+}
+
+static enum MHD_Result keyed_resumed(gw_req_t *r) {
   keyed_t *k = r->keyed;
   r->resume = NULL;
+  if (k->stage == DECIDING && atomic_load(&r->gw->stopping))
+    return refuse_stopping(r); /* no reservation of this request's holds the key */
   if (k->stage == COMPLETING) {
     if (k->a.rc == IDEM_ELOST) {
       /* The lease ran out and another gateway took the record over: what
@@ -658,7 +678,7 @@ static enum MHD_Result run_in_event_thread(gw_req_t *r) {
   return async_decide(r);
 }
 
-enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
+static enum MHD_Result keyed(gw_req_t *r, const gw_route_t *route) {
   keyed_t *k;
   const char *raw;
   size_t key_len;
@@ -702,6 +722,8 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
       return gw_send_error(r, 422, "Idempotency-Key was already used with a different request");
     }
   }
+  if (atomic_load(&r->gw->stopping))
+    return refuse_stopping(r);
   /* Not in memory: most likely a new key. Where the store's reads are
    * local and its writes asynchronous (SQLite), its reservation is
    * queued at once, without a read first: the reservation reports any
@@ -711,4 +733,25 @@ enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
   if (r->gw->upstream_loop)
     return run_in_event_thread(r);
   return gw_defer(r, decide);
+}
+
+/* gw_keyed() and gw_keyed_resumed() count themselves in `deciding`
+ * before they look at `stopping`: shutdown sets `stopping`, then waits
+ * for `deciding` and `handed_off` to be 0, so a request that saw
+ * `stopping` unset has counted itself in `handed_off` by then. */
+enum MHD_Result gw_keyed(gw_req_t *r, const gw_route_t *route) {
+  enum MHD_Result ret;
+  atomic_fetch_add(&r->gw->deciding, 1);
+  ret = keyed(r, route);
+  atomic_fetch_sub(&r->gw->deciding, 1);
+  return ret;
+}
+
+enum MHD_Result gw_keyed_resumed(gw_req_t *r) {
+  gw_t *gw = r->gw;
+  enum MHD_Result ret;
+  atomic_fetch_add(&gw->deciding, 1);
+  ret = keyed_resumed(r);
+  atomic_fetch_sub(&gw->deciding, 1);
+  return ret;
 }

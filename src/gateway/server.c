@@ -927,17 +927,22 @@ static void expire_parked(void *ctx) {
 }
 
 /* Before the event threads stop: every connection off its event thread
- * without a worker is given back. Parked duplicates are woken, the
- * upstream's calls under way end (each within its deadline) and their
- * completions are written by the store's writer, which resumes them. */
+ * without a worker is given back, however long it takes, since nothing
+ * can hold one forever: no keyed request is handed off once `stopping`
+ * is set (keyed.c), parked duplicates are woken, the upstream's calls
+ * under way end within their deadline and no more are taken (the I/O
+ * thread joined; a won key's call refused is released, nothing sent),
+ * and the store's writer writes their completions, which resume them.
+ * libmicrohttpd must not meet a suspended connection when it stops. */
 static void stop_handed_off(gw_t *gw, struct idem__ticker *expirer) {
+  atomic_store(&gw->stopping, 1);
   idem__ticker_stop(expirer);
   if (gw->engine)
     (void)idem_engine_expire(gw->engine, INT64_MAX);
   if (gw->upstream)
     gw_upstream_loop_stop(gw->upstream);
-  for (int64_t until = idem_mono_ms() + DRAIN_MS;
-       atomic_load(&gw->handed_off) > 0 && idem_mono_ms() < until;) {
+  /* `deciding` first: see gw_keyed(). */
+  while (atomic_load(&gw->deciding) > 0 || atomic_load(&gw->handed_off) > 0) {
     if (gw->engine)
       (void)idem_engine_expire(gw->engine, INT64_MAX);
     usleep(1000);
@@ -1026,6 +1031,9 @@ int gw_cmd_gateway(int argc, char **argv) {
   /* New connections are refused from here; requests in flight finish. */
   MHD_quiesce_daemon(d);
   atomic_store(&gw.draining, 1);
+  /* Kept-alive connections still send requests: a keyed one not decided
+   * yet is answered 503 from here (keyed.c). */
+  atomic_store(&gw.stopping, 1);
   for (int64_t until = idem_mono_ms() + DRAIN_MS;
        atomic_load(&inflight) > 0 && idem_mono_ms() < until;)
     usleep(10000);

@@ -19,6 +19,7 @@
 #define MAX_HEADER_BYTES (64 * 1024)
 
 struct gw_up_loop;
+static void loop_free(gw_upstream_t *u);
 
 struct gw_upstream {
   char *base_url;
@@ -48,7 +49,7 @@ gw_upstream_t *gw_upstream_new(const char *base_url, int64_t connect_timeout_ms,
 void gw_upstream_free(gw_upstream_t *u) {
   if (u == NULL)
     return;
-  gw_upstream_loop_stop(u);
+  loop_free(u);
   for (int i = 0; i < u->nidle; i++)
     curl_easy_cleanup(u->idle[i]);
   pthread_mutex_destroy(&u->lock);
@@ -475,7 +476,7 @@ struct gw_up_loop {
   pthread_t thread;
   pthread_mutex_t lock;
   gw_up_call_t *queue, *queue_tail; /* handed over, not yet added */
-  int stopping;                     /* under `lock` */
+  int stopping; /* under `lock`: 1 stopping, 2 its thread joined */
   CURL *idle[POOL_MAX];             /* the I/O thread's own */
   int nidle;
 };
@@ -585,6 +586,8 @@ int gw_upstream_loop_start(gw_upstream_t *u) {
 }
 
 int gw_upstream_submit(gw_upstream_t *u, gw_up_call_t *call) {
+  /* Set before any caller can submit and freed only by gw_upstream_free():
+   * a stopped loop refuses under its lock (gw_upstream_loop_stop()). */
   struct gw_up_loop *l = u->loop;
   int ok;
   if (l == NULL)
@@ -608,13 +611,31 @@ int gw_upstream_submit(gw_upstream_t *u, gw_up_call_t *call) {
 
 void gw_upstream_loop_stop(gw_upstream_t *u) {
   struct gw_up_loop *l = u ? u->loop : NULL;
+  int joined;
   if (l == NULL)
     return;
   pthread_mutex_lock(&l->lock);
-  l->stopping = 1;
+  joined = l->stopping == 2;
+  if (!joined)
+    l->stopping = 1;
   pthread_mutex_unlock(&l->lock);
+  if (joined)
+    return;
   curl_multi_wakeup(l->multi);
   pthread_join(l->thread, NULL);
+  pthread_mutex_lock(&l->lock);
+  l->stopping = 2; /* joined: the loop itself stays until gw_upstream_free() */
+  pthread_mutex_unlock(&l->lock);
+}
+
+/* The loop's memory, once its thread is joined: only when no one can
+ * hand it a call any more (gw_upstream_free(), after the event threads
+ * and the store's writer stopped). */
+static void loop_free(gw_upstream_t *u) {
+  struct gw_up_loop *l = u->loop;
+  if (l == NULL)
+    return;
+  gw_upstream_loop_stop(u);
   for (int i = 0; i < l->nidle; i++)
     curl_easy_cleanup(l->idle[i]);
   curl_multi_cleanup(l->multi);

@@ -120,7 +120,10 @@ int gw_upstream_submit(gw_upstream_t *u, gw_up_call_t *call);
 
 /* Stops the I/O thread: new calls are refused, the calls under way end
  * (each within its deadline, `done` called), then the thread is joined.
- * Without an I/O thread, nothing. gw_upstream_free() does it too. */
+ * The loop's memory stays: gw_upstream_submit() may still be called (and
+ * refuses) until gw_upstream_free(), which frees it. Without an I/O
+ * thread, nothing; a second call, nothing. gw_upstream_free() does it
+ * too. */
 void gw_upstream_loop_stop(gw_upstream_t *u);
 
 /* Frees what `a` owns and zeroes it. */
