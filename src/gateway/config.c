@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "gateway/gateway.h"
+#include "gateway/upstream.h"
 #include "idem/crypto.h"
 
 void gw_config_defaults(gw_config_t *cfg) {
@@ -289,11 +290,13 @@ int gw_config_check(const gw_config_t *cfg, FILE *err) {
     fprintf(err, "idemd gateway: --upstream http://HOST:PORT is required\n");
     return -1;
   }
-  if (cfg->lease_ms <= cfg->upstream_timeout_ms) {
+  if (cfg->lease_ms < cfg->upstream_timeout_ms + GW_LEASE_MARGIN_MS) {
     /* Otherwise a record could be taken over while its upstream call is
-     * still under way. */
-    fprintf(err, "idemd gateway: --lease (%lldms) must be longer than --upstream-timeout "
-            "(%lldms)\n", (long long)cfg->lease_ms, (long long)cfg->upstream_timeout_ms);
+     * still under way; the margin is for the queues a keyed request waits
+     * in before its send (gateway/upstream.h). */
+    fprintf(err, "idemd gateway: --lease (%lldms) must be at least %dms longer than "
+            "--upstream-timeout (%lldms)\n", (long long)cfg->lease_ms, GW_LEASE_MARGIN_MS,
+            (long long)cfg->upstream_timeout_ms);
     return -1;
   }
   if (cfg->admin_listen.port != 0 && cfg->admin_listen.port == cfg->listen.port &&

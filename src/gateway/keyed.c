@@ -259,7 +259,8 @@ static enum MHD_Result execute(gw_req_t *r, const idem_record_t *rec, char **hea
   static const char *const retry_later[] = {"Retry-After", "5", NULL};
   gw_up_request_t up = {.method = r->method, .target = r->target,
                         .headers = (const char *const *)headers, .body = r->body,
-                        .body_len = r->body_len, .once = 1};
+                        .body_len = r->body_len, .once = 1,
+                        .lease_expires_at = rec->lease_expires_at};
   gw_answer_t a = {0}, own = {0};
   gw_up_result_t res;
   enum MHD_Result ret;
@@ -471,7 +472,8 @@ static void start_upstream(gw_req_t *r) {
   k->stage = EXECUTING;
   k->call = (gw_up_call_t){.req = {.method = r->method, .target = r->target,
                                    .headers = (const char *const *)k->ts.headers,
-                                   .body = r->body, .body_len = r->body_len, .once = 1},
+                                   .body = r->body, .body_len = r->body_len, .once = 1,
+                                   .lease_expires_at = k->a.rec.lease_expires_at},
                            .done = upstream_done, .arg = r};
   if (gw_upstream_submit(r->gw->upstream, &k->call) != 0) {
     k->call.result = GW_UP_NOT_SENT;

@@ -67,7 +67,8 @@ static void resend(gw_t *gw, const idem_record_t *rec, const char *text, int att
   if (rc == IDEM_OK) {
     gw_up_request_t up = {.method = method, .target = target,
                           .headers = (const char *const *)headers, .body = body,
-                          .body_len = body_len, .once = 1};
+                          .body_len = body_len, .once = 1,
+                          .lease_expires_at = rec->lease_expires_at};
     res = gw_upstream_call(gw->upstream, &up, &a);
   }
   if (res == GW_UP_ANSWERED && a.status < 500) {

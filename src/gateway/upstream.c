@@ -11,6 +11,8 @@
 #include <string.h>
 #include <strings.h>
 
+#include "idem/clock.h"
+#include "provider/provider.h"
 #include "util/curl_sent.h"
 
 /* Idle handles kept; beyond, a returned handle is closed. */
@@ -321,13 +323,31 @@ fail:
   return NULL;
 }
 
+int64_t gw_upstream_deadline(int64_t timeout_ms, int64_t lease_expires_at, int64_t now_ms) {
+  int64_t left;
+  if (lease_expires_at <= 0)
+    return timeout_ms;
+  if (!idem_provider_call_may_start(lease_expires_at, timeout_ms + GW_LEASE_SLACK_MS, now_ms))
+    return -1;
+  left = lease_expires_at - now_ms - GW_LEASE_SLACK_MS;
+  return left < timeout_ms ? left : timeout_ms;
+}
+
 /* The easy handle `c` set up for `req`, gathering into `g`: `*url` and
  * `*hdrs` are what it borrows (the caller frees them after the transfer).
- * Returns 0, or -1 when out of memory (nothing went out). */
+ * Returns 0, or -1 when out of memory or too late for the key's lease
+ * (nothing went out). */
 static int set_up(gw_upstream_t *u, CURL *c, const gw_up_request_t *req, struct gather *g,
                   char **url, struct curl_slist **hdrs) {
   size_t ulen = strlen(u->base_url) + strlen(req->target) + 1;
+  /* Checked as it is about to go: a keyed request may have waited in
+   * queues since its reservation. */
+  int64_t deadline = gw_upstream_deadline(u->timeout_ms, req->lease_expires_at, idem_now_ms());
 
+  *url = NULL;
+  *hdrs = NULL;
+  if (deadline < 0)
+    return -1;
   *url = malloc(ulen);
   *hdrs = header_list(req);
   if (*url == NULL || *hdrs == NULL) {
@@ -352,7 +372,7 @@ static int set_up(gw_upstream_t *u, CURL *c, const gw_up_request_t *req, struct 
     curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
     curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, u->timeout_ms < 1000 ? 1L : u->timeout_ms / 1000);
   } else {
-    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, u->timeout_ms);
+    curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)deadline);
   }
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, *hdrs);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, on_body);

@@ -47,7 +47,27 @@ typedef struct gw_up_request {
    * request that a kept-alive connection dropped unanswered (a keyed
    * request, or one whose method is not idempotent, RFC 9110 9.2.2). */
   int once;
+  /* When the key's lease runs out (the record's lease_expires_at, ms of
+   * idem_now_ms()), or 0 for none: the call is sent only if it can end
+   * before then, else it is GW_UP_NOT_SENT (gw_upstream_deadline()). */
+  int64_t lease_expires_at;
 } gw_up_request_t;
+
+/* Kept between the end of a call's deadline and its lease's end: the
+ * store's clock, libcurl's start after the check. */
+#define GW_LEASE_SLACK_MS 250
+/* --lease must exceed --upstream-timeout by at least this: a keyed
+ * request waits in queues (the store's writer, the I/O thread) between
+ * its reservation and its send (docs/gateway.md, "Flags"). */
+#define GW_LEASE_MARGIN_MS 500
+
+/* The deadline of a call of `timeout_ms` starting at `now_ms` under a
+ * lease running out at `lease_expires_at` (0: none): `timeout_ms`, never
+ * past the lease less GW_LEASE_SLACK_MS; or -1 when it could not end
+ * before then, so it must not be sent (the same rule as idemd's provider
+ * calls, idem_provider_call_may_start()): the key could be taken over
+ * and sent again while this call goes on. */
+int64_t gw_upstream_deadline(int64_t timeout_ms, int64_t lease_expires_at, int64_t now_ms);
 
 /* Makes a client of `base_url` ("http://host:port", no trailing slash).
  * Answers over `max_answer` body bytes are GW_UP_TOO_LARGE. Returns NULL

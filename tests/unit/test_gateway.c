@@ -116,6 +116,9 @@ static const struct flags_case flags_cases[] = {
     {{"--upstream", "http://x", "--scope-header", "X-Api-Key"}, 1},
     {{"--upstream", "http://x", "--upstream-timeout", "40s"}, 0}, /* not under --lease */
     {{"--upstream", "http://x", "--upstream-timeout", "40s", "--lease", "1m"}, 1},
+    /* a margin for the queues before the send (gateway/upstream.h) */
+    {{"--upstream", "http://x", "--upstream-timeout", "10s", "--lease", "10100ms"}, 0},
+    {{"--upstream", "http://x", "--upstream-timeout", "10s", "--lease", "10500ms"}, 1},
     {{"--upstream", "http://x", "--max-body", "0"}, 0},
     {{"--upstream", "http://x", "--bogus", "1"}, 0},
     {{"--upstream", "http://x", "--upstream-idempotent", "--listen", "127.0.0.1:0"}, 1},
@@ -137,6 +140,25 @@ static void test_flags(void **state) {
     if ((rc == 0) != flags_cases[i].ok)
       fail_msg("case %zu (%s %s ...): got %d", i, argv[0], argc > 1 ? argv[1] : "", rc);
   }
+}
+
+/* A keyed call goes only if it can end before its key's lease does. */
+static void test_upstream_deadline(void **state) {
+  static const struct {
+    int64_t timeout, lease_expires_at, now, want;
+  } cases[] = {
+      {10000, 0, 5000, 10000},               /* no lease: the timeout */
+      {10000, 100000, 50000, 10000},         /* time enough */
+      {10000, 100000, 100000 - 10250, 10000}, /* just enough, with the slack */
+      {10000, 100000, 100000 - 10249, -1},    /* a millisecond too late */
+      {10000, 100000, 100000, -1},            /* the lease is over */
+      {10000, 100000, 200000, -1},
+  };
+  (void)state;
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+    assert_int_equal(gw_upstream_deadline(cases[i].timeout, cases[i].lease_expires_at,
+                                          cases[i].now),
+                     cases[i].want);
 }
 
 static void test_env(void **state) {
@@ -516,7 +538,7 @@ int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_route_parse),        cmocka_unit_test(test_route_operation),
       cmocka_unit_test(test_route_match),        cmocka_unit_test(test_flags),
-      cmocka_unit_test(test_env),
+      cmocka_unit_test(test_env),                cmocka_unit_test(test_upstream_deadline),
       cmocka_unit_test(test_hop_by_hop),         cmocka_unit_test(test_answer_round_trip),
       cmocka_unit_test(test_answer_decode_refuses), cmocka_unit_test(test_request_round_trip),
       cmocka_unit_test(test_reason_valid),       cmocka_unit_test(test_audit_trail),
