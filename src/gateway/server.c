@@ -297,6 +297,12 @@ static int idempotent_method(const char *m) {
 #define STREAM_BUF (256 * 1024)
 /* How long a full buffer waits for the client before the call is cut. */
 #define STREAM_STALL_MS 60000
+/* Proxied requests at once, each holding a worker for its whole answer:
+ * beyond, 503 with Retry-After, so that slow streams never take every
+ * worker from the keyed requests (docs/gateway.md, "Everything else"). */
+#define MAX_STREAMS (WORKERS / 2)
+
+static atomic_int streams; /* proxied requests under way */
 
 struct stream {
   pthread_mutex_t lock;
@@ -310,6 +316,7 @@ struct stream {
   int suspended;     /* the event thread found it empty and suspended */
   gw_req_t *r;       /* until the head is sent; not touched after */
   int head_sent;
+  atomic_int *draining; /* the gateway's: the stream is cut once it is set */
 };
 
 static void stream_unref(struct stream *st) {
@@ -420,18 +427,23 @@ static int stream_head(void *arg, const gw_answer_t *a) {
 /* The sink's on_data, on the worker: into the buffer, waiting for room. */
 static int stream_data(void *arg, const char *data, size_t n) {
   struct stream *st = arg;
-  int rc = 0;
+  int rc = 0, stalled = 0;
   pthread_mutex_lock(&st->lock);
   while (n > 0 && !st->gone) {
     size_t room = STREAM_BUF - st->len, put, at, first;
+    if (atomic_load(st->draining))
+      break; /* the gateway stops: cut */
     if (room == 0) {
+      /* Waits a second at a time, to see the gateway stop. */
       struct timespec until;
       clock_gettime(CLOCK_REALTIME, &until);
-      until.tv_sec += STREAM_STALL_MS / 1000;
-      if (pthread_cond_timedwait(&st->room, &st->lock, &until) != 0 && st->len == STREAM_BUF)
+      until.tv_sec += 1;
+      if (pthread_cond_timedwait(&st->room, &st->lock, &until) != 0 && st->len == STREAM_BUF &&
+          ++stalled >= STREAM_STALL_MS / 1000)
         break; /* the client reads nothing: cut */
       continue;
     }
+    stalled = 0;
     put = n < room ? n : room;
     at = (st->start + st->len) % STREAM_BUF;
     first = STREAM_BUF - at < put ? STREAM_BUF - at : put;
@@ -448,6 +460,13 @@ static int stream_data(void *arg, const char *data, size_t n) {
   return rc;
 }
 
+/* The sink's cut: once the gateway drains, a stream ends, cut short, so
+ * that shutdown does not wait on a slow upstream or client. */
+static int stream_cut(void *arg) {
+  struct stream *st = arg;
+  return atomic_load(st->draining);
+}
+
 /* Any request outside the keyed routes, on a worker: sent on as it came,
  * its answer streamed back as it comes (docs/gateway.md, "Everything
  * else"). HEAD's answer has no body: as gw_send() sends it. */
@@ -461,7 +480,7 @@ static void proxy_work(idemd_work_t *w) {
   size_t body_len = r->body_len;
   gw_up_result_t res;
   gw_answer_t a;
-  gw_up_stream_t sink = {stream_head, stream_data, st};
+  gw_up_stream_t sink = {stream_head, stream_data, stream_cut, st};
   gw_up_request_t up;
   int head_sent = 0;
 
@@ -481,6 +500,7 @@ static void proxy_work(idemd_work_t *w) {
   st->conn = r->conn;
   st->r = r;
   st->refs = 1;
+  st->draining = &r->gw->draining;
   up = (gw_up_request_t){.method = method, .target = target,
                          .headers = (const char *const *)headers, .body = body,
                          .body_len = body_len, .once = !idempotent_method(method)};
@@ -519,6 +539,7 @@ out:
     r->in_worker = 0;
     MHD_resume_connection(r->conn);
   }
+  atomic_fetch_sub(&streams, 1);
 }
 
 static enum MHD_Result proxy(gw_req_t *r) {
@@ -526,11 +547,21 @@ static enum MHD_Result proxy(gw_req_t *r) {
   r->outcome = OUTCOME_NONE;
   if (r->body_too_large)
     return gw_send_error(r, 413, "request body too large");
+  if (atomic_load(&r->gw->draining)) {
+    r->outcome = OUTCOME_ERROR;
+    return gw_send_error(r, 503, "the gateway is stopping; retry");
+  }
+  if (atomic_fetch_add(&streams, 1) >= MAX_STREAMS) {
+    atomic_fetch_sub(&streams, 1);
+    r->outcome = OUTCOME_ERROR;
+    return gw_send_error(r, 503, "too many pass-through requests at once; retry");
+  }
   r->work.run = proxy_work;
   MHD_suspend_connection(r->conn);
   if (idemd_workers_submit(r->gw->workers, &r->work) == 0)
     return MHD_YES;
   /* Shutting down: no worker takes it. */
+  atomic_fetch_sub(&streams, 1);
   r->in_worker = 1;
   r->outcome = OUTCOME_ERROR;
   (void)gw_send_error(r, 503, "the gateway is stopping; retry");

@@ -199,6 +199,20 @@ static int on_prereq(void *arg, char *ip, char *local_ip, int port, int local_po
   return ++g->attempts > 1 && g->once ? CURL_PREREQFUNC_ABORT : CURL_PREREQFUNC_OK;
 }
 
+/* libcurl's progress callback of a streamed answer: the sink may cut it. */
+static int on_progress(void *arg, curl_off_t dltotal, curl_off_t dlnow, curl_off_t ultotal,
+                       curl_off_t ulnow) {
+  struct gather *g = arg;
+  (void)dltotal;
+  (void)dlnow;
+  (void)ultotal;
+  (void)ulnow;
+  if (g->sink->cut(g->sink->arg) == 0)
+    return 0;
+  g->aborted = 1;
+  return 1; /* ends the transfer: CURLE_ABORTED_BY_CALLBACK */
+}
+
 /* The head of a streamed answer, passed on once: its status and headers. */
 static int send_head(struct gather *g) {
   long code = 0;
@@ -371,6 +385,11 @@ static int set_up(gw_upstream_t *u, CURL *c, const gw_up_request_t *req, struct 
      * silence instead, no byte for as long as a call may take. */
     curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
     curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, u->timeout_ms < 1000 ? 1L : u->timeout_ms / 1000);
+    if (g->sink->cut) {
+      curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, on_progress);
+      curl_easy_setopt(c, CURLOPT_XFERINFODATA, g);
+      curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
+    }
   } else {
     curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, (long)deadline);
   }

@@ -95,6 +95,9 @@ typedef struct gw_up_stream {
    * client's pace holds the upstream's back). Returns 0 to go on, else
    * the transfer ends. */
   int (*on_data)(void *arg, const char *data, size_t n);
+  /* Optional: asked about once a second while the transfer goes on, even
+   * when nothing comes; nonzero ends it, cut short (the gateway stops). */
+  int (*cut)(void *arg);
   void *arg;
 } gw_up_stream_t;
 

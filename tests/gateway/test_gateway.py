@@ -917,6 +917,27 @@ def test_sigterm_under_keyed_load_keep_alive(py):
         assert executed.get(row[2], 1) > 0, ("unsettled, never sent", row)
 
 
+def test_sigterm_cuts_a_slow_stream(py):
+    """A pass-through answer under way when the gateway stops is cut (the
+    client sees it end short), so a slow upstream does not hold the
+    shutdown; the gateway exits 0 at once (docs/gateway.md, "Stopping")."""
+    g, port, _, _ = start_gateway(py, ["POST /charges"])
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    c.request("GET", "/drip?ms=30000")
+    r = c.getresponse()
+    assert r.status == 200 and r.read(6) == b"first;"
+    t0 = time.time()
+    stop_gateway(g)
+    took = time.time() - t0
+    try:
+        rest = r.read()
+    except (OSError, http.client.HTTPException):
+        rest = None
+    c.close()
+    assert rest != b"second;", rest
+    assert took < 5, "took %.1fs to stop" % took
+
+
 def test_logs_hold_key_ids_not_keys(log):
     text = open(log).read()
     lines = [json.loads(l) for l in text.splitlines() if l.startswith("{")]
