@@ -164,3 +164,14 @@ int gw_answer_own(int status, const char *body, gw_answer_t *out) {
     gw_answer_free(out);
   return rc;
 }
+
+size_t gw_answer_bytes(const gw_answer_t *a, const char *const *extra) {
+  /* libmicrohttpd's header entry (list links, kind, lengths) and the
+   * response's own struct, roughly. */
+  size_t n = a->len + 256;
+  for (int i = 0; i < a->nheaders; i++)
+    n += strlen(a->headers[i].name) + strlen(a->headers[i].value) + 64;
+  for (const char *const *e = extra; e && e[0] && e[1]; e += 2)
+    n += strlen(e[0]) + strlen(e[1]) + 64;
+  return n;
+}

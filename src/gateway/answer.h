@@ -35,4 +35,11 @@ int gw_body_get(const json_t *doc, char **out, size_t *len);
  * `body`. Returns IDEM_OK or IDEM_ENOMEM. */
 int gw_answer_own(int status, const char *body, gw_answer_t *out);
 
+/* The memory `a` and the extra header pairs `extra` (NULL-terminated,
+ * may be NULL) take once made a response: the body, each header's name
+ * and value, and a little for each header's bookkeeping. What the replay
+ * cache charges for a kept replay (keyed.c): kept headers alone can
+ * total 64 KiB. */
+size_t gw_answer_bytes(const gw_answer_t *a, const char *const *extra);
+
 #endif

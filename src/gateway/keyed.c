@@ -160,7 +160,7 @@ static void keep_replay(gw_req_t *r, const idem_record_t *rec, const gw_answer_t
   struct MHD_Response *resp = gw_response(r, a, extra);
   if (resp)
     idemd_replay_cache_put_value(r->gw->replays, &scope, rec->fingerprint, a->status, resp,
-                                 a->len + 64 * (size_t)(a->nheaders + 1), destroy_response,
+                                 gw_answer_bytes(a, extra), destroy_response,
                                  rec->expires_at);
 }
 

@@ -161,6 +161,28 @@ static void test_upstream_deadline(void **state) {
                      cases[i].want);
 }
 
+/* A kept replay is charged its real size: headers of 60 KiB count. */
+static void test_answer_bytes(void **state) {
+  static const char *const extra[] = {"Idempotent-Replayed", "true", NULL};
+  gw_answer_t a = {0};
+  char *big = malloc(60 * 1024 + 1);
+  size_t small;
+  (void)state;
+  assert_non_null(big);
+  memset(big, 'v', 60 * 1024);
+  big[60 * 1024] = '\0';
+  assert_int_equal(gw_answer_own(201, "{\"ok\":true}", &a), IDEM_OK);
+  small = gw_answer_bytes(&a, NULL);
+  assert_true(small >= a.len + strlen("Content-Type") + strlen("application/json"));
+  assert_true(gw_answer_bytes(&a, extra) >= small + strlen("Idempotent-Replayed") + 4);
+  a.headers = realloc(a.headers, 2 * sizeof *a.headers);
+  assert_non_null(a.headers);
+  a.headers[1] = (gw_header_t){strdup("X-Big"), big};
+  a.nheaders = 2;
+  assert_true(gw_answer_bytes(&a, NULL) >= small + 60 * 1024 + 5);
+  gw_answer_free(&a);
+}
+
 static void test_env(void **state) {
   gw_config_t cfg;
   char *argv[] = {"--upstream", "http://127.0.0.1:2"};
@@ -539,6 +561,7 @@ int main(void) {
       cmocka_unit_test(test_route_parse),        cmocka_unit_test(test_route_operation),
       cmocka_unit_test(test_route_match),        cmocka_unit_test(test_flags),
       cmocka_unit_test(test_env),                cmocka_unit_test(test_upstream_deadline),
+      cmocka_unit_test(test_answer_bytes),
       cmocka_unit_test(test_hop_by_hop),         cmocka_unit_test(test_answer_round_trip),
       cmocka_unit_test(test_answer_decode_refuses), cmocka_unit_test(test_request_round_trip),
       cmocka_unit_test(test_reason_valid),       cmocka_unit_test(test_audit_trail),
