@@ -156,4 +156,12 @@ int gw_cmd_resolve(int argc, char **argv);
  * the store fails, 2 for bad usage. */
 int gw_cmd_audit(int argc, char **argv);
 
+/* How long a completed key's replay stays in the replay cache (keyed.c):
+ * until its record's `expires_at`, and where that is not this process's
+ * clock (`local_clock` 0: PostgreSQL, set by another gateway or the
+ * database) at most GW_REPLAY_KEEP_MS past `now_ms`, which bounds what a
+ * skewed clock changes (docs/gateway.md, "Performance"). */
+#define GW_REPLAY_KEEP_MS 60000
+int64_t gw_replay_keep_until(int64_t expires_at, int64_t now_ms, int local_clock);
+
 #endif

@@ -148,6 +148,12 @@ static enum MHD_Result kept_not(gw_req_t *r, int rc) {
 
 static void destroy_response(void *resp) { MHD_destroy_response(resp); }
 
+int64_t gw_replay_keep_until(int64_t expires_at, int64_t now_ms, int local_clock) {
+  if (local_clock || expires_at <= 0)
+    return expires_at; /* 0: not kept (the cache keeps no entry without an expiry) */
+  return expires_at < now_ms + GW_REPLAY_KEEP_MS ? expires_at : now_ms + GW_REPLAY_KEEP_MS;
+}
+
 /* Keeps a completed key's replay ready in memory (the replay cache, as
  * idemd's: a completed record does not change until it expires), so the
  * next replays of the key read neither the store nor the stored form
@@ -161,7 +167,8 @@ static void keep_replay(gw_req_t *r, const idem_record_t *rec, const gw_answer_t
   if (resp)
     idemd_replay_cache_put_value(r->gw->replays, &scope, rec->fingerprint, a->status, resp,
                                  gw_answer_bytes(a, extra), destroy_response,
-                                 rec->expires_at);
+                                 gw_replay_keep_until(rec->expires_at, idem_now_ms(),
+                                                      idem_store_local_reads(r->gw->store)));
 }
 
 /* Answers a stored answer again, marked as a replay. */

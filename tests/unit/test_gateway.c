@@ -183,6 +183,26 @@ static void test_answer_bytes(void **state) {
   gw_answer_free(&a);
 }
 
+/* A replay kept in memory on PostgreSQL stays at most 60 s, whatever
+ * clock set its record's expiry. */
+static void test_replay_keep_until(void **state) {
+  static const struct {
+    int64_t expires_at, now;
+    int local;
+    int64_t want;
+  } cases[] = {
+      {1000000000, 5000, 1, 1000000000},     /* SQLite: this clock, the record's */
+      {1000000000, 5000, 0, 5000 + GW_REPLAY_KEEP_MS}, /* PostgreSQL: capped */
+      {30000, 5000, 0, 30000},               /* sooner than the cap */
+      {4000, 5000, 0, 4000},                 /* already over: the cache drops it */
+      {0, 5000, 0, 0},                       /* no expiry: not kept */
+  };
+  (void)state;
+  for (size_t i = 0; i < sizeof cases / sizeof *cases; i++)
+    assert_int_equal(gw_replay_keep_until(cases[i].expires_at, cases[i].now, cases[i].local),
+                     cases[i].want);
+}
+
 static void test_env(void **state) {
   gw_config_t cfg;
   char *argv[] = {"--upstream", "http://127.0.0.1:2"};
@@ -561,7 +581,7 @@ int main(void) {
       cmocka_unit_test(test_route_parse),        cmocka_unit_test(test_route_operation),
       cmocka_unit_test(test_route_match),        cmocka_unit_test(test_flags),
       cmocka_unit_test(test_env),                cmocka_unit_test(test_upstream_deadline),
-      cmocka_unit_test(test_answer_bytes),
+      cmocka_unit_test(test_answer_bytes),       cmocka_unit_test(test_replay_keep_until),
       cmocka_unit_test(test_hop_by_hop),         cmocka_unit_test(test_answer_round_trip),
       cmocka_unit_test(test_answer_decode_refuses), cmocka_unit_test(test_request_round_trip),
       cmocka_unit_test(test_reason_valid),       cmocka_unit_test(test_audit_trail),
