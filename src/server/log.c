@@ -216,14 +216,63 @@ static void put(struct line *l, const char *s, size_t n) {
 
 #define PUT_LIT(l, lit) put((l), (lit), sizeof(lit) - 1)
 
+/* Escapes at most `raw_max` bytes of `v` into `out` (idem__json_escape_ascii()),
+ * at most `cap` bytes of it, never cutting an escape short. */
+static size_t escape_whole(char *out, size_t cap, const char *v, size_t raw_max) {
+  size_t n = 0;
+  if (strnlen(v, raw_max + 1) <= raw_max) {
+    n = idem__json_escape_ascii(out, cap, v);
+    if (n < cap)
+      return n; /* all of it fitted (the usual case) */
+  }
+  n = 0;
+  for (size_t i = 0; i < raw_max && v[i]; i++) {
+    char one[2] = {v[i], '\0'}, esc[8];
+    size_t k = idem__json_escape_ascii(esc, sizeof esc, one);
+    if (k > cap - n)
+      break;
+    memcpy(out + n, esc, k);
+    n += k;
+  }
+  return n;
+}
+
 /* Appends ,"name":"value" with the value escaped as JSON (bytes outside
- * printable ASCII as \u00XX, so the line is valid whatever came in). */
-static void put_str(struct line *l, const char *name, const char *v) {
+ * printable ASCII as \u00XX), its first `raw_max` bytes and at most
+ * `esc_max` bytes escaped, cut at a whole escape: the line stays valid
+ * JSON whatever came in. When not even the name fits, nothing. */
+static void put_str_max(struct line *l, const char *name, const char *v, size_t raw_max,
+                        size_t esc_max) {
+  size_t cap;
+  if (strlen(name) + 6 > room(l)) /* ,"":"" */
+    return;
   PUT_LIT(l, ",\"");
   put(l, name, strlen(name));
   PUT_LIT(l, "\":\"");
-  l->len += idem__json_escape_ascii(l->buf + l->len, room(l), v);
+  cap = room(l) - 1; /* the closing quote's */
+  l->len += escape_whole(l->buf + l->len, cap < esc_max ? cap : esc_max, v, raw_max);
   PUT_LIT(l, "\"");
+}
+
+/* Bounds of the fields of a request line (before and after escaping): the
+ * line holds them all, but for a client's path escaped beyond. */
+#define FIELD_MAX 128
+#define METHOD_MAX 32
+#define LOG_PATH_RAW 512
+#define LOG_PATH_ESCAPED 400
+
+static void put_str(struct line *l, const char *name, const char *v) {
+  put_str_max(l, name, v, FIELD_MAX, 6 * FIELD_MAX);
+}
+
+/* Appends ,"name":N, whole or not at all. */
+static void put_num(struct line *l, const char *name, const char *num, size_t n) {
+  if (strlen(name) + 4 + n > room(l))
+    return;
+  PUT_LIT(l, ",\"");
+  put(l, name, strlen(name));
+  PUT_LIT(l, "\":");
+  put(l, num, n);
 }
 
 void idemd_log_request(const idemd_request_t *r) {
@@ -239,26 +288,24 @@ void idemd_log_request(const idemd_request_t *r) {
   put(&l, ts, strlen(ts));
   PUT_LIT(&l, "\",\"level\":\"info\",\"msg\":\"request\"");
   put_str(&l, "request_id", r->request_id);
-  put_str(&l, "method", r->method ? r->method : "");
+  put_str_max(&l, "method", r->method ? r->method : "", METHOD_MAX, 6 * METHOD_MAX);
   put_str(&l, "operation", idemd_op_name(r->op));
   put_str(&l, "outcome", idemd_outcome_name(r->outcome));
-  PUT_LIT(&l, ",\"status\":");
-  put(&l, num, idem__json_int(num, r->status));
+  put_num(&l, "status", num, idem__json_int(num, r->status));
   /* latency_ms with three decimals, as %.3f would print it */
   us = idem_mono_us() - r->start_us;
   if (us < 0)
     us = 0;
-  PUT_LIT(&l, ",\"latency_ms\":");
   n = idem__json_int(num, us / 1000);
   n += put_fraction(num + n, (int)(us % 1000));
-  put(&l, num, n);
-  put_str(&l, "path", r->path);
+  put_num(&l, "latency_ms", num, n);
+  put_str_max(&l, "path", r->path, LOG_PATH_RAW, LOG_PATH_ESCAPED);
   if (r->authenticated)
     put_str(&l, "tenant", r->tenant.name);
   if (r->key_id[0])
     put_str(&l, "key_id", r->key_id);
   if (r->aborted)
-    PUT_LIT(&l, ",\"aborted\":true");
+    put_num(&l, "aborted", "true", 4);
   l.buf[l.len++] = '}';
   l.buf[l.len++] = '\n';
   write_lines(l.buf, l.len, 1);
@@ -277,19 +324,17 @@ void idemd_log_gateway_request(const idemd_gateway_line_t *g) {
   put(&l, ts, strlen(ts));
   PUT_LIT(&l, "\",\"level\":\"info\",\"msg\":\"request\"");
   put_str(&l, "request_id", g->request_id);
-  put_str(&l, "method", g->method ? g->method : "");
+  put_str_max(&l, "method", g->method ? g->method : "", METHOD_MAX, 6 * METHOD_MAX);
   put_str(&l, "operation", idemd_op_name(g->op));
   put_str(&l, "outcome", idemd_outcome_name(g->outcome));
-  PUT_LIT(&l, ",\"status\":");
-  put(&l, num, idem__json_int(num, g->status));
+  put_num(&l, "status", num, idem__json_int(num, g->status));
   us = idem_mono_us() - g->start_us;
   if (us < 0)
     us = 0;
-  PUT_LIT(&l, ",\"latency_ms\":");
   n = idem__json_int(num, us / 1000);
   n += put_fraction(num + n, (int)(us % 1000));
-  put(&l, num, n);
-  put_str(&l, "path", g->path ? g->path : "");
+  put_num(&l, "latency_ms", num, n);
+  put_str_max(&l, "path", g->path ? g->path : "", LOG_PATH_RAW, LOG_PATH_ESCAPED);
   if (g->route)
     put_str(&l, "route", g->route);
   if (g->key_id && g->key_id[0])

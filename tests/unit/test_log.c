@@ -15,6 +15,8 @@
 #include <stdarg.h>
 #include <cmocka.h>
 
+#include <jansson.h>
+
 #include "idem/clock.h"
 #include "server/log.h"
 
@@ -173,10 +175,74 @@ static void test_pipe_batches_at_pipe_buf(void **state) {
   free(before);
 }
 
+/* A request line with a huge method and path (quotes, control bytes,
+ * bytes above 0x7E: each escaped to up to six bytes) is cut at whole
+ * escapes, each field bounded, and parses as JSON with its fields; both
+ * idemd's line and the gateway's. */
+static void test_huge_fields_stay_json(void **state) {
+  static idemd_request_t r;
+  char tmpl[] = "/tmp/idem-test-log-XXXXXX";
+  int fd = mkstemp(tmpl);
+  size_t big = 100000;
+  char *method = malloc(big + 1), *path = malloc(big + 1), *text;
+  idemd_gateway_line_t g = {.request_id = "gw_req", .route = "charges", .key_id = "abcdef0123456789",
+                            .status = 201};
+  const char *p;
+  int lines = 0;
+  (void)state;
+  assert_true(fd >= 0 && method && path);
+  unlink(tmpl);
+  for (size_t i = 0; i < big; i++) {
+    method[i] = "\"\\\x01\xff"[i % 4];
+    path[i] = "/\"\x7f\\a"[i % 5];
+  }
+  method[big] = path[big] = '\0';
+  memset(&r, 0, sizeof r);
+  snprintf(r.request_id, sizeof r.request_id, "req_huge");
+  r.method = method;
+  memcpy(r.path, path, sizeof r.path - 1);
+  r.path[sizeof r.path - 1] = '\0';
+  r.status = 400;
+  r.start_us = idem_mono_us();
+  g.method = method;
+  g.path = path;
+  g.start_us = idem_mono_us();
+  point_stderr_at(fd);
+  idemd_log_request(&r);
+  idemd_log_gateway_request(&g);
+  restore_stderr();
+  lseek(fd, 0, SEEK_SET);
+  text = read_all(fd);
+  close(fd);
+  for (p = text; *p; lines++) {
+    const char *nl = strchr(p, '\n');
+    json_error_t err;
+    json_t *line;
+    assert_non_null(nl);
+    assert_true(nl - p <= 1024);
+    line = json_loadb(p, (size_t)(nl - p), 0, &err);
+    if (line == NULL)
+      fail_msg("not JSON (%s): %.*s", err.text, (int)(nl - p), p);
+    assert_int_equal(json_integer_value(json_object_get(line, "status")), lines ? 201 : 400);
+    assert_non_null(json_string_value(json_object_get(line, "method")));
+    assert_non_null(json_string_value(json_object_get(line, "path")));
+    assert_true(json_is_number(json_object_get(line, "latency_ms")));
+    if (lines)
+      assert_string_equal(json_string_value(json_object_get(line, "key_id")), "abcdef0123456789");
+    json_decref(line);
+    p = nl + 1;
+  }
+  assert_int_equal(lines, 2);
+  free(text);
+  free(method);
+  free(path);
+}
+
 int main(void) {
   const struct CMUnitTest tests[] = {
       cmocka_unit_test(test_file_batches_beyond_pipe_buf),
       cmocka_unit_test(test_pipe_batches_at_pipe_buf),
+      cmocka_unit_test(test_huge_fields_stay_json),
   };
   idemd_log_set_level("info");
   return cmocka_run_group_tests(tests, NULL, NULL);
