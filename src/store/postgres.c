@@ -241,6 +241,8 @@ static const char fresh[] =
 
 struct conn;
 
+enum { TIMED_OUT = 1, LOCK_TIMED_OUT = 2 }; /* conn.timed_out */
+
 /* A write waiting for a writer. A synchronous caller sleeps on `done`
  * alone; an asynchronous one is called back (`cb`) by the writer, after
  * the COMMIT, and its job, first in a malloc'd block, is freed first. */
@@ -255,6 +257,12 @@ struct job {
    * reservation, a synchronous caller): told before the batch's others. */
   int answers;
   int64_t queued_ms; /* idem_mono_ms() when queued */
+  /* queued_ms + the bound: past it the write fails, unrun if not run yet
+   * (docs/operations.md, "When PostgreSQL hangs"). */
+  int64_t deadline_ms;
+  /* Set under q_lock when a writer takes it off the queue: until then a
+   * synchronous caller at its deadline takes it back (write_job()). */
+  int taken;
   struct job *next;
 };
 
@@ -267,9 +275,15 @@ struct conn {
   /* Statements sent in pipeline mode whose results are not read yet (the
    * caller's idem_tx_send()); pipe_end() reads them. */
   int queued;
-  /* When not 0, the transaction's BEGIN sets lock_timeout to this (SET
-   * LOCAL): a whole batch's shorter lock waits (run_batch_whole()). */
-  int lock_wait_ms;
+  /* When not 0, the transaction's BEGIN sets lock_timeout and
+   * statement_timeout to these (SET LOCAL): a writer's transaction ends
+   * by the deadline of its writes (run_batch()). */
+  int lock_wait_ms, stmt_wait_ms;
+  /* Since the writer cleared it, an error was a bound running out: a
+   * statement timeout, the connection lost or cut (TIMED_OUT), a lock
+   * timeout (LOCK_TIMED_OUT). Run again, such a write would only wait the
+   * time out once more. Set by fail(). */
+  int timed_out;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
   uint32_t caller_prepared;
@@ -325,6 +339,11 @@ static const idem_store_methods_t pg_methods;
 /* Maps a failed result to an idem error, keeping libpq's text for logs. */
 static int fail(struct conn *c, PGresult *res, const char *what) {
   const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+  if (atomic_load_explicit(&c->cut, memory_order_relaxed) ||
+      PQstatus(c->pg) != CONNECTION_OK || (state && strcmp(state, "57014") == 0))
+    c->timed_out |= TIMED_OUT;
+  else if (state && strcmp(state, "55P03") == 0)
+    c->timed_out |= LOCK_TIMED_OUT;
   if (atomic_load_explicit(&c->cut, memory_order_relaxed)) {
     idem__store_set_error("postgres %s: no answer within the bound "
                           "(--db-timeout, twice over): the connection was cut",
@@ -573,6 +592,16 @@ static int prepare(struct conn *c, enum stmt_id id, char *name) {
   return IDEM_OK;
 }
 
+/* The statement that sets the transaction's own bounds (SET LOCAL, in one
+ * statement: a pipeline's queries are one statement each). */
+static void set_local(const struct conn *c, char *sql, size_t len) {
+  snprintf(sql, len,
+           "SELECT set_config('lock_timeout', '%d', true), "
+           "set_config('statement_timeout', '%d', true)",
+           c->lock_wait_ms > 0 ? c->lock_wait_ms : c->stmt_wait_ms,
+           c->stmt_wait_ms > 0 ? c->stmt_wait_ms : c->lock_wait_ms);
+}
+
 /* Sends, in one round trip (libpq's pipeline mode), the transaction's
  * BEGIN when it is pending, and statement `id`, after the statements
  * idem_tx_send() queued (whose results it reads first: their errors are
@@ -582,7 +611,7 @@ static int prepare(struct conn *c, enum stmt_id id, char *name) {
  * docs/performance.md, "PostgreSQL: fewer round trips". */
 static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
                            const char *const *params, int *err) {
-  char name[16], set[48];
+  char name[16], set[128];
   int begin, skip, queries, q = 0, synced = 0;
   PGresult *res, *kept = NULL;
 
@@ -591,12 +620,12 @@ static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
     return NULL;
   /* BEGIN, and the SET LOCAL of a whole batch's lock waits: `begin`
    * statements before ours. */
-  begin = c->begin_pending ? 1 + (c->lock_wait_ms > 0) : 0;
+  begin = c->begin_pending ? 1 + (c->lock_wait_ms > 0 || c->stmt_wait_ms > 0) : 0;
   skip = c->queued;
   c->begin_pending = 0;
   c->queued = 0;
   if (begin > 1)
-    snprintf(set, sizeof set, "SET LOCAL lock_timeout = %d", c->lock_wait_ms);
+    set_local(c, set, sizeof set);
   if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF && !PQenterPipelineMode(c->pg)) {
     *err = fail(c, NULL, "pipeline");
     return NULL;
@@ -698,9 +727,10 @@ static int begin_now(struct conn *c) {
   if (!c->begin_pending)
     return IDEM_OK;
   c->begin_pending = 0;
-  if (c->lock_wait_ms > 0) { /* one round trip for both (simple protocol) */
-    char sql[64];
-    snprintf(sql, sizeof sql, "BEGIN; SET LOCAL lock_timeout = %d", c->lock_wait_ms);
+  if (c->lock_wait_ms > 0 || c->stmt_wait_ms > 0) { /* one round trip (simple protocol) */
+    char sql[160];
+    memcpy(sql, "BEGIN; ", 7);
+    set_local(c, sql + 7, sizeof sql - 7);
     return simple(c, sql);
   }
   return simple(c, "BEGIN");
@@ -959,23 +989,37 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
 
 static __thread int on_writer; /* this thread is one of the writers */
 
-/* Moves the watchdog's deadline of a writer's connection on, before each
- * write of its batch: each write is bounded as a call of its own was. */
-static void rewatch(pg_store_t *s, struct conn *c) {
+/* Sets the watchdog's deadline of a writer's connection: the bound past
+ * `deadline_ms` (the last deadline of its batch's writes), by when the
+ * server's own timeouts, set to the time left (SET LOCAL), have fired. Once
+ * per batch, not per write: a batch of a hundred writes on a server that
+ * hangs is cut as one call is. */
+static void watch_until(pg_store_t *s, struct conn *c, int64_t deadline_ms) {
   pthread_mutex_lock(&s->pool_lock);
-  c->deadline_ms = idem_mono_ms() + 2 * (int64_t)s->timeout_ms;
+  c->deadline_ms = deadline_ms + s->timeout_ms;
   pthread_mutex_unlock(&s->pool_lock);
 }
 
+/* The milliseconds left before `deadline_ms`, at least 1 (0 would turn
+ * the server's timeout off). */
+static int ms_left(int64_t deadline_ms) {
+  int64_t left = deadline_ms - idem_mono_ms();
+  return left < 1 ? 1 : left > INT32_MAX ? INT32_MAX : (int)left;
+}
+
 /* Runs the batch's writes one after the other in one transaction, with
- * its BEGIN sent with the first statement. Returns 1 when all succeeded
- * (the transaction stays open for the COMMIT), 0 when one failed (the
- * transaction is rolled back: the batch must run again write by write). */
+ * its BEGIN sent with the first statement, its lock waits at most
+ * WHOLE_LOCK_WAIT_MS and its statements bounded by the first deadline of
+ * its writes. Returns 1 when all succeeded (the transaction stays open for
+ * the COMMIT), 0 when one failed (the transaction is rolled back). */
 static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
+  int64_t first = jobs->deadline_ms;
+  for (struct job *j = jobs; j; j = j->next)
+    first = j->deadline_ms < first ? j->deadline_ms : first;
   c->begin_pending = 1;
-  c->lock_wait_ms = s->timeout_ms < WHOLE_LOCK_WAIT_MS ? s->timeout_ms : WHOLE_LOCK_WAIT_MS;
+  c->stmt_wait_ms = ms_left(first);
+  c->lock_wait_ms = c->stmt_wait_ms < WHOLE_LOCK_WAIT_MS ? c->stmt_wait_ms : WHOLE_LOCK_WAIT_MS;
   for (struct job *j = jobs; j; j = j->next) {
-    rewatch(s, c);
     j->rc = j->fn(c, j->arg);
     /* IDEM_ELOST (a lease lost) is returned with nothing written and the
      * transaction intact: that write's result, not a failure to undo. */
@@ -985,6 +1029,15 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
     }
   }
   return 1;
+}
+
+/* Fails the writes from `j` on, unrun, with IDEM_ESTORE: nothing of
+ * theirs is committed. */
+static void fail_rest(struct job *j, const char *why) {
+  if (j)
+    idem__store_set_error("postgres: %s; the batch's writes left were not run", why);
+  for (; j; j = j->next)
+    j->rc = IDEM_ESTORE;
 }
 
 /* What a batch's statements queued (idem_tx_send()) is known to have
@@ -997,35 +1050,58 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
  * lock rows the other holds (refunds of the same payments, in another
  * order) wait on each other until PostgreSQL breaks the deadlock, a
  * second later; savepoints would keep the locks and meet again. A write
- * alone locks what one request did before the group commit. The batch
- * stays bounded: once it has run for twice the bound, the writes left
- * fail unrun. A connection lost meanwhile fails the first BEGIN: nothing
- * runs twice on a COMMIT that may have been done. */
-static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
-  int64_t started = idem_mono_ms();
+ * alone locks what one request did before the group commit.
+ *
+ * The batch stays within its writes' deadlines (queued + the bound):
+ * each write's transaction waits for a lock or a statement at most the
+ * time left to its deadline (SET LOCAL), a write past its deadline fails
+ * unrun, and a failure that is a bound running out (55P03 past the whole
+ * batch's short lock wait, 57014, a connection lost or cut) fails the
+ * writes left unrun instead of waiting the time out again for each: while
+ * the database hangs, a batch of N takes about the bound, not N times it
+ * (docs/operations.md, "When PostgreSQL hangs"). A connection lost fails
+ * the rest too: nothing runs twice on a COMMIT that may have been done.
+ * Returns how many transactions committed. */
+static int run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
+  int64_t last = jobs->deadline_ms;
+  int commits = 0;
 
+  for (struct job *j = jobs; j; j = j->next)
+    last = j->deadline_ms > last ? j->deadline_ms : last;
+  watch_until(s, c, last);
+  c->timed_out = 0;
   if (run_batch_whole(s, c, jobs)) {
-    rewatch(s, c);
     if (c->begin_pending) { /* nothing was sent: nothing to commit */
       c->begin_pending = 0;
-      return;
+      return 0;
     }
     if (tx_end(c, 1) == IDEM_OK)
-      return;
+      return 1;
     (void)tx_end(c, 0);
+  }
+  /* The whole batch's lock wait is shorter than the bound on purpose:
+   * that 55P03 alone is worth a rerun, when time is left. */
+  if ((c->timed_out & TIMED_OUT) ||
+      ((c->timed_out & LOCK_TIMED_OUT) && c->lock_wait_ms >= c->stmt_wait_ms)) {
+    fail_rest(jobs, "the batch ran out of its bound (or lost its connection)");
+    return 0;
   }
   atomic_fetch_add(&s->batch_reruns, 1);
   for (struct job *j = jobs; j; j = j->next) {
-    rewatch(s, c);
     if (PQstatus(c->pg) != CONNECTION_OK ||
-        idem_mono_ms() - started > 2 * (int64_t)s->timeout_ms) {
-      idem__store_set_error("postgres: the batch ran past the bound (or lost its "
-                            "connection); its last writes were not run");
+        atomic_load_explicit(&c->cut, memory_order_relaxed)) {
+      fail_rest(j, "the batch lost its connection");
+      break;
+    }
+    if (j->deadline_ms <= idem_mono_ms()) {
+      idem__store_set_error("postgres: the write was not run within the bound (%d ms)",
+                            s->timeout_ms);
       j->rc = IDEM_ESTORE;
       continue;
     }
     c->begin_pending = 1;
-    c->lock_wait_ms = 0; /* this write waits as long as a call of its own */
+    c->timed_out = 0;
+    c->stmt_wait_ms = c->lock_wait_ms = ms_left(j->deadline_ms);
     j->rc = j->fn(c, j->arg);
     if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
       (void)tx_end(c, 0);
@@ -1036,9 +1112,16 @@ static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
       if (rc != IDEM_OK) {
         (void)tx_end(c, 0);
         j->rc = rc;
+      } else {
+        commits++;
       }
     }
+    if (j->rc != IDEM_OK && c->timed_out) {
+      fail_rest(j->next, "a write of the batch ran out of its bound");
+      break;
+    }
   }
+  return commits;
 }
 
 /* Tells one write's caller its result. The job may be gone once told. */
@@ -1079,13 +1162,14 @@ static void tell_callers(struct job *batch) {
  * unrun: with every writer stuck on a database that hangs, a write must
  * not wait for a writer longer than it would for a pooled connection
  * (conn_get()). Returns what is left to run. */
-static struct job *drop_late(pg_store_t *s, struct job *batch, struct job **late) {
-  int64_t oldest = idem_mono_ms() - s->timeout_ms;
+static struct job *drop_late(struct job *batch, struct job **late, int *n) {
+  int64_t now = idem_mono_ms();
   struct job *keep = NULL, **kt = &keep, **lt = late;
 
   for (struct job *j = batch, *next; j; j = next) {
     next = j->next;
-    if (j->queued_ms < oldest) {
+    if (j->deadline_ms <= now) {
+      (*n)--;
       j->rc = IDEM_ESTORE;
       *lt = j;
       lt = &j->next;
@@ -1117,8 +1201,10 @@ static void *writer_loop(void *arg) {
     /* Take what is queued now: while this batch commits, the next forms
      * (and another writer may take it). */
     batch = last = s->q_head;
+    batch->taken = 1;
     while (last->next && n < MAX_BATCH) {
       last = last->next;
+      last->taken = 1;
       n++;
     }
     s->q_head = last->next;
@@ -1129,7 +1215,7 @@ static void *writer_loop(void *arg) {
     last->next = NULL;
     pthread_mutex_unlock(&s->q_lock);
 
-    batch = drop_late(s, batch, &late);
+    batch = drop_late(batch, &late, &n);
     if (late) {
       idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
       tell_callers(late);
@@ -1139,9 +1225,10 @@ static void *writer_loop(void *arg) {
         for (struct job *j = batch; j; j = j->next)
           j->rc = rc;
       } else {
-        run_batch(s, c, batch);
+        int commits = run_batch(s, c, batch);
+        c->lock_wait_ms = c->stmt_wait_ms = 0;
         conn_put(s, c);
-        atomic_fetch_add(&s->commits, 1);
+        atomic_fetch_add(&s->commits, (uint_fast64_t)commits);
         atomic_fetch_add(&s->writes, (uint_fast64_t)n);
       }
       tell_callers(batch);
@@ -1156,7 +1243,9 @@ static void enqueue(pg_store_t *s, struct job *j) {
   int idle;
 
   j->next = NULL;
+  j->taken = 0;
   j->queued_ms = idem_mono_ms();
+  j->deadline_ms = j->queued_ms + s->timeout_ms;
   pthread_mutex_lock(&s->q_lock);
   idle = s->q_head == NULL; /* else a writer will find it queued */
   if (s->q_tail)
@@ -1167,6 +1256,54 @@ static void enqueue(pg_store_t *s, struct job *j) {
   pthread_mutex_unlock(&s->q_lock);
   if (idle)
     pthread_cond_signal(&s->q_ready);
+}
+
+/* Waits on `sem` until the monotonic `deadline_ms`: 1 when posted, 0 at
+ * the deadline. */
+static int wait_until(sem_t *sem, int64_t deadline_ms) {
+  struct timespec ts;
+  int64_t left;
+
+  for (;;) {
+    if (sem_trywait(sem) == 0)
+      return 1;
+    if ((left = deadline_ms - idem_mono_ms()) <= 0)
+      return 0;
+    /* sem_timedwait() takes CLOCK_REALTIME, which may jump: the wait is
+     * cut in steps, and the monotonic deadline decides. */
+    clock_gettime(CLOCK_REALTIME, &ts);
+    left = left > 100 ? 100 : left;
+    ts.tv_sec += left / 1000;
+    ts.tv_nsec += (long)(left % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000L;
+    }
+    if (sem_timedwait(sem, &ts) == 0)
+      return 1;
+  }
+}
+
+/* A synchronous write at its deadline: still queued, it is taken off the
+ * queue (0: fail it, unrun); taken by a writer, it is waited for to the
+ * end (1), the writer being bounded by the same deadline (run_batch()). */
+static int take_back(pg_store_t *s, struct job *j) {
+  struct job **p, *prev = NULL;
+
+  pthread_mutex_lock(&s->q_lock);
+  if (!j->taken) {
+    for (p = &s->q_head; *p != j; p = &(*p)->next)
+      prev = *p;
+    *p = j->next;
+    if (s->q_tail == j)
+      s->q_tail = prev;
+    pthread_mutex_unlock(&s->q_lock);
+    return 0;
+  }
+  pthread_mutex_unlock(&s->q_lock);
+  while (sem_wait(&j->done) != 0) /* EINTR only */
+    ;
+  return 1;
 }
 
 /* Runs `fn` in a transaction of a writer's batch and returns once it is
@@ -1183,8 +1320,11 @@ static int write_job(pg_store_t *s, int (*fn)(struct conn *, void *), void *arg)
   }
   sem_init(&j.done, 0, 0);
   enqueue(s, &j);
-  while (sem_wait(&j.done) != 0) /* EINTR only */
-    ;
+  if (!wait_until(&j.done, j.deadline_ms) && !take_back(s, &j)) {
+    sem_destroy(&j.done);
+    idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
+    return IDEM_ESTORE;
+  }
   sem_destroy(&j.done);
   return j.rc;
 }
