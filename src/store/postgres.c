@@ -241,7 +241,7 @@ static const char fresh[] =
 
 struct conn;
 
-enum { TIMED_OUT = 1, LOCK_TIMED_OUT = 2 }; /* conn.timed_out */
+enum { TIMED_OUT = 1, LOCK_TIMED_OUT = 2, LOST = 4 }; /* conn.timed_out */
 
 /* A write waiting for a writer. A synchronous caller sleeps on `done`
  * alone; an asynchronous one is called back (`cb`) by the writer, after
@@ -280,9 +280,10 @@ struct conn {
    * by the deadline of its writes (run_batch()). */
   int lock_wait_ms, stmt_wait_ms;
   /* Since the writer cleared it, an error was a bound running out: a
-   * statement timeout, the connection lost or cut (TIMED_OUT), a lock
-   * timeout (LOCK_TIMED_OUT). Run again, such a write would only wait the
-   * time out once more. Set by fail(). */
+   * statement timeout, the connection cut (TIMED_OUT), a lock timeout
+   * (LOCK_TIMED_OUT); run again, such a write would only wait the time
+   * out once more. Or the connection was lost (LOST: a server restart),
+   * and a write runs again only on a fresh one. Set by fail(). */
   int timed_out;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
@@ -340,8 +341,10 @@ static const idem_store_methods_t pg_methods;
 static int fail(struct conn *c, PGresult *res, const char *what) {
   const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
   if (atomic_load_explicit(&c->cut, memory_order_relaxed) ||
-      PQstatus(c->pg) != CONNECTION_OK || (state && strcmp(state, "57014") == 0))
+      (state && strcmp(state, "57014") == 0))
     c->timed_out |= TIMED_OUT;
+  else if (PQstatus(c->pg) != CONNECTION_OK)
+    c->timed_out |= LOST;
   else if (state && strcmp(state, "55P03") == 0)
     c->timed_out |= LOCK_TIMED_OUT;
   if (atomic_load_explicit(&c->cut, memory_order_relaxed)) {
@@ -1031,6 +1034,21 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
   return 1;
 }
 
+/* A writer's connection lost (a server restart): dropped, and a fresh
+ * one taken in its place, watched to the bound past `last`. IDEM_OK, or
+ * the error recorded and *cp NULL. */
+static int renew(pg_store_t *s, struct conn **cp, int64_t last) {
+  int rc;
+
+  conn_put(s, *cp); /* drops it: broken */
+  *cp = NULL;
+  if ((rc = conn_get(s, cp)) != IDEM_OK)
+    return rc;
+  (*cp)->timed_out = 0;
+  watch_until(s, *cp, last);
+  return IDEM_OK;
+}
+
 /* Fails the writes from `j` on, unrun, with IDEM_ESTORE: nothing of
  * theirs is committed. */
 static void fail_rest(struct job *j, const char *why) {
@@ -1056,13 +1074,17 @@ static void fail_rest(struct job *j, const char *why) {
  * each write's transaction waits for a lock or a statement at most the
  * time left to its deadline (SET LOCAL), a write past its deadline fails
  * unrun, and a failure that is a bound running out (55P03 past the whole
- * batch's short lock wait, 57014, a connection lost or cut) fails the
- * writes left unrun instead of waiting the time out again for each: while
- * the database hangs, a batch of N takes about the bound, not N times it
- * (docs/operations.md, "When PostgreSQL hangs"). A connection lost fails
- * the rest too: nothing runs twice on a COMMIT that may have been done.
- * Returns how many transactions committed. */
-static int run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
+ * batch's short lock wait, 57014, a connection cut) fails the writes left
+ * unrun instead of waiting the time out again for each: while the
+ * database hangs, a batch of N takes about the bound, not N times it
+ * (docs/operations.md, "When PostgreSQL hangs"). A connection lost (a
+ * server restart) before a COMMIT went out committed nothing: the writes
+ * run again on a fresh connection. One lost after its COMMIT went out
+ * fails the writes of that transaction: nothing runs twice on a COMMIT
+ * that may have been done. *cp is the connection in use at the end (NULL
+ * when none could be had). Returns how many transactions committed. */
+static int run_batch(pg_store_t *s, struct conn **cp, struct job *jobs) {
+  struct conn *c = *cp;
   int64_t last = jobs->deadline_ms;
   int commits = 0;
 
@@ -1078,6 +1100,13 @@ static int run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
     if (tx_end(c, 1) == IDEM_OK)
       return 1;
     (void)tx_end(c, 0);
+    if (c->timed_out & (LOST | TIMED_OUT)) {
+      /* The COMMIT went out, its answer did not come: it may have been
+       * done, and nothing may run twice (docs/operations.md, "When
+       * PostgreSQL hangs"). */
+      fail_rest(jobs, "the batch's COMMIT got no answer (the connection was lost)");
+      return 0;
+    }
   }
   /* The whole batch's lock wait is shorter than the bound on purpose:
    * that 55P03 alone is worth a rerun, when time is left. */
@@ -1088,11 +1117,17 @@ static int run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
   }
   atomic_fetch_add(&s->batch_reruns, 1);
   for (struct job *j = jobs; j; j = j->next) {
-    if (PQstatus(c->pg) != CONNECTION_OK ||
-        atomic_load_explicit(&c->cut, memory_order_relaxed)) {
-      fail_rest(j, "the batch lost its connection");
+    if (atomic_load_explicit(&c->cut, memory_order_relaxed)) {
+      fail_rest(j, "the batch's connection was cut");
       break;
     }
+    /* A connection lost (a server restart) before a COMMIT went out left
+     * nothing committed: the writes left run on a fresh one. */
+    if (PQstatus(c->pg) != CONNECTION_OK && renew(s, cp, last) != IDEM_OK) {
+      fail_rest(j, "the batch lost its connection, and got no other");
+      break;
+    }
+    c = *cp;
     if (j->deadline_ms <= idem_mono_ms()) {
       idem__store_set_error("postgres: the write was not run within the bound (%d ms)",
                             s->timeout_ms);
@@ -1116,7 +1151,7 @@ static int run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
         commits++;
       }
     }
-    if (j->rc != IDEM_OK && c->timed_out) {
+    if (j->rc != IDEM_OK && (c->timed_out & (TIMED_OUT | LOCK_TIMED_OUT))) {
       fail_rest(j->next, "a write of the batch ran out of its bound");
       break;
     }
@@ -1225,9 +1260,11 @@ static void *writer_loop(void *arg) {
         for (struct job *j = batch; j; j = j->next)
           j->rc = rc;
       } else {
-        int commits = run_batch(s, c, batch);
-        c->lock_wait_ms = c->stmt_wait_ms = 0;
-        conn_put(s, c);
+        int commits = run_batch(s, &c, batch);
+        if (c) {
+          c->lock_wait_ms = c->stmt_wait_ms = 0;
+          conn_put(s, c);
+        }
         atomic_fetch_add(&s->commits, (uint_fast64_t)commits);
         atomic_fetch_add(&s->writes, (uint_fast64_t)n);
       }

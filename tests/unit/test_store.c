@@ -990,6 +990,68 @@ static void test_group_commit_batches(void **state) {
   assert_int_equal(count(fx, "processing"), N);
 }
 
+/* An effect that, on its first run only, ends its own connection
+ * (PostgreSQL's pg_terminate_backend(), as a server restart would) and
+ * fails. */
+static int kill_connection_once(void *arg, idem_tx_t *tx) {
+  int *runs = arg;
+  if ((*runs)++ > 0)
+    return IDEM_OK;
+  PQclear(PQexec(idem_tx_handle(tx), "SELECT pg_terminate_backend(pg_backend_pid())"));
+  return IDEM_ESTORE;
+}
+
+/* A batch whose connection is lost before its COMMIT (a server restart)
+ * committed nothing, and runs again on a fresh connection: every write of
+ * it is kept, the one whose first run lost the connection too (on the
+ * dead connection, each would fail). The four writers are held on a
+ * locked table by a write each, so that the writes queued after are
+ * taken in one batch once the lock is released. */
+static void test_batch_connection_lost_runs_again(void **state) {
+  enum { HELD = 4, N = 8 };
+  fixture_t *fx = *state;
+  struct async_many m = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}};
+  struct async_slot slots[HELD + N];
+  idem_reserve_t reqs[HELD + N];
+  idem_record_t recs[HELD + N];
+  idem_reserve_result_t results[HELD + N];
+  char fp[IDEM_FINGERPRINT_LEN], keys[HELD + N][32];
+  struct write_lock lock;
+  int runs = 0;
+
+  if (fx->dir[0])
+    skip(); /* PostgreSQL's connections */
+  make_fp(fp, 1);
+  memset(recs, 0, sizeof recs);
+  lock_hold(fx, &lock);
+  for (int i = 0; i < HELD + N; i++) {
+    snprintf(keys[i], sizeof keys[i], "%s-%d", i < HELD ? "held" : "lost", i);
+    reqs[i] = request(fx, "create_order", keys[i], fp);
+    if (i == HELD)
+      reqs[i].effect = (idem_effect_t){kill_connection_once, &runs};
+    slots[i] = (struct async_slot){&m, i};
+    assert_int_equal(idem_store_reserve_async(fx->store, &reqs[i], &recs[i], &results[i],
+                                              async_many_done, &slots[i]),
+                     IDEM_OK);
+    if (i < HELD)
+      usleep(50 * 1000); /* taken by an idle writer, which the lock holds */
+  }
+  usleep(50 * 1000);
+  lock_release(&lock);
+  pthread_mutex_lock(&m.lock);
+  while (m.calls < HELD + N)
+    pthread_cond_wait(&m.cond, &m.lock);
+  pthread_mutex_unlock(&m.lock);
+  for (int i = 0; i < HELD + N; i++) {
+    if (m.rc[i] != IDEM_OK)
+      fail_msg("%s: %s", keys[i], idem_err_name(m.rc[i]));
+    assert_int_equal(results[i], IDEM_RESERVE_WON);
+    idem_record_reset(&recs[i]);
+  }
+  assert_int_equal(runs, 2);
+  assert_int_equal(count(fx, "processing"), HELD + N);
+}
+
 /* NOTIFY after a batched commit (PostgreSQL): completions committed
  * together by one store wake the waiters of another store on the same
  * database, as another instance's would be. The second store's listener
@@ -2642,6 +2704,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_failed_write_among_others),
       STORE_TEST(test_group_commit_batches),
       STORE_TEST(test_batched_commit_notifies_other_store),
+      STORE_TEST(test_batch_connection_lost_runs_again),
       STORE_TEST(test_sweep),
       STORE_TEST(test_sweep_large_batch),
       STORE_TEST(test_meta_first_value_wins),
