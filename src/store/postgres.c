@@ -263,6 +263,11 @@ struct job {
   /* Set under q_lock when a writer takes it off the queue: until then a
    * synchronous caller at its deadline takes it back (write_job()). */
   int taken;
+  /* Why it failed, for its caller's log: the writer's per-thread message
+   * (idem_store_last_error()), set again in the caller's thread (a
+   * synchronous caller after the wait, an asynchronous one before its
+   * callback). */
+  char err[256];
   struct job *next;
 };
 
@@ -992,6 +997,13 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
 
 static __thread int on_writer; /* this thread is one of the writers */
 
+/* Keeps the message of a write that failed (the writer's last error)
+ * for its caller. */
+static void note(struct job *j) {
+  if (j->rc != IDEM_OK)
+    snprintf(j->err, sizeof j->err, "%s", idem_store_last_error());
+}
+
 /* Sets the watchdog's deadline of a writer's connection: the bound past
  * `deadline_ms` (the last deadline of its batch's writes), by when the
  * server's own timeouts, set to the time left (SET LOCAL), have fired. Once
@@ -1024,6 +1036,7 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
   c->lock_wait_ms = c->stmt_wait_ms < WHOLE_LOCK_WAIT_MS ? c->stmt_wait_ms : WHOLE_LOCK_WAIT_MS;
   for (struct job *j = jobs; j; j = j->next) {
     j->rc = j->fn(c, j->arg);
+    note(j);
     /* IDEM_ELOST (a lease lost) is returned with nothing written and the
      * transaction intact: that write's result, not a failure to undo. */
     if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
@@ -1054,8 +1067,10 @@ static int renew(pg_store_t *s, struct conn **cp, int64_t last) {
 static void fail_rest(struct job *j, const char *why) {
   if (j)
     idem__store_set_error("postgres: %s; the batch's writes left were not run", why);
-  for (; j; j = j->next)
+  for (; j; j = j->next) {
     j->rc = IDEM_ESTORE;
+    note(j);
+  }
 }
 
 /* What a batch's statements queued (idem_tx_send()) is known to have
@@ -1132,6 +1147,7 @@ static int run_batch(pg_store_t *s, struct conn **cp, struct job *jobs) {
       idem__store_set_error("postgres: the write was not run within the bound (%d ms)",
                             s->timeout_ms);
       j->rc = IDEM_ESTORE;
+      note(j);
       continue;
     }
     c->begin_pending = 1;
@@ -1151,6 +1167,7 @@ static int run_batch(pg_store_t *s, struct conn **cp, struct job *jobs) {
         commits++;
       }
     }
+    note(j);
     if (j->rc != IDEM_OK && (c->timed_out & (TIMED_OUT | LOCK_TIMED_OUT))) {
       fail_rest(j->next, "a write of the batch ran out of its bound");
       break;
@@ -1165,6 +1182,8 @@ static void tell(struct job *j) {
     idem_store_done_fn cb = j->cb;
     void *cb_arg = j->cb_arg;
     int rc = j->rc;
+    if (rc != IDEM_OK) /* the callback runs here: its log line's message */
+      idem__store_set_error("%s", j->err);
     free(j);
     cb(cb_arg, rc); /* may queue more writes: q_lock is not held */
   } else {
@@ -1206,6 +1225,7 @@ static struct job *drop_late(struct job *batch, struct job **late, int *n) {
     if (j->deadline_ms <= now) {
       (*n)--;
       j->rc = IDEM_ESTORE;
+      note(j);
       *lt = j;
       lt = &j->next;
     } else {
@@ -1250,15 +1270,16 @@ static void *writer_loop(void *arg) {
     last->next = NULL;
     pthread_mutex_unlock(&s->q_lock);
 
+    idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
     batch = drop_late(batch, &late, &n);
-    if (late) {
-      idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
+    if (late)
       tell_callers(late);
-    }
     if (batch != NULL) {
       if ((rc = conn_get(s, &c)) != IDEM_OK) {
-        for (struct job *j = batch; j; j = j->next)
+        for (struct job *j = batch; j; j = j->next) {
           j->rc = rc;
+          note(j);
+        }
       } else {
         int commits = run_batch(s, &c, batch);
         if (c) {
@@ -1363,6 +1384,8 @@ static int write_job(pg_store_t *s, int (*fn)(struct conn *, void *), void *arg)
     return IDEM_ESTORE;
   }
   sem_destroy(&j.done);
+  if (j.rc != IDEM_OK)
+    idem__store_set_error("%s", j.err);
   return j.rc;
 }
 

@@ -1052,6 +1052,63 @@ static void test_batch_connection_lost_runs_again(void **state) {
   assert_int_equal(count(fx, "processing"), HELD + N);
 }
 
+/* An effect that fails with IDEM_ENOTFOUND, its message set on the thread
+ * it runs on (a writer's). */
+static int fail_not_found(void *arg, idem_tx_t *tx) {
+  (void)arg;
+  (void)tx;
+  return IDEM_ENOTFOUND;
+}
+
+struct error_seen {
+  struct async_many *m;
+  char text[256];
+};
+
+static void keep_error(void *arg, int rc) {
+  struct error_seen *e = arg;
+  snprintf(e->text, sizeof e->text, "%s", idem_store_last_error());
+  pthread_mutex_lock(&e->m->lock);
+  e->m->rc[0] = rc;
+  e->m->calls++;
+  pthread_cond_signal(&e->m->cond);
+  pthread_mutex_unlock(&e->m->lock);
+}
+
+/* The message of a write that failed on a writer thread reaches its
+ * caller's thread (for its log line): after a synchronous write, and in
+ * an asynchronous one's callback. PostgreSQL's writers (SQLite's writer
+ * does not pass it on yet). */
+static void test_write_error_reaches_caller(void **state) {
+  fixture_t *fx = *state;
+  struct async_many m = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}};
+  struct error_seen seen = {&m, ""};
+  idem_effect_t e = {fail_not_found, NULL};
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_reserve_t req;
+  idem_record_t rec = {0};
+  idem_reserve_result_t result;
+
+  if (fx->dir[0])
+    skip();
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_ENOTFOUND);
+  if (strstr(idem_store_last_error(), "ENOTFOUND") == NULL)
+    fail_msg("after a synchronous write: \"%s\"", idem_store_last_error());
+  make_fp(fp, 1);
+  req = request(fx, OP_ORDER, "error-text", fp);
+  req.effect = e;
+  assert_int_equal(idem_store_reserve_async(fx->store, &req, &rec, &result, keep_error, &seen),
+                   IDEM_OK);
+  pthread_mutex_lock(&m.lock);
+  while (m.calls < 1)
+    pthread_cond_wait(&m.cond, &m.lock);
+  pthread_mutex_unlock(&m.lock);
+  assert_int_equal(m.rc[0], IDEM_ENOTFOUND);
+  if (strstr(seen.text, "ENOTFOUND") == NULL)
+    fail_msg("in an asynchronous write's callback: \"%s\"", seen.text);
+  idem_record_reset(&rec);
+}
+
 /* NOTIFY after a batched commit (PostgreSQL): completions committed
  * together by one store wake the waiters of another store on the same
  * database, as another instance's would be. The second store's listener
@@ -2705,6 +2762,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_group_commit_batches),
       STORE_TEST(test_batched_commit_notifies_other_store),
       STORE_TEST(test_batch_connection_lost_runs_again),
+      STORE_TEST(test_write_error_reaches_caller),
       STORE_TEST(test_sweep),
       STORE_TEST(test_sweep_large_batch),
       STORE_TEST(test_meta_first_value_wins),
