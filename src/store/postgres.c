@@ -228,7 +228,8 @@ static const char fresh[] =
     "WHERE state IN ('processing', 'pending');";
 #define MIGRATE_LOCK "7305818436" /* pg_advisory_xact_lock key for migrations */
 
-/* How many writer threads (and connections) run batches at once: while
+/* How many writer threads (each with a connection of its own, besides
+ * the pool's) run batches at once: while
  * one waits on its COMMIT's flush, another runs its statements
  * (docs/performance.md, "PostgreSQL: group commit"). */
 #define WRITERS 4
@@ -328,7 +329,8 @@ typedef struct pg_store {
   atomic_int stopping;
 
   /* Group commit (the writers, below): callers queue their writes and
-   * sleep; WRITERS threads, each on a connection of the pool, take every
+   * sleep; WRITERS threads, each on a connection of its own (outside
+   * max_conns), take every
    * write queued at that moment, run them in one transaction with one
    * COMMIT, then tell each caller its own result. */
   pthread_mutex_t q_lock;
@@ -980,9 +982,10 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
 
 /* The group-commit writers (docs/performance.md, "PostgreSQL: group
  * commit"). Each takes every write queued at that moment (up to
- * MAX_BATCH) and runs them on a pooled connection in one transaction: one
- * COMMIT, one flush of the WAL and one wake-up of the waiters on other
- * instances (the NOTIFYs go out at that COMMIT) for all. A write that
+ * MAX_BATCH) and runs them on a connection of its own (writer_conn()) in
+ * one transaction: one COMMIT, one flush of the WAL and one wake-up of
+ * the waiters on other instances (the NOTIFYs go out at that COMMIT) for
+ * all. A write that
  * fails is undone alone: the batch runs first with nothing between its
  * writes; if one fails (its error aborts the transaction), the
  * transaction is rolled back and the batch runs again, each write in a
@@ -1047,17 +1050,51 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
   return 1;
 }
 
-/* A writer's connection lost (a server restart): dropped, and a fresh
- * one taken in its place, watched to the bound past `last`. IDEM_OK, or
- * the error recorded and *cp NULL. */
+/* A writer's own connection, outside the pool and its limit (as the
+ * SQLite writer keeps its own): readers that take every pooled connection
+ * never starve the writes. *cp is the writer's connection, kept between
+ * batches; one that broke, was cut, or was left in a transaction is
+ * replaced by a fresh one. The connection is watched until
+ * writer_conn_done(). IDEM_OK, or the error recorded and *cp NULL. */
+static int writer_conn(pg_store_t *s, struct conn **cp) {
+  struct conn *c = *cp;
+  int rc;
+
+  if (c && (atomic_load_explicit(&c->cut, memory_order_relaxed) ||
+            PQstatus(c->pg) != CONNECTION_OK ||
+            PQpipelineStatus(c->pg) != PQ_PIPELINE_OFF ||
+            PQtransactionStatus(c->pg) != PQTRANS_IDLE || idle_conn_readable(c->pg))) {
+    conn_free(c);
+    *cp = c = NULL;
+  }
+  if (c == NULL && (rc = conn_new(s, cp)) != IDEM_OK)
+    return rc;
+  c = *cp;
+  c->timed_out = 0;
+  pthread_mutex_lock(&s->pool_lock);
+  watch_locked(s, c);
+  pthread_mutex_unlock(&s->pool_lock);
+  return IDEM_OK;
+}
+
+/* The end of a writer's batch: its connection is watched no more (and is
+ * checked again at the next). */
+static void writer_conn_done(pg_store_t *s, struct conn *c) {
+  c->lock_wait_ms = c->stmt_wait_ms = 0;
+  pthread_mutex_lock(&s->pool_lock);
+  unwatch_locked(s, c);
+  pthread_mutex_unlock(&s->pool_lock);
+}
+
+/* A writer's connection lost (a server restart): replaced by a fresh one,
+ * watched to the bound past `last`. IDEM_OK, or the error recorded and
+ * *cp NULL. */
 static int renew(pg_store_t *s, struct conn **cp, int64_t last) {
   int rc;
 
-  conn_put(s, *cp); /* drops it: broken */
-  *cp = NULL;
-  if ((rc = conn_get(s, cp)) != IDEM_OK)
+  writer_conn_done(s, *cp);
+  if ((rc = writer_conn(s, cp)) != IDEM_OK) /* drops the broken one */
     return rc;
-  (*cp)->timed_out = 0;
   watch_until(s, *cp, last);
   return IDEM_OK;
 }
@@ -1240,13 +1277,13 @@ static struct job *drop_late(struct job *batch, struct job **late, int *n) {
 
 static void *writer_loop(void *arg) {
   pg_store_t *s = arg;
+  struct conn *own = NULL; /* this writer's connection (writer_conn()) */
 
   on_writer = 1;
   pthread_setname_np(pthread_self(), "idem-pg-writer"); /* for top -H, perf */
   pthread_mutex_lock(&s->q_lock);
   for (;;) {
     struct job *batch, *last, *late = NULL;
-    struct conn *c;
     int n = 1, rc;
 
     while (s->q_head == NULL && !s->q_stopping)
@@ -1275,17 +1312,15 @@ static void *writer_loop(void *arg) {
     if (late)
       tell_callers(late);
     if (batch != NULL) {
-      if ((rc = conn_get(s, &c)) != IDEM_OK) {
+      if ((rc = writer_conn(s, &own)) != IDEM_OK) {
         for (struct job *j = batch; j; j = j->next) {
           j->rc = rc;
           note(j);
         }
       } else {
-        int commits = run_batch(s, &c, batch);
-        if (c) {
-          c->lock_wait_ms = c->stmt_wait_ms = 0;
-          conn_put(s, c);
-        }
+        int commits = run_batch(s, &own, batch);
+        if (own)
+          writer_conn_done(s, own);
         atomic_fetch_add(&s->commits, (uint_fast64_t)commits);
         atomic_fetch_add(&s->writes, (uint_fast64_t)n);
       }
@@ -1294,6 +1329,7 @@ static void *writer_loop(void *arg) {
     pthread_mutex_lock(&s->q_lock);
   }
   pthread_mutex_unlock(&s->q_lock);
+  conn_free(own);
   return NULL;
 }
 

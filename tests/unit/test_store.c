@@ -9,6 +9,7 @@
 #include <libpq-fe.h>
 #include <pthread.h>
 #include <sqlite3.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1107,6 +1108,77 @@ static void test_write_error_reaches_caller(void **state) {
   if (strstr(seen.text, "ENOTFOUND") == NULL)
     fail_msg("in an asynchronous write's callback: \"%s\"", seen.text);
   idem_record_reset(&rec);
+}
+
+/* Readers that hold a pooled connection each until released. */
+struct held_reads {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int inside, released;
+  idem_store_t *store;
+};
+
+static int hold_connection(void *arg, idem_tx_t *tx) {
+  struct held_reads *h = arg;
+  (void)tx;
+  pthread_mutex_lock(&h->lock);
+  h->inside++;
+  pthread_cond_broadcast(&h->cond);
+  while (!h->released)
+    pthread_cond_wait(&h->cond, &h->lock);
+  pthread_mutex_unlock(&h->lock);
+  return IDEM_OK;
+}
+
+static void *read_and_hold(void *arg) {
+  struct held_reads *h = arg;
+  idem_effect_t e = {hold_connection, h};
+  return (void *)(intptr_t)idem_store_read(h->store, &e);
+}
+
+/* Reads that hold every connection of the pool do not starve the writes
+ * (PostgreSQL): each writer has a connection of its own, outside the
+ * pool's limit. Without, the reservation waits the bound for a pooled
+ * connection and fails. */
+static void test_reads_do_not_starve_writes(void **state) {
+  enum { POOL = 2 };
+  fixture_t *fx = *state;
+  idem_store_options_t opts = {.pool_size = POOL, .db_timeout_ms = 1000};
+  struct held_reads h = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL};
+  pthread_t readers[POOL];
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_reserve_t req;
+  idem_record_t rec = {0};
+  idem_reserve_result_t result;
+  int rc;
+
+  if (fx->dir[0])
+    skip();
+  assert_int_equal(idem_store_open(getenv("IDEM_TEST_STORE_URL"), &opts, &h.store), IDEM_OK);
+  for (int i = 0; i < POOL; i++)
+    assert_int_equal(pthread_create(&readers[i], NULL, read_and_hold, &h), 0);
+  pthread_mutex_lock(&h.lock);
+  while (h.inside < POOL)
+    pthread_cond_wait(&h.cond, &h.lock);
+  pthread_mutex_unlock(&h.lock);
+  make_fp(fp, 1);
+  req = request(fx, OP_ORDER, "not-starved", fp);
+  rc = idem_store_reserve(h.store, &req, &rec, &result);
+  pthread_mutex_lock(&h.lock);
+  h.released = 1;
+  pthread_cond_broadcast(&h.cond);
+  pthread_mutex_unlock(&h.lock);
+  for (int i = 0; i < POOL; i++) {
+    void *read_rc;
+    pthread_join(readers[i], &read_rc);
+    assert_int_equal((int)(intptr_t)read_rc, IDEM_OK);
+  }
+  if (rc != IDEM_OK)
+    fail_msg("reserve while reads hold the pool: %s (%s)", idem_err_name(rc),
+             idem_store_last_error());
+  assert_int_equal(result, IDEM_RESERVE_WON);
+  idem_record_reset(&rec);
+  idem_store_close(h.store);
 }
 
 /* NOTIFY after a batched commit (PostgreSQL): completions committed
@@ -2763,6 +2835,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_batched_commit_notifies_other_store),
       STORE_TEST(test_batch_connection_lost_runs_again),
       STORE_TEST(test_write_error_reaches_caller),
+      STORE_TEST(test_reads_do_not_starve_writes),
       STORE_TEST(test_sweep),
       STORE_TEST(test_sweep_large_batch),
       STORE_TEST(test_meta_first_value_wins),
