@@ -291,6 +291,9 @@ struct conn {
    * out once more. Or the connection was lost (LOST: a server restart),
    * and a write runs again only on a fresh one. Set by fail(). */
   int timed_out;
+  /* The last completion's UPDATE changed no row (its owner token lost:
+   * IDEM_ELOST with nothing written). Set by apply_outcome(). */
+  int lease_lost;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
   uint32_t caller_prepared;
@@ -947,6 +950,7 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
   if ((res = run(c, ST_COMPLETE, 13, p, &rc)) == NULL)
     return rc;
   rc = PQntuples(res) == 1 ? IDEM_OK : IDEM_ELOST;
+  c->lease_lost = rc == IDEM_ELOST;
   PQclear(res);
   return rc;
 }
@@ -1025,6 +1029,22 @@ static int ms_left(int64_t deadline_ms) {
   return left < 1 ? 1 : left > INT32_MAX ? INT32_MAX : (int)left;
 }
 
+/* Runs one write of a batch. */
+static int run_job(struct conn *c, struct job *j) {
+  c->lease_lost = 0;
+  return j->fn(c, j->arg);
+}
+
+/* Whether what the write just run did is kept (committed with its
+ * transaction): when it succeeded, or when it is a completion whose owner
+ * token was lost (IDEM_ELOST from its own UPDATE, which changed nothing,
+ * the transaction intact: that write's result, not a failure to undo).
+ * An IDEM_ELOST of an effect, which may have written, is rolled back as
+ * any failure. */
+static int kept(const struct conn *c, const struct job *j) {
+  return j->rc == IDEM_OK || (j->rc == IDEM_ELOST && c->lease_lost);
+}
+
 /* Runs the batch's writes one after the other in one transaction, with
  * its BEGIN sent with the first statement, its lock waits at most
  * WHOLE_LOCK_WAIT_MS and its statements bounded by the first deadline of
@@ -1038,11 +1058,9 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
   c->stmt_wait_ms = ms_left(first);
   c->lock_wait_ms = c->stmt_wait_ms < WHOLE_LOCK_WAIT_MS ? c->stmt_wait_ms : WHOLE_LOCK_WAIT_MS;
   for (struct job *j = jobs; j; j = j->next) {
-    j->rc = j->fn(c, j->arg);
+    j->rc = run_job(c, j);
     note(j);
-    /* IDEM_ELOST (a lease lost) is returned with nothing written and the
-     * transaction intact: that write's result, not a failure to undo. */
-    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
+    if (!kept(c, j)) {
       (void)tx_end(c, 0);
       return 0;
     }
@@ -1190,8 +1208,8 @@ static int run_batch(pg_store_t *s, struct conn **cp, struct job *jobs) {
     c->begin_pending = 1;
     c->timed_out = 0;
     c->stmt_wait_ms = c->lock_wait_ms = ms_left(j->deadline_ms);
-    j->rc = j->fn(c, j->arg);
-    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
+    j->rc = run_job(c, j);
+    if (!kept(c, j)) {
       (void)tx_end(c, 0);
     } else if (c->begin_pending) {
       c->begin_pending = 0; /* nothing sent */

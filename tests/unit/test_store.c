@@ -1817,6 +1817,45 @@ static void test_effect_with_completion(void **state) {
   idem_record_reset(&rec);
 }
 
+/* An effect that writes its row, then says IDEM_ELOST. */
+static int insert_row_then_lost(void *arg, idem_tx_t *tx) {
+  int rc = insert_row(arg, tx);
+  return rc == IDEM_OK ? IDEM_ELOST : rc;
+}
+
+/* An effect's IDEM_ELOST, after it wrote, is a failure like any other:
+ * the completion and the effect's row are rolled back, and the caller
+ * told IDEM_ELOST finds its record still processing. Only the
+ * completion's own IDEM_ELOST (its owner token lost, nothing written) is
+ * kept as a result. PostgreSQL (SQLite's writer still treats every
+ * IDEM_ELOST as nothing written). */
+static void test_effect_lost_after_writing_is_undone(void **state) {
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN];
+  struct app_row row = {fx->tenant.id, "eff-lost", "x", 0, 0, 0};
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+  idem_complete_t c;
+
+  if (fx->dir[0])
+    skip();
+  app_table(fx);
+  make_fp(fp, 3);
+  req = request(fx, "create_note", "eff-lost", fp);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  c = (idem_complete_t){.scope = req.scope, .owner_token = rec.owner_token,
+                        .now_ms = fx->now + 1, .ttl_ms = TTL_MS, .outcome = out,
+                        .effect = {insert_row_then_lost, &row}};
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_ELOST);
+  assert_true(row.runs >= 1);
+  assert_int_equal(app_rows(fx, "eff-lost"), 0);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now + 1, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
+  idem_record_reset(&rec);
+}
+
 /* Reservations in one batch of the group commit, one of which fails: the
  * batch runs again write by write, and each effect that committed left
  * its row once. */
@@ -2817,6 +2856,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_effect_with_reservation),
       STORE_TEST(test_effect_failure_undoes_reservation),
       STORE_TEST(test_effect_with_completion),
+      STORE_TEST(test_effect_lost_after_writing_is_undone),
       STORE_TEST(test_effects_in_a_failed_batch),
       STORE_TEST(test_caller_write_and_read),
       STORE_TEST(test_queued_statements),
