@@ -1182,7 +1182,7 @@ static int run_batch(pg_store_t *s, struct conn **cp, struct job *jobs) {
    * that 55P03 alone is worth a rerun, when time is left. */
   if ((c->timed_out & TIMED_OUT) ||
       ((c->timed_out & LOCK_TIMED_OUT) && c->lock_wait_ms >= c->stmt_wait_ms)) {
-    fail_rest(jobs, "the batch ran out of its bound (or lost its connection)");
+    fail_rest(jobs, "the batch ran out of its bound");
     return 0;
   }
   atomic_fetch_add(&s->batch_reruns, 1);
