@@ -294,6 +294,10 @@ struct conn {
   /* The last completion's UPDATE changed no row (its owner token lost:
    * IDEM_ELOST with nothing written). Set by apply_outcome(). */
   int lease_lost;
+  /* The error of a statement queued (idem_tx_send()) met when
+   * tx_statement() had to end the pipeline to prepare another, and
+   * returned NULL: the next idem_tx_flush() returns it. */
+  int queued_err;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
   uint32_t caller_prepared;
@@ -838,7 +842,7 @@ static void *tx_statement(idem_tx_t *tx, unsigned slot, const char *sql) {
   if ((c->caller_prepared & (1u << slot)) &&
       (c->caller_sql[slot] == sql || strcmp(c->caller_sql[slot], sql) == 0))
     return name;
-  if (pipe_end(c) != IDEM_OK) /* PQprepare() does not run in a pipeline */
+  if ((c->queued_err = pipe_end(c)) != IDEM_OK) /* PQprepare() needs no pipeline */
     return NULL;
   if ((c->caller_prepared & (1u << slot)) && c->caller_sql[slot] != sql &&
       strcmp(c->caller_sql[slot], sql) != 0) {
@@ -902,7 +906,14 @@ static int tx_send(idem_tx_t *tx, const char *name, int n, const char *const *va
   return IDEM_OK;
 }
 
-static int tx_flush(idem_tx_t *tx) { return pipe_end(tx->conn); }
+static int tx_flush(idem_tx_t *tx) {
+  struct conn *c = tx->conn;
+  int rc = pipe_end(c);
+  if (rc == IDEM_OK)
+    rc = c->queued_err;
+  c->queued_err = IDEM_OK;
+  return rc;
+}
 
 static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over, tx_send, tx_flush};
 
@@ -1032,6 +1043,7 @@ static int ms_left(int64_t deadline_ms) {
 /* Runs one write of a batch. */
 static int run_job(struct conn *c, struct job *j) {
   c->lease_lost = 0;
+  c->queued_err = IDEM_OK;
   return j->fn(c, j->arg);
 }
 

@@ -1687,6 +1687,37 @@ static int send_rows(void *arg, idem_tx_t *tx) {
   return IDEM_OK;
 }
 
+/* Sends a duplicate row (queued), then asks for a statement not yet
+ * prepared on the connection, which ends the pipeline: NULL, and the
+ * queued statement's error is idem_tx_flush()'s. */
+static int send_dup_then_prepare(void *arg, idem_tx_t *tx) {
+  struct queued_rows *q = arg;
+  int rc = send_rows(q, tx);
+
+  if (rc != IDEM_OK)
+    return rc;
+  if (idem_tx_statement(tx, 7, "SELECT count(*) FROM app_rows") != NULL)
+    return IDEM_OK; /* the failure was not met: the write fails at COMMIT */
+  return q->flush_rc = idem_tx_flush(tx);
+}
+
+/* A queued statement that failed (a unique violation) is still told as
+ * IDEM_EEXIST when the effect next asks for a statement the connection
+ * has not prepared yet (idemd's effects then said IDEM_ESTORE: a retry
+ * answered 503 instead of 409). PostgreSQL. */
+static void test_queued_error_before_prepare(void **state) {
+  fixture_t *fx = *state;
+  struct queued_rows q = {fx->tenant.id, "q-prep", 3, 1, 0, 0, 0};
+  idem_effect_t e = {send_dup_then_prepare, &q};
+
+  if (fx->dir[0])
+    skip();
+  app_table(fx);
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_EEXIST);
+  assert_int_equal(q.flush_rc, IDEM_EEXIST);
+  assert_int_equal(app_rows(fx, NULL), 0);
+}
+
 /* idem_tx_send() (PostgreSQL): queued statements are written with their
  * write, more of them than are ever queued at once; one that fails
  * (a unique violation) fails its write, whether the effect flushes or
@@ -2860,6 +2891,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_effects_in_a_failed_batch),
       STORE_TEST(test_caller_write_and_read),
       STORE_TEST(test_queued_statements),
+      STORE_TEST(test_queued_error_before_prepare),
       STORE_TEST(test_caller_statements_kept),
       STORE_TEST(test_take_over),
       STORE_TEST(test_claim),
