@@ -64,7 +64,10 @@ void *idem_tx_handle(const idem_tx_t *tx);
  * SQL makes it again). SQLite: a `sqlite3_stmt *`, reset, with no
  * bindings, to bind and step; PostgreSQL: the name of a statement
  * prepared on the connection, for PQexecPrepared(). NULL when it cannot
- * be made (idem_store_last_error() says why). Lent for the effect's call. */
+ * be made (idem_store_last_error() says why; on PostgreSQL, when a
+ * statement idem_tx_send() queued failed, idem_tx_flush() then returns
+ * its error, IDEM_EEXIST for a unique violation). Lent for the effect's
+ * call. */
 void *idem_tx_statement(idem_tx_t *tx, unsigned slot, const char *sql);
 
 /* PostgreSQL: runs the caller's prepared statement `name` (as

@@ -108,8 +108,13 @@ int idemd_sql_run(idem_tx_t *tx, enum idemd_sql_slot slot, const char *sql,
                   int *changes) {
   void *st;
 
-  if (n > IDEMD_SQL_MAX_PARAMS || (st = idem_tx_statement(tx, slot, sql)) == NULL)
+  if (n > IDEMD_SQL_MAX_PARAMS)
     return IDEM_ESTORE;
+  if ((st = idem_tx_statement(tx, slot, sql)) == NULL) {
+    /* A statement queued before failed (a duplicate id: IDEM_EEXIST). */
+    int rc = idem_tx_flush(tx);
+    return rc != IDEM_OK ? rc : IDEM_ESTORE;
+  }
   return idemd_sql_is_sqlite(tx) ? run_sqlite(tx, st, p, n, row, arg, changes)
                                  : run_pg(tx, st, p, n, row, arg, changes);
 }

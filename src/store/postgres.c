@@ -228,7 +228,8 @@ static const char fresh[] =
     "WHERE state IN ('processing', 'pending');";
 #define MIGRATE_LOCK "7305818436" /* pg_advisory_xact_lock key for migrations */
 
-/* How many writer threads (and connections) run batches at once: while
+/* How many writer threads (each with a connection of its own, besides
+ * the pool's) run batches at once: while
  * one waits on its COMMIT's flush, another runs its statements
  * (docs/performance.md, "PostgreSQL: group commit"). */
 #define WRITERS 4
@@ -240,6 +241,8 @@ static const char fresh[] =
 #define WHOLE_LOCK_WAIT_MS 100
 
 struct conn;
+
+enum { TIMED_OUT = 1, LOCK_TIMED_OUT = 2, LOST = 4 }; /* conn.timed_out */
 
 /* A write waiting for a writer. A synchronous caller sleeps on `done`
  * alone; an asynchronous one is called back (`cb`) by the writer, after
@@ -255,6 +258,17 @@ struct job {
    * reservation, a synchronous caller): told before the batch's others. */
   int answers;
   int64_t queued_ms; /* idem_mono_ms() when queued */
+  /* queued_ms + the bound: past it the write fails, unrun if not run yet
+   * (docs/operations.md, "When PostgreSQL hangs"). */
+  int64_t deadline_ms;
+  /* Set under q_lock when a writer takes it off the queue: until then a
+   * synchronous caller at its deadline takes it back (write_job()). */
+  int taken;
+  /* Why it failed, for its caller's log: the writer's per-thread message
+   * (idem_store_last_error()), set again in the caller's thread (a
+   * synchronous caller after the wait, an asynchronous one before its
+   * callback). */
+  char err[256];
   struct job *next;
 };
 
@@ -267,9 +281,23 @@ struct conn {
   /* Statements sent in pipeline mode whose results are not read yet (the
    * caller's idem_tx_send()); pipe_end() reads them. */
   int queued;
-  /* When not 0, the transaction's BEGIN sets lock_timeout to this (SET
-   * LOCAL): a whole batch's shorter lock waits (run_batch_whole()). */
-  int lock_wait_ms;
+  /* When not 0, the transaction's BEGIN sets lock_timeout and
+   * statement_timeout to these (SET LOCAL): a writer's transaction ends
+   * by the deadline of its writes (run_batch()). */
+  int lock_wait_ms, stmt_wait_ms;
+  /* Since the writer cleared it, an error was a bound running out: a
+   * statement timeout, the connection cut (TIMED_OUT), a lock timeout
+   * (LOCK_TIMED_OUT); run again, such a write would only wait the time
+   * out once more. Or the connection was lost (LOST: a server restart),
+   * and a write runs again only on a fresh one. Set by fail(). */
+  int timed_out;
+  /* The last completion's UPDATE changed no row (its owner token lost:
+   * IDEM_ELOST with nothing written). Set by apply_outcome(). */
+  int lease_lost;
+  /* The error of a statement queued (idem_tx_send()) met when
+   * tx_statement() had to end the pipeline to prepare another, and
+   * returned NULL: the next idem_tx_flush() returns it. */
+  int queued_err;
   /* The caller's statements (idem_tx_statement()): bit i, slot i is
    * prepared, from caller_sql[i], as caller_name[i]. */
   uint32_t caller_prepared;
@@ -308,7 +336,8 @@ typedef struct pg_store {
   atomic_int stopping;
 
   /* Group commit (the writers, below): callers queue their writes and
-   * sleep; WRITERS threads, each on a connection of the pool, take every
+   * sleep; WRITERS threads, each on a connection of its own (outside
+   * max_conns), take every
    * write queued at that moment, run them in one transaction with one
    * COMMIT, then tell each caller its own result. */
   pthread_mutex_t q_lock;
@@ -325,6 +354,13 @@ static const idem_store_methods_t pg_methods;
 /* Maps a failed result to an idem error, keeping libpq's text for logs. */
 static int fail(struct conn *c, PGresult *res, const char *what) {
   const char *state = res ? PQresultErrorField(res, PG_DIAG_SQLSTATE) : NULL;
+  if (atomic_load_explicit(&c->cut, memory_order_relaxed) ||
+      (state && strcmp(state, "57014") == 0))
+    c->timed_out |= TIMED_OUT;
+  else if (PQstatus(c->pg) != CONNECTION_OK)
+    c->timed_out |= LOST;
+  else if (state && strcmp(state, "55P03") == 0)
+    c->timed_out |= LOCK_TIMED_OUT;
   if (atomic_load_explicit(&c->cut, memory_order_relaxed)) {
     idem__store_set_error("postgres %s: no answer within the bound "
                           "(--db-timeout, twice over): the connection was cut",
@@ -573,6 +609,16 @@ static int prepare(struct conn *c, enum stmt_id id, char *name) {
   return IDEM_OK;
 }
 
+/* The statement that sets the transaction's own bounds (SET LOCAL, in one
+ * statement: a pipeline's queries are one statement each). */
+static void set_local(const struct conn *c, char *sql, size_t len) {
+  snprintf(sql, len,
+           "SELECT set_config('lock_timeout', '%d', true), "
+           "set_config('statement_timeout', '%d', true)",
+           c->lock_wait_ms > 0 ? c->lock_wait_ms : c->stmt_wait_ms,
+           c->stmt_wait_ms > 0 ? c->stmt_wait_ms : c->lock_wait_ms);
+}
+
 /* Sends, in one round trip (libpq's pipeline mode), the transaction's
  * BEGIN when it is pending, and statement `id`, after the statements
  * idem_tx_send() queued (whose results it reads first: their errors are
@@ -582,7 +628,7 @@ static int prepare(struct conn *c, enum stmt_id id, char *name) {
  * docs/performance.md, "PostgreSQL: fewer round trips". */
 static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
                            const char *const *params, int *err) {
-  char name[16], set[48];
+  char name[16], set[128];
   int begin, skip, queries, q = 0, synced = 0;
   PGresult *res, *kept = NULL;
 
@@ -591,12 +637,12 @@ static PGresult *run_piped(struct conn *c, enum stmt_id id, int n,
     return NULL;
   /* BEGIN, and the SET LOCAL of a whole batch's lock waits: `begin`
    * statements before ours. */
-  begin = c->begin_pending ? 1 + (c->lock_wait_ms > 0) : 0;
+  begin = c->begin_pending ? 1 + (c->lock_wait_ms > 0 || c->stmt_wait_ms > 0) : 0;
   skip = c->queued;
   c->begin_pending = 0;
   c->queued = 0;
   if (begin > 1)
-    snprintf(set, sizeof set, "SET LOCAL lock_timeout = %d", c->lock_wait_ms);
+    set_local(c, set, sizeof set);
   if (PQpipelineStatus(c->pg) == PQ_PIPELINE_OFF && !PQenterPipelineMode(c->pg)) {
     *err = fail(c, NULL, "pipeline");
     return NULL;
@@ -698,9 +744,10 @@ static int begin_now(struct conn *c) {
   if (!c->begin_pending)
     return IDEM_OK;
   c->begin_pending = 0;
-  if (c->lock_wait_ms > 0) { /* one round trip for both (simple protocol) */
-    char sql[64];
-    snprintf(sql, sizeof sql, "BEGIN; SET LOCAL lock_timeout = %d", c->lock_wait_ms);
+  if (c->lock_wait_ms > 0 || c->stmt_wait_ms > 0) { /* one round trip (simple protocol) */
+    char sql[160];
+    memcpy(sql, "BEGIN; ", 7);
+    set_local(c, sql + 7, sizeof sql - 7);
     return simple(c, sql);
   }
   return simple(c, "BEGIN");
@@ -795,7 +842,7 @@ static void *tx_statement(idem_tx_t *tx, unsigned slot, const char *sql) {
   if ((c->caller_prepared & (1u << slot)) &&
       (c->caller_sql[slot] == sql || strcmp(c->caller_sql[slot], sql) == 0))
     return name;
-  if (pipe_end(c) != IDEM_OK) /* PQprepare() does not run in a pipeline */
+  if ((c->queued_err = pipe_end(c)) != IDEM_OK) /* PQprepare() needs no pipeline */
     return NULL;
   if ((c->caller_prepared & (1u << slot)) && c->caller_sql[slot] != sql &&
       strcmp(c->caller_sql[slot], sql) != 0) {
@@ -859,7 +906,14 @@ static int tx_send(idem_tx_t *tx, const char *name, int n, const char *const *va
   return IDEM_OK;
 }
 
-static int tx_flush(idem_tx_t *tx) { return pipe_end(tx->conn); }
+static int tx_flush(idem_tx_t *tx) {
+  struct conn *c = tx->conn;
+  int rc = pipe_end(c);
+  if (rc == IDEM_OK)
+    rc = c->queued_err;
+  c->queued_err = IDEM_OK;
+  return rc;
+}
 
 static const idem__tx_ops_t tx_ops = {tx_statement, tx_take_over, tx_send, tx_flush};
 
@@ -907,6 +961,7 @@ static int apply_outcome(struct conn *c, const idem_scope_t *sc,
   if ((res = run(c, ST_COMPLETE, 13, p, &rc)) == NULL)
     return rc;
   rc = PQntuples(res) == 1 ? IDEM_OK : IDEM_ELOST;
+  c->lease_lost = rc == IDEM_ELOST;
   PQclear(res);
   return rc;
 }
@@ -942,9 +997,10 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
 
 /* The group-commit writers (docs/performance.md, "PostgreSQL: group
  * commit"). Each takes every write queued at that moment (up to
- * MAX_BATCH) and runs them on a pooled connection in one transaction: one
- * COMMIT, one flush of the WAL and one wake-up of the waiters on other
- * instances (the NOTIFYs go out at that COMMIT) for all. A write that
+ * MAX_BATCH) and runs them on a connection of its own (writer_conn()) in
+ * one transaction: one COMMIT, one flush of the WAL and one wake-up of
+ * the waiters on other instances (the NOTIFYs go out at that COMMIT) for
+ * all. A write that
  * fails is undone alone: the batch runs first with nothing between its
  * writes; if one fails (its error aborts the transaction), the
  * transaction is rolled back and the batch runs again, each write in a
@@ -959,32 +1015,129 @@ static int reserve_tx(struct conn *c, const idem_reserve_t *req,
 
 static __thread int on_writer; /* this thread is one of the writers */
 
-/* Moves the watchdog's deadline of a writer's connection on, before each
- * write of its batch: each write is bounded as a call of its own was. */
-static void rewatch(pg_store_t *s, struct conn *c) {
+/* Keeps the message of a write that failed (the writer's last error)
+ * for its caller. */
+static void note(struct job *j) {
+  if (j->rc != IDEM_OK)
+    snprintf(j->err, sizeof j->err, "%s", idem_store_last_error());
+}
+
+/* Sets the watchdog's deadline of a writer's connection: the bound past
+ * `deadline_ms` (the last deadline of its batch's writes), by when the
+ * server's own timeouts, set to the time left (SET LOCAL), have fired. Once
+ * per batch, not per write: a batch of a hundred writes on a server that
+ * hangs is cut as one call is. */
+static void watch_until(pg_store_t *s, struct conn *c, int64_t deadline_ms) {
   pthread_mutex_lock(&s->pool_lock);
-  c->deadline_ms = idem_mono_ms() + 2 * (int64_t)s->timeout_ms;
+  c->deadline_ms = deadline_ms + s->timeout_ms;
   pthread_mutex_unlock(&s->pool_lock);
 }
 
+/* The milliseconds left before `deadline_ms`, at least 1 (0 would turn
+ * the server's timeout off). */
+static int ms_left(int64_t deadline_ms) {
+  int64_t left = deadline_ms - idem_mono_ms();
+  return left < 1 ? 1 : left > INT32_MAX ? INT32_MAX : (int)left;
+}
+
+/* Runs one write of a batch. */
+static int run_job(struct conn *c, struct job *j) {
+  c->lease_lost = 0;
+  c->queued_err = IDEM_OK;
+  return j->fn(c, j->arg);
+}
+
+/* Whether what the write just run did is kept (committed with its
+ * transaction): when it succeeded, or when it is a completion whose owner
+ * token was lost (IDEM_ELOST from its own UPDATE, which changed nothing,
+ * the transaction intact: that write's result, not a failure to undo).
+ * An IDEM_ELOST of an effect, which may have written, is rolled back as
+ * any failure. */
+static int kept(const struct conn *c, const struct job *j) {
+  return j->rc == IDEM_OK || (j->rc == IDEM_ELOST && c->lease_lost);
+}
+
 /* Runs the batch's writes one after the other in one transaction, with
- * its BEGIN sent with the first statement. Returns 1 when all succeeded
- * (the transaction stays open for the COMMIT), 0 when one failed (the
- * transaction is rolled back: the batch must run again write by write). */
+ * its BEGIN sent with the first statement, its lock waits at most
+ * WHOLE_LOCK_WAIT_MS and its statements bounded by the first deadline of
+ * its writes. Returns 1 when all succeeded (the transaction stays open for
+ * the COMMIT), 0 when one failed (the transaction is rolled back). */
 static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
+  int64_t first = jobs->deadline_ms;
+  for (struct job *j = jobs; j; j = j->next)
+    first = j->deadline_ms < first ? j->deadline_ms : first;
   c->begin_pending = 1;
-  c->lock_wait_ms = s->timeout_ms < WHOLE_LOCK_WAIT_MS ? s->timeout_ms : WHOLE_LOCK_WAIT_MS;
+  c->stmt_wait_ms = ms_left(first);
+  c->lock_wait_ms = c->stmt_wait_ms < WHOLE_LOCK_WAIT_MS ? c->stmt_wait_ms : WHOLE_LOCK_WAIT_MS;
   for (struct job *j = jobs; j; j = j->next) {
-    rewatch(s, c);
-    j->rc = j->fn(c, j->arg);
-    /* IDEM_ELOST (a lease lost) is returned with nothing written and the
-     * transaction intact: that write's result, not a failure to undo. */
-    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
+    j->rc = run_job(c, j);
+    note(j);
+    if (!kept(c, j)) {
       (void)tx_end(c, 0);
       return 0;
     }
   }
   return 1;
+}
+
+/* A writer's own connection, outside the pool and its limit (as the
+ * SQLite writer keeps its own): readers that take every pooled connection
+ * never starve the writes. *cp is the writer's connection, kept between
+ * batches; one that broke, was cut, or was left in a transaction is
+ * replaced by a fresh one. The connection is watched until
+ * writer_conn_done(). IDEM_OK, or the error recorded and *cp NULL. */
+static int writer_conn(pg_store_t *s, struct conn **cp) {
+  struct conn *c = *cp;
+  int rc;
+
+  if (c && (atomic_load_explicit(&c->cut, memory_order_relaxed) ||
+            PQstatus(c->pg) != CONNECTION_OK ||
+            PQpipelineStatus(c->pg) != PQ_PIPELINE_OFF ||
+            PQtransactionStatus(c->pg) != PQTRANS_IDLE || idle_conn_readable(c->pg))) {
+    conn_free(c);
+    *cp = c = NULL;
+  }
+  if (c == NULL && (rc = conn_new(s, cp)) != IDEM_OK)
+    return rc;
+  c = *cp;
+  c->timed_out = 0;
+  pthread_mutex_lock(&s->pool_lock);
+  watch_locked(s, c);
+  pthread_mutex_unlock(&s->pool_lock);
+  return IDEM_OK;
+}
+
+/* The end of a writer's batch: its connection is watched no more (and is
+ * checked again at the next). */
+static void writer_conn_done(pg_store_t *s, struct conn *c) {
+  c->lock_wait_ms = c->stmt_wait_ms = 0;
+  pthread_mutex_lock(&s->pool_lock);
+  unwatch_locked(s, c);
+  pthread_mutex_unlock(&s->pool_lock);
+}
+
+/* A writer's connection lost (a server restart): replaced by a fresh one,
+ * watched to the bound past `last`. IDEM_OK, or the error recorded and
+ * *cp NULL. */
+static int renew(pg_store_t *s, struct conn **cp, int64_t last) {
+  int rc;
+
+  writer_conn_done(s, *cp);
+  if ((rc = writer_conn(s, cp)) != IDEM_OK) /* drops the broken one */
+    return rc;
+  watch_until(s, *cp, last);
+  return IDEM_OK;
+}
+
+/* Fails the writes from `j` on, unrun, with IDEM_ESTORE: nothing of
+ * theirs is committed. */
+static void fail_rest(struct job *j, const char *why) {
+  if (j)
+    idem__store_set_error("postgres: %s; the batch's writes left were not run", why);
+  for (; j; j = j->next) {
+    j->rc = IDEM_ESTORE;
+    note(j);
+  }
 }
 
 /* What a batch's statements queued (idem_tx_send()) is known to have
@@ -997,37 +1150,78 @@ static int run_batch_whole(pg_store_t *s, struct conn *c, struct job *jobs) {
  * lock rows the other holds (refunds of the same payments, in another
  * order) wait on each other until PostgreSQL breaks the deadlock, a
  * second later; savepoints would keep the locks and meet again. A write
- * alone locks what one request did before the group commit. The batch
- * stays bounded: once it has run for twice the bound, the writes left
- * fail unrun. A connection lost meanwhile fails the first BEGIN: nothing
- * runs twice on a COMMIT that may have been done. */
-static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
-  int64_t started = idem_mono_ms();
+ * alone locks what one request did before the group commit.
+ *
+ * The batch stays within its writes' deadlines (queued + the bound):
+ * each write's transaction waits for a lock or a statement at most the
+ * time left to its deadline (SET LOCAL), a write past its deadline fails
+ * unrun, and a failure that is a bound running out (55P03 past the whole
+ * batch's short lock wait, 57014, a connection cut) fails the writes left
+ * unrun instead of waiting the time out again for each: while the
+ * database hangs, a batch of N takes about the bound, not N times it
+ * (docs/operations.md, "When PostgreSQL hangs"). A connection lost (a
+ * server restart) before a COMMIT went out committed nothing: the writes
+ * run again on a fresh connection. One lost after its COMMIT went out
+ * fails the writes of that transaction: nothing runs twice on a COMMIT
+ * that may have been done. *cp is the connection in use at the end (NULL
+ * when none could be had). Returns how many transactions committed. */
+static int run_batch(pg_store_t *s, struct conn **cp, struct job *jobs) {
+  struct conn *c = *cp;
+  int64_t last = jobs->deadline_ms;
+  int commits = 0;
 
+  for (struct job *j = jobs; j; j = j->next)
+    last = j->deadline_ms > last ? j->deadline_ms : last;
+  watch_until(s, c, last);
+  c->timed_out = 0;
   if (run_batch_whole(s, c, jobs)) {
-    rewatch(s, c);
     if (c->begin_pending) { /* nothing was sent: nothing to commit */
       c->begin_pending = 0;
-      return;
+      return 0;
     }
     if (tx_end(c, 1) == IDEM_OK)
-      return;
+      return 1;
     (void)tx_end(c, 0);
+    if (c->timed_out & (LOST | TIMED_OUT)) {
+      /* The COMMIT went out, its answer did not come: it may have been
+       * done, and nothing may run twice (docs/operations.md, "When
+       * PostgreSQL hangs"). */
+      fail_rest(jobs, "the batch's COMMIT got no answer (the connection was lost)");
+      return 0;
+    }
+  }
+  /* The whole batch's lock wait is shorter than the bound on purpose:
+   * that 55P03 alone is worth a rerun, when time is left. */
+  if ((c->timed_out & TIMED_OUT) ||
+      ((c->timed_out & LOCK_TIMED_OUT) && c->lock_wait_ms >= c->stmt_wait_ms)) {
+    fail_rest(jobs, "the batch ran out of its bound");
+    return 0;
   }
   atomic_fetch_add(&s->batch_reruns, 1);
   for (struct job *j = jobs; j; j = j->next) {
-    rewatch(s, c);
-    if (PQstatus(c->pg) != CONNECTION_OK ||
-        idem_mono_ms() - started > 2 * (int64_t)s->timeout_ms) {
-      idem__store_set_error("postgres: the batch ran past the bound (or lost its "
-                            "connection); its last writes were not run");
+    if (atomic_load_explicit(&c->cut, memory_order_relaxed)) {
+      fail_rest(j, "the batch's connection was cut");
+      break;
+    }
+    /* A connection lost (a server restart) before a COMMIT went out left
+     * nothing committed: the writes left run on a fresh one. */
+    if (PQstatus(c->pg) != CONNECTION_OK && renew(s, cp, last) != IDEM_OK) {
+      fail_rest(j, "the batch lost its connection, and got no other");
+      break;
+    }
+    c = *cp;
+    if (j->deadline_ms <= idem_mono_ms()) {
+      idem__store_set_error("postgres: the write was not run within the bound (%d ms)",
+                            s->timeout_ms);
       j->rc = IDEM_ESTORE;
+      note(j);
       continue;
     }
     c->begin_pending = 1;
-    c->lock_wait_ms = 0; /* this write waits as long as a call of its own */
-    j->rc = j->fn(c, j->arg);
-    if (j->rc != IDEM_OK && j->rc != IDEM_ELOST) {
+    c->timed_out = 0;
+    c->stmt_wait_ms = c->lock_wait_ms = ms_left(j->deadline_ms);
+    j->rc = run_job(c, j);
+    if (!kept(c, j)) {
       (void)tx_end(c, 0);
     } else if (c->begin_pending) {
       c->begin_pending = 0; /* nothing sent */
@@ -1036,9 +1230,17 @@ static void run_batch(pg_store_t *s, struct conn *c, struct job *jobs) {
       if (rc != IDEM_OK) {
         (void)tx_end(c, 0);
         j->rc = rc;
+      } else {
+        commits++;
       }
     }
+    note(j);
+    if (j->rc != IDEM_OK && (c->timed_out & (TIMED_OUT | LOCK_TIMED_OUT))) {
+      fail_rest(j->next, "a write of the batch ran out of its bound");
+      break;
+    }
   }
+  return commits;
 }
 
 /* Tells one write's caller its result. The job may be gone once told. */
@@ -1047,6 +1249,8 @@ static void tell(struct job *j) {
     idem_store_done_fn cb = j->cb;
     void *cb_arg = j->cb_arg;
     int rc = j->rc;
+    if (rc != IDEM_OK) /* the callback runs here: its log line's message */
+      idem__store_set_error("%s", j->err);
     free(j);
     cb(cb_arg, rc); /* may queue more writes: q_lock is not held */
   } else {
@@ -1079,14 +1283,16 @@ static void tell_callers(struct job *batch) {
  * unrun: with every writer stuck on a database that hangs, a write must
  * not wait for a writer longer than it would for a pooled connection
  * (conn_get()). Returns what is left to run. */
-static struct job *drop_late(pg_store_t *s, struct job *batch, struct job **late) {
-  int64_t oldest = idem_mono_ms() - s->timeout_ms;
+static struct job *drop_late(struct job *batch, struct job **late, int *n) {
+  int64_t now = idem_mono_ms();
   struct job *keep = NULL, **kt = &keep, **lt = late;
 
   for (struct job *j = batch, *next; j; j = next) {
     next = j->next;
-    if (j->queued_ms < oldest) {
+    if (j->deadline_ms <= now) {
+      (*n)--;
       j->rc = IDEM_ESTORE;
+      note(j);
       *lt = j;
       lt = &j->next;
     } else {
@@ -1101,13 +1307,13 @@ static struct job *drop_late(pg_store_t *s, struct job *batch, struct job **late
 
 static void *writer_loop(void *arg) {
   pg_store_t *s = arg;
+  struct conn *own = NULL; /* this writer's connection (writer_conn()) */
 
   on_writer = 1;
   pthread_setname_np(pthread_self(), "idem-pg-writer"); /* for top -H, perf */
   pthread_mutex_lock(&s->q_lock);
   for (;;) {
     struct job *batch, *last, *late = NULL;
-    struct conn *c;
     int n = 1, rc;
 
     while (s->q_head == NULL && !s->q_stopping)
@@ -1117,8 +1323,10 @@ static void *writer_loop(void *arg) {
     /* Take what is queued now: while this batch commits, the next forms
      * (and another writer may take it). */
     batch = last = s->q_head;
+    batch->taken = 1;
     while (last->next && n < MAX_BATCH) {
       last = last->next;
+      last->taken = 1;
       n++;
     }
     s->q_head = last->next;
@@ -1129,19 +1337,21 @@ static void *writer_loop(void *arg) {
     last->next = NULL;
     pthread_mutex_unlock(&s->q_lock);
 
-    batch = drop_late(s, batch, &late);
-    if (late) {
-      idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
+    idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
+    batch = drop_late(batch, &late, &n);
+    if (late)
       tell_callers(late);
-    }
     if (batch != NULL) {
-      if ((rc = conn_get(s, &c)) != IDEM_OK) {
-        for (struct job *j = batch; j; j = j->next)
+      if ((rc = writer_conn(s, &own)) != IDEM_OK) {
+        for (struct job *j = batch; j; j = j->next) {
           j->rc = rc;
+          note(j);
+        }
       } else {
-        run_batch(s, c, batch);
-        conn_put(s, c);
-        atomic_fetch_add(&s->commits, 1);
+        int commits = run_batch(s, &own, batch);
+        if (own)
+          writer_conn_done(s, own);
+        atomic_fetch_add(&s->commits, (uint_fast64_t)commits);
         atomic_fetch_add(&s->writes, (uint_fast64_t)n);
       }
       tell_callers(batch);
@@ -1149,6 +1359,7 @@ static void *writer_loop(void *arg) {
     pthread_mutex_lock(&s->q_lock);
   }
   pthread_mutex_unlock(&s->q_lock);
+  conn_free(own);
   return NULL;
 }
 
@@ -1156,7 +1367,9 @@ static void enqueue(pg_store_t *s, struct job *j) {
   int idle;
 
   j->next = NULL;
+  j->taken = 0;
   j->queued_ms = idem_mono_ms();
+  j->deadline_ms = j->queued_ms + s->timeout_ms;
   pthread_mutex_lock(&s->q_lock);
   idle = s->q_head == NULL; /* else a writer will find it queued */
   if (s->q_tail)
@@ -1167,6 +1380,54 @@ static void enqueue(pg_store_t *s, struct job *j) {
   pthread_mutex_unlock(&s->q_lock);
   if (idle)
     pthread_cond_signal(&s->q_ready);
+}
+
+/* Waits on `sem` until the monotonic `deadline_ms`: 1 when posted, 0 at
+ * the deadline. */
+static int wait_until(sem_t *sem, int64_t deadline_ms) {
+  struct timespec ts;
+  int64_t left;
+
+  for (;;) {
+    if (sem_trywait(sem) == 0)
+      return 1;
+    if ((left = deadline_ms - idem_mono_ms()) <= 0)
+      return 0;
+    /* sem_timedwait() takes CLOCK_REALTIME, which may jump: the wait is
+     * cut in steps, and the monotonic deadline decides. */
+    clock_gettime(CLOCK_REALTIME, &ts);
+    left = left > 100 ? 100 : left;
+    ts.tv_sec += left / 1000;
+    ts.tv_nsec += (long)(left % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+      ts.tv_sec++;
+      ts.tv_nsec -= 1000000000L;
+    }
+    if (sem_timedwait(sem, &ts) == 0)
+      return 1;
+  }
+}
+
+/* A synchronous write at its deadline: still queued, it is taken off the
+ * queue (0: fail it, unrun); taken by a writer, it is waited for to the
+ * end (1), the writer being bounded by the same deadline (run_batch()). */
+static int take_back(pg_store_t *s, struct job *j) {
+  struct job **p, *prev = NULL;
+
+  pthread_mutex_lock(&s->q_lock);
+  if (!j->taken) {
+    for (p = &s->q_head; *p != j; p = &(*p)->next)
+      prev = *p;
+    *p = j->next;
+    if (s->q_tail == j)
+      s->q_tail = prev;
+    pthread_mutex_unlock(&s->q_lock);
+    return 0;
+  }
+  pthread_mutex_unlock(&s->q_lock);
+  while (sem_wait(&j->done) != 0) /* EINTR only */
+    ;
+  return 1;
 }
 
 /* Runs `fn` in a transaction of a writer's batch and returns once it is
@@ -1183,9 +1444,14 @@ static int write_job(pg_store_t *s, int (*fn)(struct conn *, void *), void *arg)
   }
   sem_init(&j.done, 0, 0);
   enqueue(s, &j);
-  while (sem_wait(&j.done) != 0) /* EINTR only */
-    ;
+  if (!wait_until(&j.done, j.deadline_ms) && !take_back(s, &j)) {
+    sem_destroy(&j.done);
+    idem__store_set_error("postgres: no writer came free within %d ms", s->timeout_ms);
+    return IDEM_ESTORE;
+  }
   sem_destroy(&j.done);
+  if (j.rc != IDEM_OK)
+    idem__store_set_error("%s", j.err);
   return j.rc;
 }
 

@@ -3,7 +3,8 @@
  * Retry-After within a generous bound (10 s) while another session holds
  * an ACCESS EXCLUSIVE lock on the records table, and while every process
  * of the cluster is stopped with SIGSTOP; afterwards idemd, never
- * restarted, answers 201 again, the keys cut off make one payment each,
+ * restarted, answers 201 again, the keys cut off (with 16 new payments
+ * sent at once, a batch of many) make one payment each,
  * and nothing acknowledged is lost or made twice. A start against a
  * stopped cluster exits with a message instead of hanging. PostgreSQL
  * only: run it through scripts/with-pg.sh (IDEM_TEST_PG_DIR). */
@@ -23,6 +24,7 @@
 
 #define BOUND_S 10.0 /* the bound is 1 s (2 s for a stopped server) */
 #define KEYS 4
+#define TOGETHER 16 /* new payments sent at once while the table is locked */
 
 static const char *const flags[] = {"--db-timeout=1s", "--lease=1s",
                                     "--provider-timeout=500ms",
@@ -174,6 +176,44 @@ static void assert_one_payment_per_key(h_server_t *s, int keys) {
   h_assert_db(s, 0, "SELECT count(*) FROM outbox");
 }
 
+/* TOGETHER new payments at once (writes enough to meet the lock in a
+ * batch of many): each answers 503 with Retry-After within the bound, as a
+ * write alone does (docs/operations.md, "When PostgreSQL hangs"). */
+static void together_503(h_server_t *s, const char *tok) {
+  h_req_t reqs[TOGETHER];
+  h_resp_t out[TOGETHER];
+  char keys[TOGETHER][32];
+
+  memset(reqs, 0, sizeof reqs);
+  for (int i = 0; i < TOGETHER; i++) {
+    snprintf(keys[i], sizeof keys[i], "together-%d", i);
+    reqs[i] = (h_req_t){.method = "POST", .path = "/payments", .token = tok,
+                        .key = keys[i], .body = "{\"amount\": 500}"};
+  }
+  h_together(s, reqs, TOGETHER, out);
+  for (int i = 0; i < TOGETHER; i++) {
+    h_context("POST /payments %s, one of %d at once, while the database hangs",
+              keys[i], TOGETHER);
+    h_assert_error(&out[i], 503, NULL);
+    if (out[i].retry_after[0] == '\0')
+      fail_msg("503 without Retry-After");
+    if (out[i].seconds > BOUND_S)
+      fail_msg("answered after %.1f s", out[i].seconds);
+    h_resp_free(&out[i]);
+  }
+  h_context_clear();
+}
+
+/* Each of those retried until 201, once the database is back: a key cut
+ * off makes one payment. */
+static void together_201(h_server_t *s, const char *tok) {
+  for (int i = 0; i < TOGETHER; i++) {
+    char key[32];
+    snprintf(key, sizeof key, "together-%d", i);
+    free(retry_until_201(s, tok, key));
+  }
+}
+
 static void free_ids(char **ids) {
   for (int i = 0; i < KEYS; i++)
     free(ids[i]);
@@ -197,6 +237,7 @@ static void test_records_table_locked(void **state) {
   t_lock = h_now();
 
   first_503 = all_503(s, tok, "locked", t_lock);
+  together_503(s, tok);
   /* /readyz: the probe (each second without a write) takes the lock a
    * write of a record takes, and fails at lock_timeout. /healthz, the
    * liveness check, asks the store a SELECT 1, which the lock does not
@@ -218,7 +259,8 @@ static void test_records_table_locked(void **state) {
   await_status(s, "/readyz", 200);
   assert_replays(s, tok, before, "before");
   assert_replays(s, tok, cut, "locked");
-  assert_one_payment_per_key(s, 2 * KEYS);
+  together_201(s, tok);
+  assert_one_payment_per_key(s, 2 * KEYS + TOGETHER);
   fprintf(stderr,
           "records table locked: first 503 %.3f s after the lock, /readyz 503 %.3f s "
           "later (/healthz 200); first 201 %.3f s after its release\n",
@@ -309,6 +351,7 @@ static void test_server_stopped(void **state) {
   t_stop = h_now();
   stop_cluster();
   first_503 = all_503(s, tok, "stopped", t_stop);
+  together_503(s, tok);
   health_503 = await_status(s, "/healthz", 503);
   assert_start_is_bounded(s);
 
@@ -320,7 +363,8 @@ static void test_server_stopped(void **state) {
   pay_all(s, tok, "after", after);
   assert_replays(s, tok, before, "before");
   assert_replays(s, tok, cut, "stopped");
-  assert_one_payment_per_key(s, 3 * KEYS);
+  together_201(s, tok);
+  assert_one_payment_per_key(s, 3 * KEYS + TOGETHER);
   fprintf(stderr,
           "cluster stopped (%d processes): first 503 %.3f s after SIGSTOP, /healthz 503 "
           "%.3f s later; after SIGCONT /healthz 200 in %.3f s, first 201 in %.3f s\n",

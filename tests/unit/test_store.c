@@ -9,6 +9,7 @@
 #include <libpq-fe.h>
 #include <pthread.h>
 #include <sqlite3.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -990,6 +991,196 @@ static void test_group_commit_batches(void **state) {
   assert_int_equal(count(fx, "processing"), N);
 }
 
+/* An effect that, on its first run only, ends its own connection
+ * (PostgreSQL's pg_terminate_backend(), as a server restart would) and
+ * fails. */
+static int kill_connection_once(void *arg, idem_tx_t *tx) {
+  int *runs = arg;
+  if ((*runs)++ > 0)
+    return IDEM_OK;
+  PQclear(PQexec(idem_tx_handle(tx), "SELECT pg_terminate_backend(pg_backend_pid())"));
+  return IDEM_ESTORE;
+}
+
+/* A batch whose connection is lost before its COMMIT (a server restart)
+ * committed nothing, and runs again on a fresh connection: every write of
+ * it is kept, the one whose first run lost the connection too (on the
+ * dead connection, each would fail). The four writers are held on a
+ * locked table by a write each, so that the writes queued after are
+ * taken in one batch once the lock is released. */
+static void test_batch_connection_lost_runs_again(void **state) {
+  enum { HELD = 4, N = 8 };
+  fixture_t *fx = *state;
+  struct async_many m = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}};
+  struct async_slot slots[HELD + N];
+  idem_reserve_t reqs[HELD + N];
+  idem_record_t recs[HELD + N];
+  idem_reserve_result_t results[HELD + N];
+  char fp[IDEM_FINGERPRINT_LEN], keys[HELD + N][32];
+  struct write_lock lock;
+  int runs = 0;
+
+  if (fx->dir[0])
+    skip(); /* PostgreSQL's connections */
+  make_fp(fp, 1);
+  memset(recs, 0, sizeof recs);
+  lock_hold(fx, &lock);
+  for (int i = 0; i < HELD + N; i++) {
+    snprintf(keys[i], sizeof keys[i], "%s-%d", i < HELD ? "held" : "lost", i);
+    reqs[i] = request(fx, "create_order", keys[i], fp);
+    if (i == HELD)
+      reqs[i].effect = (idem_effect_t){kill_connection_once, &runs};
+    slots[i] = (struct async_slot){&m, i};
+    assert_int_equal(idem_store_reserve_async(fx->store, &reqs[i], &recs[i], &results[i],
+                                              async_many_done, &slots[i]),
+                     IDEM_OK);
+    if (i < HELD)
+      usleep(50 * 1000); /* taken by an idle writer, which the lock holds */
+  }
+  usleep(50 * 1000);
+  lock_release(&lock);
+  pthread_mutex_lock(&m.lock);
+  while (m.calls < HELD + N)
+    pthread_cond_wait(&m.cond, &m.lock);
+  pthread_mutex_unlock(&m.lock);
+  for (int i = 0; i < HELD + N; i++) {
+    if (m.rc[i] != IDEM_OK)
+      fail_msg("%s: %s", keys[i], idem_err_name(m.rc[i]));
+    assert_int_equal(results[i], IDEM_RESERVE_WON);
+    idem_record_reset(&recs[i]);
+  }
+  assert_int_equal(runs, 2);
+  assert_int_equal(count(fx, "processing"), HELD + N);
+}
+
+/* An effect that fails with IDEM_ENOTFOUND, its message set on the thread
+ * it runs on (a writer's). */
+static int fail_not_found(void *arg, idem_tx_t *tx) {
+  (void)arg;
+  (void)tx;
+  return IDEM_ENOTFOUND;
+}
+
+struct error_seen {
+  struct async_many *m;
+  char text[256];
+};
+
+static void keep_error(void *arg, int rc) {
+  struct error_seen *e = arg;
+  snprintf(e->text, sizeof e->text, "%s", idem_store_last_error());
+  pthread_mutex_lock(&e->m->lock);
+  e->m->rc[0] = rc;
+  e->m->calls++;
+  pthread_cond_signal(&e->m->cond);
+  pthread_mutex_unlock(&e->m->lock);
+}
+
+/* The message of a write that failed on a writer thread reaches its
+ * caller's thread (for its log line): after a synchronous write, and in
+ * an asynchronous one's callback. PostgreSQL's writers (SQLite's writer
+ * does not pass it on yet). */
+static void test_write_error_reaches_caller(void **state) {
+  fixture_t *fx = *state;
+  struct async_many m = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, {0}};
+  struct error_seen seen = {&m, ""};
+  idem_effect_t e = {fail_not_found, NULL};
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_reserve_t req;
+  idem_record_t rec = {0};
+  idem_reserve_result_t result;
+
+  if (fx->dir[0])
+    skip();
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_ENOTFOUND);
+  if (strstr(idem_store_last_error(), "ENOTFOUND") == NULL)
+    fail_msg("after a synchronous write: \"%s\"", idem_store_last_error());
+  make_fp(fp, 1);
+  req = request(fx, OP_ORDER, "error-text", fp);
+  req.effect = e;
+  assert_int_equal(idem_store_reserve_async(fx->store, &req, &rec, &result, keep_error, &seen),
+                   IDEM_OK);
+  pthread_mutex_lock(&m.lock);
+  while (m.calls < 1)
+    pthread_cond_wait(&m.cond, &m.lock);
+  pthread_mutex_unlock(&m.lock);
+  assert_int_equal(m.rc[0], IDEM_ENOTFOUND);
+  if (strstr(seen.text, "ENOTFOUND") == NULL)
+    fail_msg("in an asynchronous write's callback: \"%s\"", seen.text);
+  idem_record_reset(&rec);
+}
+
+/* Readers that hold a pooled connection each until released. */
+struct held_reads {
+  pthread_mutex_t lock;
+  pthread_cond_t cond;
+  int inside, released;
+  idem_store_t *store;
+};
+
+static int hold_connection(void *arg, idem_tx_t *tx) {
+  struct held_reads *h = arg;
+  (void)tx;
+  pthread_mutex_lock(&h->lock);
+  h->inside++;
+  pthread_cond_broadcast(&h->cond);
+  while (!h->released)
+    pthread_cond_wait(&h->cond, &h->lock);
+  pthread_mutex_unlock(&h->lock);
+  return IDEM_OK;
+}
+
+static void *read_and_hold(void *arg) {
+  struct held_reads *h = arg;
+  idem_effect_t e = {hold_connection, h};
+  return (void *)(intptr_t)idem_store_read(h->store, &e);
+}
+
+/* Reads that hold every connection of the pool do not starve the writes
+ * (PostgreSQL): each writer has a connection of its own, outside the
+ * pool's limit. Without, the reservation waits the bound for a pooled
+ * connection and fails. */
+static void test_reads_do_not_starve_writes(void **state) {
+  enum { POOL = 2 };
+  fixture_t *fx = *state;
+  idem_store_options_t opts = {.pool_size = POOL, .db_timeout_ms = 1000};
+  struct held_reads h = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, NULL};
+  pthread_t readers[POOL];
+  char fp[IDEM_FINGERPRINT_LEN];
+  idem_reserve_t req;
+  idem_record_t rec = {0};
+  idem_reserve_result_t result;
+  int rc;
+
+  if (fx->dir[0])
+    skip();
+  assert_int_equal(idem_store_open(getenv("IDEM_TEST_STORE_URL"), &opts, &h.store), IDEM_OK);
+  for (int i = 0; i < POOL; i++)
+    assert_int_equal(pthread_create(&readers[i], NULL, read_and_hold, &h), 0);
+  pthread_mutex_lock(&h.lock);
+  while (h.inside < POOL)
+    pthread_cond_wait(&h.cond, &h.lock);
+  pthread_mutex_unlock(&h.lock);
+  make_fp(fp, 1);
+  req = request(fx, OP_ORDER, "not-starved", fp);
+  rc = idem_store_reserve(h.store, &req, &rec, &result);
+  pthread_mutex_lock(&h.lock);
+  h.released = 1;
+  pthread_cond_broadcast(&h.cond);
+  pthread_mutex_unlock(&h.lock);
+  for (int i = 0; i < POOL; i++) {
+    void *read_rc;
+    pthread_join(readers[i], &read_rc);
+    assert_int_equal((int)(intptr_t)read_rc, IDEM_OK);
+  }
+  if (rc != IDEM_OK)
+    fail_msg("reserve while reads hold the pool: %s (%s)", idem_err_name(rc),
+             idem_store_last_error());
+  assert_int_equal(result, IDEM_RESERVE_WON);
+  idem_record_reset(&rec);
+  idem_store_close(h.store);
+}
+
 /* NOTIFY after a batched commit (PostgreSQL): completions committed
  * together by one store wake the waiters of another store on the same
  * database, as another instance's would be. The second store's listener
@@ -1496,6 +1687,37 @@ static int send_rows(void *arg, idem_tx_t *tx) {
   return IDEM_OK;
 }
 
+/* Sends a duplicate row (queued), then asks for a statement not yet
+ * prepared on the connection, which ends the pipeline: NULL, and the
+ * queued statement's error is idem_tx_flush()'s. */
+static int send_dup_then_prepare(void *arg, idem_tx_t *tx) {
+  struct queued_rows *q = arg;
+  int rc = send_rows(q, tx);
+
+  if (rc != IDEM_OK)
+    return rc;
+  if (idem_tx_statement(tx, 7, "SELECT count(*) FROM app_rows") != NULL)
+    return IDEM_OK; /* the failure was not met: the write fails at COMMIT */
+  return q->flush_rc = idem_tx_flush(tx);
+}
+
+/* A queued statement that failed (a unique violation) is still told as
+ * IDEM_EEXIST when the effect next asks for a statement the connection
+ * has not prepared yet (idemd's effects then said IDEM_ESTORE: a retry
+ * answered 503 instead of 409). PostgreSQL. */
+static void test_queued_error_before_prepare(void **state) {
+  fixture_t *fx = *state;
+  struct queued_rows q = {fx->tenant.id, "q-prep", 3, 1, 0, 0, 0};
+  idem_effect_t e = {send_dup_then_prepare, &q};
+
+  if (fx->dir[0])
+    skip();
+  app_table(fx);
+  assert_int_equal(idem_store_write(fx->store, &e), IDEM_EEXIST);
+  assert_int_equal(q.flush_rc, IDEM_EEXIST);
+  assert_int_equal(app_rows(fx, NULL), 0);
+}
+
 /* idem_tx_send() (PostgreSQL): queued statements are written with their
  * write, more of them than are ever queued at once; one that fails
  * (a unique violation) fails its write, whether the effect flushes or
@@ -1623,6 +1845,45 @@ static void test_effect_with_completion(void **state) {
   idem_record_reset(&rec);
   assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now + 2, &rec), IDEM_OK);
   assert_int_equal(rec.state, IDEM_STATE_COMPLETED);
+  idem_record_reset(&rec);
+}
+
+/* An effect that writes its row, then says IDEM_ELOST. */
+static int insert_row_then_lost(void *arg, idem_tx_t *tx) {
+  int rc = insert_row(arg, tx);
+  return rc == IDEM_OK ? IDEM_ELOST : rc;
+}
+
+/* An effect's IDEM_ELOST, after it wrote, is a failure like any other:
+ * the completion and the effect's row are rolled back, and the caller
+ * told IDEM_ELOST finds its record still processing. Only the
+ * completion's own IDEM_ELOST (its owner token lost, nothing written) is
+ * kept as a result. PostgreSQL (SQLite's writer still treats every
+ * IDEM_ELOST as nothing written). */
+static void test_effect_lost_after_writing_is_undone(void **state) {
+  fixture_t *fx = *state;
+  char fp[IDEM_FINGERPRINT_LEN];
+  struct app_row row = {fx->tenant.id, "eff-lost", "x", 0, 0, 0};
+  idem_outcome_t out = {.state = IDEM_STATE_COMPLETED, .status = 201, .body = "{}"};
+  idem_record_t rec = {0};
+  idem_reserve_t req;
+  idem_complete_t c;
+
+  if (fx->dir[0])
+    skip();
+  app_table(fx);
+  make_fp(fp, 3);
+  req = request(fx, "create_note", "eff-lost", fp);
+  assert_int_equal(reserve(fx, &req, &rec), IDEM_RESERVE_WON);
+  c = (idem_complete_t){.scope = req.scope, .owner_token = rec.owner_token,
+                        .now_ms = fx->now + 1, .ttl_ms = TTL_MS, .outcome = out,
+                        .effect = {insert_row_then_lost, &row}};
+  assert_int_equal(idem_store_complete(fx->store, &c), IDEM_ELOST);
+  assert_true(row.runs >= 1);
+  assert_int_equal(app_rows(fx, "eff-lost"), 0);
+  idem_record_reset(&rec);
+  assert_int_equal(idem_store_lookup(fx->store, &req.scope, fx->now + 1, &rec), IDEM_OK);
+  assert_int_equal(rec.state, IDEM_STATE_PROCESSING);
   idem_record_reset(&rec);
 }
 
@@ -2626,9 +2887,11 @@ int main(int argc, char **argv) {
       STORE_TEST(test_effect_with_reservation),
       STORE_TEST(test_effect_failure_undoes_reservation),
       STORE_TEST(test_effect_with_completion),
+      STORE_TEST(test_effect_lost_after_writing_is_undone),
       STORE_TEST(test_effects_in_a_failed_batch),
       STORE_TEST(test_caller_write_and_read),
       STORE_TEST(test_queued_statements),
+      STORE_TEST(test_queued_error_before_prepare),
       STORE_TEST(test_caller_statements_kept),
       STORE_TEST(test_take_over),
       STORE_TEST(test_claim),
@@ -2642,6 +2905,9 @@ int main(int argc, char **argv) {
       STORE_TEST(test_failed_write_among_others),
       STORE_TEST(test_group_commit_batches),
       STORE_TEST(test_batched_commit_notifies_other_store),
+      STORE_TEST(test_batch_connection_lost_runs_again),
+      STORE_TEST(test_write_error_reaches_caller),
+      STORE_TEST(test_reads_do_not_starve_writes),
       STORE_TEST(test_sweep),
       STORE_TEST(test_sweep_large_batch),
       STORE_TEST(test_meta_first_value_wins),
