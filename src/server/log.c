@@ -275,31 +275,41 @@ static void put_num(struct line *l, const char *name, const char *num, size_t n)
   put(l, num, n);
 }
 
-void idemd_log_request(const idemd_request_t *r) {
-  struct line l = {.len = 0};
+/* The fields idemd's and the gateway's request lines share, from "ts" to
+ * "path", into `l`. */
+static void put_request_head(struct line *l, const char *request_id, const char *method,
+                             idemd_op_t op, idemd_outcome_t outcome, int status,
+                             int64_t start_us, const char *path) {
   char ts[40], num[64];
   size_t n;
   int64_t us;
 
-  if (min_level > 1)
-    return;
   timestamp(ts, sizeof ts);
-  PUT_LIT(&l, "{\"ts\":\"");
-  put(&l, ts, strlen(ts));
-  PUT_LIT(&l, "\",\"level\":\"info\",\"msg\":\"request\"");
-  put_str(&l, "request_id", r->request_id);
-  put_str_max(&l, "method", r->method ? r->method : "", METHOD_MAX, 6 * METHOD_MAX);
-  put_str(&l, "operation", idemd_op_name(r->op));
-  put_str(&l, "outcome", idemd_outcome_name(r->outcome));
-  put_num(&l, "status", num, idem__json_int(num, r->status));
+  PUT_LIT(l, "{\"ts\":\"");
+  put(l, ts, strlen(ts));
+  PUT_LIT(l, "\",\"level\":\"info\",\"msg\":\"request\"");
+  put_str(l, "request_id", request_id);
+  put_str_max(l, "method", method ? method : "", METHOD_MAX, 6 * METHOD_MAX);
+  put_str(l, "operation", idemd_op_name(op));
+  put_str(l, "outcome", idemd_outcome_name(outcome));
+  put_num(l, "status", num, idem__json_int(num, status));
   /* latency_ms with three decimals, as %.3f would print it */
-  us = idem_mono_us() - r->start_us;
+  us = idem_mono_us() - start_us;
   if (us < 0)
     us = 0;
   n = idem__json_int(num, us / 1000);
   n += put_fraction(num + n, (int)(us % 1000));
-  put_num(&l, "latency_ms", num, n);
-  put_str_max(&l, "path", r->path, LOG_PATH_RAW, LOG_PATH_ESCAPED);
+  put_num(l, "latency_ms", num, n);
+  put_str_max(l, "path", path ? path : "", LOG_PATH_RAW, LOG_PATH_ESCAPED);
+}
+
+void idemd_log_request(const idemd_request_t *r) {
+  struct line l = {.len = 0};
+
+  if (min_level > 1)
+    return;
+  put_request_head(&l, r->request_id, r->method, r->op, r->outcome, r->status, r->start_us,
+                   r->path);
   if (r->authenticated)
     put_str(&l, "tenant", r->tenant.name);
   if (r->key_id[0])
@@ -313,28 +323,11 @@ void idemd_log_request(const idemd_request_t *r) {
 
 void idemd_log_gateway_request(const idemd_gateway_line_t *g) {
   struct line l = {.len = 0};
-  char ts[40], num[64];
-  size_t n;
-  int64_t us;
 
   if (min_level > 1)
     return;
-  timestamp(ts, sizeof ts);
-  PUT_LIT(&l, "{\"ts\":\"");
-  put(&l, ts, strlen(ts));
-  PUT_LIT(&l, "\",\"level\":\"info\",\"msg\":\"request\"");
-  put_str(&l, "request_id", g->request_id);
-  put_str_max(&l, "method", g->method ? g->method : "", METHOD_MAX, 6 * METHOD_MAX);
-  put_str(&l, "operation", idemd_op_name(g->op));
-  put_str(&l, "outcome", idemd_outcome_name(g->outcome));
-  put_num(&l, "status", num, idem__json_int(num, g->status));
-  us = idem_mono_us() - g->start_us;
-  if (us < 0)
-    us = 0;
-  n = idem__json_int(num, us / 1000);
-  n += put_fraction(num + n, (int)(us % 1000));
-  put_num(&l, "latency_ms", num, n);
-  put_str_max(&l, "path", g->path ? g->path : "", LOG_PATH_RAW, LOG_PATH_ESCAPED);
+  put_request_head(&l, g->request_id, g->method, g->op, g->outcome, g->status, g->start_us,
+                   g->path);
   if (g->route)
     put_str(&l, "route", g->route);
   if (g->key_id && g->key_id[0])

@@ -203,6 +203,22 @@ void idemd_replay_cache_put_value(idemd_replay_cache_t *c, const idem_scope_t *s
   put(c, scope, fingerprint, status, "", "", expires_at_ms, value, value_bytes, free_value);
 }
 
+/* The live entry of `scope` in its shard `s` (locked by the caller), or
+ * NULL; an expired one is dropped on the way, the key as good as never
+ * seen. */
+static struct entry *find_live(struct shard *s, uint64_t h, const idem_scope_t *scope,
+                               int64_t now_ms) {
+  for (struct entry *e = s->buckets[(h / SHARDS) % BUCKETS]; e; e = e->chain) {
+    if (!same_scope(e, h, scope))
+      continue;
+    if (e->expires_at > now_ms)
+      return e;
+    drop(s, e);
+    return NULL;
+  }
+  return NULL;
+}
+
 int idemd_replay_cache_use(idemd_replay_cache_t *c, const idem_scope_t *scope,
                            int64_t now_ms,
                            int (*use)(void *value, int status, const char *fingerprint,
@@ -210,6 +226,7 @@ int idemd_replay_cache_use(idemd_replay_cache_t *c, const idem_scope_t *scope,
                            void *arg) {
   uint64_t h;
   struct shard *s;
+  struct entry *e;
   int used = 0;
 
   if (c == NULL)
@@ -217,17 +234,9 @@ int idemd_replay_cache_use(idemd_replay_cache_t *c, const idem_scope_t *scope,
   h = hash_scope(scope);
   s = &c->shards[h % SHARDS];
   pthread_mutex_lock(&s->lock);
-  for (struct entry *e = s->buckets[(h / SHARDS) % BUCKETS]; e; e = e->chain) {
-    if (!same_scope(e, h, scope))
-      continue;
-    if (e->expires_at <= now_ms) {
-      drop(s, e); /* expired: the key is as good as never seen */
-      break;
-    }
-    if (e->value && (used = use(e->value, e->status, e->fingerprint, arg)) != 0)
-      to_front(s, e);
-    break;
-  }
+  e = find_live(s, h, scope, now_ms);
+  if (e && e->value && (used = use(e->value, e->status, e->fingerprint, arg)) != 0)
+    to_front(s, e);
   pthread_mutex_unlock(&s->lock);
   if (used)
     atomic_fetch_add_explicit(&c->hits, 1, memory_order_relaxed);
@@ -238,6 +247,7 @@ int idemd_replay_cache_get(idemd_replay_cache_t *c, const idem_scope_t *scope,
                            int64_t now_ms, idemd_replay_t *out) {
   uint64_t h;
   struct shard *s;
+  struct entry *e;
   int found = 0;
 
   if (c == NULL)
@@ -245,22 +255,14 @@ int idemd_replay_cache_get(idemd_replay_cache_t *c, const idem_scope_t *scope,
   h = hash_scope(scope);
   s = &c->shards[h % SHARDS];
   pthread_mutex_lock(&s->lock);
-  for (struct entry *e = s->buckets[(h / SHARDS) % BUCKETS]; e; e = e->chain) {
-    if (!same_scope(e, h, scope))
-      continue;
-    if (e->expires_at <= now_ms) {
-      drop(s, e); /* expired: the key is as good as never seen */
-      break;
-    }
-    if ((out->body = strdup(e->body)) != NULL) {
-      /* Strings only: an entry's arrays are not zeroed past them. */
-      idem_copy(out->fingerprint, sizeof out->fingerprint, e->fingerprint);
-      idem_copy(out->location, sizeof out->location, e->location);
-      out->status = e->status;
-      to_front(s, e);
-      found = 1;
-    }
-    break;
+  e = find_live(s, h, scope, now_ms);
+  if (e && (out->body = strdup(e->body)) != NULL) {
+    /* Strings only: an entry's arrays are not zeroed past them. */
+    idem_copy(out->fingerprint, sizeof out->fingerprint, e->fingerprint);
+    idem_copy(out->location, sizeof out->location, e->location);
+    out->status = e->status;
+    to_front(s, e);
+    found = 1;
   }
   pthread_mutex_unlock(&s->lock);
   if (found)
