@@ -596,8 +596,11 @@ static int change(idemd_tenants_t *t, int (*fn)(void *, idem_tx_t *), void *arg,
   idem_effect_t e = {changed_fn, &c};
   int rc = idem_store_write(t->store, &e);
 
-  if (rc != unchanged)
+  if (rc != unchanged) {
+    if (t->watched) /* this handle's cache at once; others' at the NOTIFY */
+      atomic_fetch_add(&t->notified, 1);
     bump(t);
+  }
   return rc;
 }
 
