@@ -266,9 +266,11 @@ int idem_store_local_reads(const idem_store_t *store);
  * its connection: notifications may be missed until the next
  * `fn(arg, 1)`. Until the first call, the caller must assume it is not
  * listening. `fn` must be quick and must not call into the store. One
- * channel per store (IDEM_EINVAL for another; the same one replaces
- * `fn`); a NULL `channel` removes `fn`, which is not called after that
- * returns. IDEM_ENOTSUP on a store without a listener (SQLite). */
+ * function per store: IDEM_EEXIST while one is set, or for a channel
+ * other than the first one's; IDEM_EINVAL for a bad name. A NULL
+ * `channel` removes `fn` with `arg` when they are the ones set; it is not
+ * called after that returns. IDEM_ENOTSUP on a store without a listener
+ * (SQLite). */
 int idem_store_listen(idem_store_t *store, const char *channel,
                       void (*fn)(void *arg, int listening), void *arg);
 

@@ -224,13 +224,19 @@ static void tenants_notified(void *arg, int listening) {
   atomic_fetch_add(&t->notified, 1);
 }
 
-/* On PostgreSQL: the cache, counted by the listener's notifications. */
+/* On PostgreSQL: the cache, counted by the listener's notifications; for
+ * the store's first handle only (one function per store): another reads
+ * every key. */
 static void watch_changes(idemd_tenants_t *t) {
   if (strcmp(idem_store_backend(t->store), "postgresql") != 0 ||
       (t->cache = calloc(CACHE_ENTRIES, sizeof *t->cache)) == NULL)
     return;
-  if (idem_store_listen(t->store, TENANTS_CHANNEL, tenants_notified, t) == IDEM_OK)
+  if (idem_store_listen(t->store, TENANTS_CHANNEL, tenants_notified, t) == IDEM_OK) {
     t->watched = 1;
+    return;
+  }
+  free(t->cache);
+  t->cache = NULL;
 }
 
 /* The database's file, as SQLite resolved it (symbolic links and all, as
@@ -305,7 +311,7 @@ void idemd_tenants_close(idemd_tenants_t *t) {
     return;
   (void)idemd_keys_flush(t);
   if (t->watched)
-    (void)idem_store_listen(t->store, NULL, NULL, NULL);
+    (void)idem_store_listen(t->store, NULL, tenants_notified, t);
   if (t->fd >= 0)
     close(t->fd);
   pthread_mutex_destroy(&t->lock);

@@ -310,6 +310,7 @@ typedef struct pg_store {
   char watch_channel[64]; /* "": none */
   void (*watch_fn)(void *arg, int listening);
   void *watch_arg;
+  int watch_told; /* watch_fn was last called with 1 */
   atomic_int stopping;
 
   /* Group commit (the writers, below): callers queue their writes and
@@ -1581,22 +1582,31 @@ static int listen_to(pg_store_t *s, struct conn *lc, const char *sql) {
  * notification or may have missed one (`listening` 0). */
 static void tell_watch(pg_store_t *s, int listening) {
   pthread_mutex_lock(&s->watch_lock);
-  if (s->watch_fn)
+  if (s->watch_fn) {
     s->watch_fn(s->watch_arg, listening);
+    s->watch_told = listening;
+  }
   pthread_mutex_unlock(&s->watch_lock);
 }
 
 /* LISTENs on idem_store_listen()'s channel once there is one and this
- * connection does not yet (`watching`, its name). 0, or -1 when the
- * LISTEN failed. */
+ * connection does not yet (`watching`, its name), and tells a function
+ * set since that it is listening. 0, or -1 when the LISTEN failed. */
 static int listen_to_watch(pg_store_t *s, struct conn *lc, char *watching, size_t cap) {
   char channel[sizeof s->watch_channel], sql[sizeof channel + 16];
+  int untold;
 
   pthread_mutex_lock(&s->watch_lock);
   snprintf(channel, sizeof channel, "%s", s->watch_channel);
+  untold = s->watch_fn != NULL && !s->watch_told;
   pthread_mutex_unlock(&s->watch_lock);
-  if (channel[0] == '\0' || strcmp(channel, watching) == 0)
+  if (channel[0] == '\0')
     return 0;
+  if (strcmp(channel, watching) == 0) {
+    if (untold)
+      tell_watch(s, 1);
+    return 0;
+  }
   snprintf(sql, sizeof sql, "LISTEN %s", channel);
   if (listen_to(s, lc, sql) != 0)
     return -1;
@@ -1663,15 +1673,21 @@ int idem__postgres_listen(idem_store_t *base, const char *channel,
        strspn(channel, "abcdefghijklmnopqrstuvwxyz0123456789_") != strlen(channel)))
     return IDEM_EINVAL;
   pthread_mutex_lock(&s->watch_lock);
-  if (channel != NULL && s->watch_channel[0] != '\0' &&
-      strcmp(channel, s->watch_channel) != 0) {
+  if (channel == NULL) { /* removes `arg`'s, and only that */
+    if (s->watch_fn == fn && s->watch_arg == arg)
+      s->watch_fn = NULL, s->watch_arg = NULL;
     pthread_mutex_unlock(&s->watch_lock);
-    return IDEM_EINVAL; /* a connection LISTENs on one channel of its own */
+    return IDEM_OK;
   }
-  if (channel != NULL)
-    snprintf(s->watch_channel, sizeof s->watch_channel, "%s", channel);
-  s->watch_fn = channel ? fn : NULL;
-  s->watch_arg = channel ? arg : NULL;
+  if (s->watch_fn != NULL ||
+      (s->watch_channel[0] != '\0' && strcmp(channel, s->watch_channel) != 0)) {
+    pthread_mutex_unlock(&s->watch_lock);
+    return IDEM_EEXIST; /* one function, and a connection LISTENs on one channel */
+  }
+  snprintf(s->watch_channel, sizeof s->watch_channel, "%s", channel);
+  s->watch_told = 0;
+  s->watch_fn = fn;
+  s->watch_arg = arg;
   pthread_mutex_unlock(&s->watch_lock);
   return IDEM_OK;
 }
