@@ -260,6 +260,23 @@ const char *idem_store_backend(const idem_store_t *store);
  * trip, so an event loop may make them inline; 0 when they may block. */
 int idem_store_local_reads(const idem_store_t *store);
 
+/* Follows notifications on `channel` (letters a-z, digits, '_'), sent by
+ * any process on the database in a committed transaction (NOTIFY, or
+ * pg_notify()), for a cache that must forget what another instance
+ * changed (docs/scaling.md, "API keys on PostgreSQL"). The store's
+ * listener thread calls `fn(arg, 1)` once its LISTEN on the channel has
+ * succeeded and for each notification after; `fn(arg, 0)` when it lost
+ * its connection: notifications may be missed until the next
+ * `fn(arg, 1)`. Until the first call, the caller must assume it is not
+ * listening. `fn` must be quick and must not call into the store. One
+ * function per store: IDEM_EEXIST while one is set, or for a channel
+ * other than the first one's; IDEM_EINVAL for a bad name. A NULL
+ * `channel` removes `fn` with `arg` when they are the ones set; it is not
+ * called after that returns. IDEM_ENOTSUP on a store without a listener
+ * (SQLite). */
+int idem_store_listen(idem_store_t *store, const char *channel,
+                      void (*fn)(void *arg, int listening), void *arg);
+
 /* 1 when the store has asynchronous forms of its reservation and
  * completion (idem_store_reserve_async(), idem_store_complete_async()):
  * both of idem's stores, whose writes go through a group commit; 0 when

@@ -1,5 +1,5 @@
-/* Tenants on either store (see tenants.h), and, on SQLite, the cache of
- * tenants found by key. */
+/* Tenants on either store (see tenants.h), and the cache of tenants found
+ * by key. */
 #include "data/tenants.h"
 
 #include <errno.h>
@@ -95,10 +95,24 @@ static const char used_sql[] = "UPDATE api_keys SET last_used_at = $1 WHERE id =
  * bounds staleness after a change made another way (SQL on the file by
  * hand, a replaced file) or a command killed between its commit and its
  * byte. Without the file (say, a read-only directory), every key is read
- * from the database. PostgreSQL's tenants are read each time. */
+ * from the database.
+ *
+ * On PostgreSQL, whose instances may be on other machines, the count is
+ * the store's listener's instead (idem_store_listen()): every change sends
+ * a NOTIFY on TENANTS_CHANNEL in its own transaction, and each
+ * notification the listener receives counts one. While the listener is
+ * not listening (before its LISTEN succeeded, after it lost its
+ * connection) a notification may be missed: nothing is remembered, and
+ * its next LISTEN counts one more, so that entries from before are not
+ * trusted after. An entry lasts at most PG_TTL_MS there, which bounds
+ * staleness after a change that sent no NOTIFY (by hand in SQL) or one
+ * lost on a connection that died silently (keepalives find that within
+ * about twice --db-timeout): docs/scaling.md, "API keys on PostgreSQL". */
 #define CACHE_ENTRIES 64 /* direct-mapped by key lookup */
 #define TTL_MS 1000
+#define PG_TTL_MS 30000
 #define RECHECK_US 2000
+#define TENANTS_CHANNEL "idem_tenants"
 
 struct entry {
   idemd_api_key_t key;
@@ -127,6 +141,9 @@ struct idemd_tenants {
   int writable;    /* 0: this process only reads it */
   int exists;      /* the file exists, whether this process can use it */
   uint64_t serial; /* tells these apart in per-thread state */
+  int watched;     /* PostgreSQL: the count is `notified`, not the file */
+  atomic_int listening;
+  atomic_int_fast64_t notified;
   pthread_mutex_t lock;
   struct entry *cache; /* CACHE_ENTRIES */
   pthread_mutex_t use_lock;
@@ -185,6 +202,41 @@ static void bump(idemd_tenants_t *t) {
           "for servers to forget the old key\n",
           t->path, TTL_MS + 100);
   sleep_us((TTL_MS + 100) * 1000LL);
+}
+
+/* The change count of a lookup, read before its key: -1 when nothing may
+ * be remembered. On PostgreSQL `notified` is read before `listening`,
+ * which the listener sets before counting: a count read while it was not
+ * listening is counted past once it listens again. */
+static int64_t change_count(idemd_tenants_t *t) {
+  if (t->watched) {
+    int64_t n = atomic_load(&t->notified);
+    return atomic_load(&t->listening) ? n : -1;
+  }
+  return t->fd < 0 ? -1 : changed_lately(t);
+}
+
+/* The listener's (idem_store_listen()): a tenant or key changed on some
+ * instance, or notifications may be missed (`listening` 0), or no longer. */
+static void tenants_notified(void *arg, int listening) {
+  idemd_tenants_t *t = arg;
+  atomic_store(&t->listening, listening);
+  atomic_fetch_add(&t->notified, 1);
+}
+
+/* On PostgreSQL: the cache, counted by the listener's notifications; for
+ * the store's first handle only (one function per store): another reads
+ * every key. */
+static void watch_changes(idemd_tenants_t *t) {
+  if (strcmp(idem_store_backend(t->store), "postgresql") != 0 ||
+      (t->cache = calloc(CACHE_ENTRIES, sizeof *t->cache)) == NULL)
+    return;
+  if (idem_store_listen(t->store, TENANTS_CHANNEL, tenants_notified, t) == IDEM_OK) {
+    t->watched = 1;
+    return;
+  }
+  free(t->cache);
+  t->cache = NULL;
 }
 
 /* The database's file, as SQLite resolved it (symbolic links and all, as
@@ -249,6 +301,7 @@ int idemd_tenants_open(idem_store_t *store, idemd_tenants_t **out) {
   pthread_mutex_init(&t->lock, NULL);
   pthread_mutex_init(&t->use_lock, NULL);
   open_change_file(t);
+  watch_changes(t);
   *out = t;
   return IDEM_OK;
 }
@@ -257,6 +310,8 @@ void idemd_tenants_close(idemd_tenants_t *t) {
   if (t == NULL)
     return;
   (void)idemd_keys_flush(t);
+  if (t->watched)
+    (void)idem_store_listen(t->store, NULL, tenants_notified, t);
   if (t->fd >= 0)
     close(t->fd);
   pthread_mutex_destroy(&t->lock);
@@ -394,7 +449,7 @@ int idemd_key_find(idemd_tenants_t *t, const char *lookup, idemd_api_key_t *key,
   int64_t changed, now;
   int rc;
 
-  if (t->fd < 0 || (changed = changed_lately(t)) < 0)
+  if ((changed = change_count(t)) < 0)
     return read_key(t, lookup, key, tenant);
   /* `changed` is read before the key: a change after it makes the entry
    * stale at once. */
@@ -412,9 +467,30 @@ int idemd_key_find(idemd_tenants_t *t, const char *lookup, idemd_api_key_t *key,
   rc = read_key(t, lookup, key, tenant);
   if (rc == IDEM_OK) { /* unknown keys are not remembered */
     pthread_mutex_lock(&t->lock);
-    *e = (struct entry){*key, *tenant, changed, now + TTL_MS, 1};
+    *e = (struct entry){*key, *tenant, changed, now + (t->watched ? PG_TTL_MS : TTL_MS),
+                        1};
     pthread_mutex_unlock(&t->lock);
   }
+  return rc;
+}
+
+int idemd_key_remembered(idemd_tenants_t *t, const char *lookup, idemd_api_key_t *key,
+                         idemd_tenant_t *tenant) {
+  struct entry *e;
+  int64_t changed = change_count(t);
+  int rc = IDEM_EAGAIN;
+
+  if (changed < 0)
+    return IDEM_EAGAIN;
+  e = slot_of(t, lookup);
+  pthread_mutex_lock(&t->lock);
+  if (e->used && e->changed == changed && e->until_ms > idem_mono_ms() &&
+      strcmp(e->key.lookup, lookup) == 0) {
+    *key = e->key;
+    *tenant = e->tenant;
+    rc = IDEM_OK;
+  }
+  pthread_mutex_unlock(&t->lock);
   return rc;
 }
 
@@ -456,7 +532,9 @@ int idemd_key_list(idemd_tenants_t *t, const char *tenant, idemd_api_key_t *out,
 /* ---- Changes -------------------------------------------------------------
  *
  * Each is one write, then counted in the change file (bump()), so that it
- * holds for every process once it returns. A write that failed may still
+ * holds for every process once it returns; on PostgreSQL the write sends
+ * its NOTIFY (changed_fn()), and holds on each instance once that
+ * arrives. A write that failed may still
  * have committed (the connection broke after COMMIT): it is counted too,
  * which at worst empties the caches once more. */
 
@@ -500,15 +578,35 @@ static int create_fn(void *arg, idem_tx_t *tx) {
   return rc == IDEM_OK ? insert_key(tx, c->tenant->name, c->key) : rc;
 }
 
+struct changed {
+  int (*fn)(void *, idem_tx_t *);
+  void *arg;
+};
+
+/* A change's write; on PostgreSQL with its NOTIFY, sent at its commit. */
+static int changed_fn(void *arg, idem_tx_t *tx) {
+  struct changed *c = arg;
+  int rc = c->fn(c->arg, tx);
+
+  if (rc == IDEM_OK && !idemd_sql_is_sqlite(tx))
+    rc = idemd_sql_run(tx, IDEMD_SQL_COUNT, "SELECT pg_notify('" TENANTS_CHANNEL "', '')",
+                       NULL, 0, NULL, NULL, NULL);
+  return rc;
+}
+
 /* Runs `fn` in a write and counts it in the change file unless `rc` is
  * `unchanged`, an answer that means nothing was written. */
 static int change(idemd_tenants_t *t, int (*fn)(void *, idem_tx_t *), void *arg,
                   int unchanged) {
-  idem_effect_t e = {fn, arg};
+  struct changed c = {fn, arg};
+  idem_effect_t e = {changed_fn, &c};
   int rc = idem_store_write(t->store, &e);
 
-  if (rc != unchanged)
+  if (rc != unchanged) {
+    if (t->watched) /* this handle's cache at once; others' at the NOTIFY */
+      atomic_fetch_add(&t->notified, 1);
     bump(t);
+  }
   return rc;
 }
 

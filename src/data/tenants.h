@@ -69,6 +69,13 @@ int idemd_tenant_list(idemd_tenants_t *t, idemd_tenant_t *out, int max, int *n);
 int idemd_key_find(idemd_tenants_t *t, const char *lookup, idemd_api_key_t *key,
                    idemd_tenant_t *tenant);
 
+/* idemd_key_find() from memory only, never waiting on the store: IDEM_OK
+ * when the key and its tenant are remembered and still trusted,
+ * IDEM_EAGAIN otherwise (unknown, not remembered, or a cache not trusted
+ * now): the caller then uses idemd_key_find() where it may wait. */
+int idemd_key_remembered(idemd_tenants_t *t, const char *lookup, idemd_api_key_t *key,
+                         idemd_tenant_t *tenant);
+
 /* Adds `key` (name, lookup, hash, created_at) to the tenant named
  * `tenant`, and sets key->id and key->tenant_id. IDEM_ENOTFOUND when
  * there is no such tenant; IDEM_EEXIST when the tenant has a key in use of

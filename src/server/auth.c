@@ -34,8 +34,8 @@ int idemd_api_key_new(const char *name, idemd_api_key_t *k, char *key) {
   return idem_sha256(key, strlen(key), k->hash);
 }
 
-int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
-                       idemd_tenant_t *out) {
+static int authenticate(idemd_tenants_t *tenants, const char *authorization,
+                        idemd_tenant_t *out, int memory_only) {
   char lookup[LOOKUP_LEN + 1];
   idemd_api_key_t k;
   unsigned char hash[IDEM_SHA256_LEN];
@@ -61,7 +61,8 @@ int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
     return IDEM_ENOTFOUND;
   if (idem_sha256(key, len, hash) != IDEM_OK)
     return IDEM_ECRYPTO;
-  rc = idemd_key_find(tenants, lookup, &k, out);
+  rc = memory_only ? idemd_key_remembered(tenants, lookup, &k, out)
+                   : idemd_key_find(tenants, lookup, &k, out);
   if (rc != IDEM_OK)
     return rc;
   if (!idem_ct_equal(hash, k.hash, sizeof hash) || out->disabled) {
@@ -70,4 +71,14 @@ int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
   }
   idemd_key_used(tenants, k.id, idem_now_ms());
   return IDEM_OK;
+}
+
+int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
+                       idemd_tenant_t *out) {
+  return authenticate(tenants, authorization, out, 0);
+}
+
+int idemd_authenticate_remembered(idemd_tenants_t *tenants, const char *authorization,
+                                  idemd_tenant_t *out) {
+  return authenticate(tenants, authorization, out, 1);
 }

@@ -26,4 +26,12 @@ int idemd_api_key_new(const char *name, idemd_api_key_t *k, char *key);
 int idemd_authenticate(idemd_tenants_t *tenants, const char *authorization,
                        idemd_tenant_t *out);
 
+/* idemd_authenticate() without waiting on the store, for an event thread:
+ * the same answers for a key whose tenant is remembered
+ * (idemd_key_remembered()), IDEM_EAGAIN when it is not (or the header is
+ * well-formed but its key unknown here): the caller then authenticates
+ * where it may wait. */
+int idemd_authenticate_remembered(idemd_tenants_t *tenants, const char *authorization,
+                                  idemd_tenant_t *out);
+
 #endif

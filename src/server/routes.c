@@ -301,10 +301,27 @@ enum MHD_Result idemd_dispatch(idemd_request_t *r) {
    * goes on to a worker. */
   if (r->route == ROUTE_WEBHOOK)
     return idemd_webhook_receive(r);
-  /* Where reads may block (PostgreSQL), even the key check waits on the
-   * network: all of it runs in a worker. */
-  if (!r->may_block && !local)
-    return idemd_defer(r, idemd_dispatch);
+  /* Where reads may block (PostgreSQL), a key that memory does not hold
+   * waits on the network: then all of it runs in a worker. A keyed POST
+   * with a key remembered goes on here, for its replay from memory, as on
+   * SQLite (flow.c, go_on(); docs/performance.md, "PostgreSQL: API keys
+   * and replays from memory"); anything else defers there. */
+  if (!r->may_block && !local) {
+    if (!r->needs_auth || r->authenticated ||
+        (r->route != ROUTE_PAYMENTS && r->route != ROUTE_ORDERS &&
+         r->route != ROUTE_REFUNDS))
+      return idemd_defer(r, idemd_dispatch);
+    rc = idemd_authenticate_remembered(
+        r->srv->tenants,
+        MHD_lookup_connection_value(r->conn, MHD_HEADER_KIND,
+                                    MHD_HTTP_HEADER_AUTHORIZATION),
+        &r->tenant);
+    if (rc == IDEM_EAGAIN)
+      return idemd_defer(r, idemd_dispatch);
+    if (rc != IDEM_OK)
+      return idemd_reply_key_failure(r, rc);
+    r->authenticated = 1;
+  }
   if (r->needs_auth && !r->authenticated && (rc = idemd_check_key(r)) != IDEM_OK)
     return idemd_reply_key_failure(r, rc);
   switch (r->route) {

@@ -333,6 +333,12 @@ typedef struct pg_store {
   int max_conns;
   pthread_t listener, watchdog;
   int listener_started, watchdog_started;
+  /* idem_store_listen()'s: the listener calls watch_fn under watch_lock. */
+  pthread_mutex_t watch_lock;
+  char watch_channel[64]; /* "": none */
+  void (*watch_fn)(void *arg, int listening);
+  void *watch_arg;
+  int watch_told; /* watch_fn was last called with 1 */
   atomic_int stopping;
 
   /* Group commit (the writers, below): callers queue their writes and
@@ -1819,6 +1825,62 @@ static void listen_retry_later(pg_store_t *s, PGconn *pg, int *backoff_ms) {
   *backoff_ms = *backoff_ms < 2000 ? *backoff_ms * 2 : 2000;
 }
 
+/* Runs `sql` (a LISTEN) on the listener's connection, watched like a
+ * pooled call, so that a server that hangs does not hang the listener
+ * (nor pg_close(), which joins it). 0 when it succeeded. */
+static int listen_to(pg_store_t *s, struct conn *lc, const char *sql) {
+  PGresult *res;
+  int ok;
+
+  pthread_mutex_lock(&s->pool_lock);
+  watch_locked(s, lc);
+  pthread_mutex_unlock(&s->pool_lock);
+  res = PQexec(lc->pg, sql);
+  pthread_mutex_lock(&s->pool_lock);
+  unwatch_locked(s, lc);
+  pthread_mutex_unlock(&s->pool_lock);
+  ok = PQresultStatus(res) == PGRES_COMMAND_OK;
+  PQclear(res);
+  return ok ? 0 : -1;
+}
+
+/* Tells idem_store_listen()'s function, if any, that its channel had a
+ * notification or may have missed one (`listening` 0). */
+static void tell_watch(pg_store_t *s, int listening) {
+  pthread_mutex_lock(&s->watch_lock);
+  if (s->watch_fn) {
+    s->watch_fn(s->watch_arg, listening);
+    s->watch_told = listening;
+  }
+  pthread_mutex_unlock(&s->watch_lock);
+}
+
+/* LISTENs on idem_store_listen()'s channel once there is one and this
+ * connection does not yet (`watching`, its name), and tells a function
+ * set since that it is listening. 0, or -1 when the LISTEN failed. */
+static int listen_to_watch(pg_store_t *s, struct conn *lc, char *watching, size_t cap) {
+  char channel[sizeof s->watch_channel], sql[sizeof channel + 16];
+  int untold;
+
+  pthread_mutex_lock(&s->watch_lock);
+  snprintf(channel, sizeof channel, "%s", s->watch_channel);
+  untold = s->watch_fn != NULL && !s->watch_told;
+  pthread_mutex_unlock(&s->watch_lock);
+  if (channel[0] == '\0')
+    return 0;
+  if (strcmp(channel, watching) == 0) {
+    if (untold)
+      tell_watch(s, 1);
+    return 0;
+  }
+  snprintf(sql, sizeof sql, "LISTEN %s", channel);
+  if (listen_to(s, lc, sql) != 0)
+    return -1;
+  snprintf(watching, cap, "%s", channel);
+  tell_watch(s, 1); /* trusted from here on */
+  return 0;
+}
+
 static void *listen_loop(void *arg) {
   pg_store_t *s = arg;
   int backoff_ms = 100;
@@ -1826,7 +1888,7 @@ static void *listen_loop(void *arg) {
   while (!atomic_load(&s->stopping)) {
     PGconn *pg = pg_connect(s);
     struct conn lc = {.pg = pg};
-    PGresult *res;
+    char watching[sizeof s->watch_channel] = "";
     if (PQstatus(pg) != CONNECTION_OK) {
       listen_retry_later(s, pg, &backoff_ms);
       continue;
@@ -1834,27 +1896,18 @@ static void *listen_loop(void *arg) {
     /* The server's messages (a FATAL at its shutdown) stay off stderr,
      * which is the request log, as for the pool's connections. */
     PQsetNoticeProcessor(pg, quiet, NULL);
-    /* LISTEN waits for the server's answer: watched like a pooled call,
-     * so that a server that hangs does not hang the listener (nor
-     * pg_close(), which joins it). Between notifications it only polls. */
-    pthread_mutex_lock(&s->pool_lock);
-    watch_locked(s, &lc);
-    pthread_mutex_unlock(&s->pool_lock);
-    res = PQexec(pg, "LISTEN " NOTIFY_CHANNEL);
-    pthread_mutex_lock(&s->pool_lock);
-    unwatch_locked(s, &lc);
-    pthread_mutex_unlock(&s->pool_lock);
-    if (PQresultStatus(res) != PGRES_COMMAND_OK) { /* no wake-ups: try again */
-      PQclear(res);
+    /* Between notifications it only polls. */
+    if (listen_to(s, &lc, "LISTEN " NOTIFY_CHANNEL) != 0) { /* no wake-ups: try again */
       listen_retry_later(s, pg, &backoff_ms);
       continue;
     }
-    PQclear(res);
     backoff_ms = 100;
     idem__waitset_wake_all(s->base.waits);
     while (!atomic_load(&s->stopping)) {
       struct pollfd pfd = {.fd = PQsocket(pg), .events = POLLIN};
       PGnotify *n;
+      if (listen_to_watch(s, &lc, watching, sizeof watching) != 0)
+        break;
       if (pfd.fd < 0)
         break;
       if (poll(&pfd, 1, 200) < 0 && errno != EINTR)
@@ -1862,14 +1915,47 @@ static void *listen_loop(void *arg) {
       if (!PQconsumeInput(pg))
         break;
       while ((n = PQnotifies(pg)) != NULL) {
-        wake_from_payload(s, n->extra);
+        if (watching[0] != '\0' && strcmp(n->relname, watching) == 0)
+          tell_watch(s, 1);
+        else
+          wake_from_payload(s, n->extra);
         PQfreemem(n);
       }
     }
     PQfinish(pg);
+    if (watching[0] != '\0')
+      tell_watch(s, 0); /* notifications may be missed until the next LISTEN */
     idem__waitset_wake_all(s->base.waits);
   }
   return NULL;
+}
+
+int idem__postgres_listen(idem_store_t *base, const char *channel,
+                          void (*fn)(void *arg, int listening), void *arg) {
+  pg_store_t *s = (pg_store_t *)base;
+
+  if (channel != NULL &&
+      (channel[0] == '\0' || strlen(channel) >= sizeof s->watch_channel ||
+       strspn(channel, "abcdefghijklmnopqrstuvwxyz0123456789_") != strlen(channel)))
+    return IDEM_EINVAL;
+  pthread_mutex_lock(&s->watch_lock);
+  if (channel == NULL) { /* removes `arg`'s, and only that */
+    if (s->watch_fn == fn && s->watch_arg == arg)
+      s->watch_fn = NULL, s->watch_arg = NULL;
+    pthread_mutex_unlock(&s->watch_lock);
+    return IDEM_OK;
+  }
+  if (s->watch_fn != NULL ||
+      (s->watch_channel[0] != '\0' && strcmp(channel, s->watch_channel) != 0)) {
+    pthread_mutex_unlock(&s->watch_lock);
+    return IDEM_EEXIST; /* one function, and a connection LISTENs on one channel */
+  }
+  snprintf(s->watch_channel, sizeof s->watch_channel, "%s", channel);
+  s->watch_told = 0;
+  s->watch_fn = fn;
+  s->watch_arg = arg;
+  pthread_mutex_unlock(&s->watch_lock);
+  return IDEM_OK;
 }
 
 static void pg_close(idem_store_t *base) {
@@ -1900,6 +1986,7 @@ static void pg_close(idem_store_t *base) {
   pthread_cond_destroy(&s->conn_freed);
   pthread_cond_destroy(&s->stop_cond);
   pthread_mutex_destroy(&s->pool_lock);
+  pthread_mutex_destroy(&s->watch_lock);
   pthread_cond_destroy(&s->q_ready);
   pthread_mutex_destroy(&s->q_lock);
   free(s->url);
@@ -1958,6 +2045,7 @@ int idem__postgres_open(const char *url, const idem_store_options_t *opts,
   s->max_conns = opts->pool_size > 0 ? opts->pool_size : 64;
   set_params(s);
   pthread_mutex_init(&s->pool_lock, NULL);
+  pthread_mutex_init(&s->watch_lock, NULL);
   pthread_mutex_init(&s->q_lock, NULL);
   pthread_cond_init(&s->q_ready, NULL);
   {

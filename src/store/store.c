@@ -109,6 +109,13 @@ int idem_store_local_reads(const idem_store_t *store) {
   return store->methods->local_reads;
 }
 
+int idem_store_listen(idem_store_t *store, const char *channel,
+                      void (*fn)(void *arg, int listening), void *arg) {
+  if (strcmp(store->methods->name, "postgresql") != 0)
+    return IDEM_ENOTSUP;
+  return idem__postgres_listen(store, channel, fn, arg);
+}
+
 int idem_store_async_writes(const idem_store_t *store) {
   return store->methods->reserve_async != NULL && store->methods->complete_async != NULL;
 }

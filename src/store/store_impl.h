@@ -70,6 +70,9 @@ int idem__sqlite_open(const char *path, const idem_store_options_t *opts,
 int idem__postgres_open(const char *url, const idem_store_options_t *opts,
                         idem_store_t **out);
 
+/* idem_store_listen() on a PostgreSQL store. */
+int idem__postgres_listen(idem_store_t *store, const char *channel,
+                          void (*fn)(void *arg, int listening), void *arg);
 /* Tests only: applies the SQLite schema up to `version` (not past it),
  * so that a test can fill an older schema and migrate it. `store` must be
  * a SQLite store. IDEM_EINVAL for a version this program does not have. */

@@ -3,11 +3,14 @@
  * all get its answer; a copy on one instance waits for the original on the
  * other and is woken (LISTEN/NOTIFY) as soon as it finishes, well before the
  * wait bound; a key used on one instance is a replay or a mismatch on the
- * other. PostgreSQL only: run it through scripts/with-pg.sh. */
+ * other; an API key revoked while another instance remembers it stops
+ * working there once the change's NOTIFY arrives. PostgreSQL only: run it
+ * through scripts/with-pg.sh. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -180,6 +183,67 @@ static void test_key_shared_across_instances(void **state) {
   h_server_stop(a);
 }
 
+/* Runs idemd's CLI on `s`'s database; returns its first line of output
+ * (caller frees), asserting it succeeded. */
+static char *cli_line(h_server_t *s, const char *const *args) {
+  char *out = NULL;
+  assert_int_equal(h_cli(s, args, &out), 0);
+  assert_non_null(out);
+  out[strcspn(out, "\n")] = '\0';
+  return out;
+}
+
+/* B remembers the key (its replays are answered from memory in its event
+ * thread); A's CLI revokes it: B refuses it once the NOTIFY arrives, well
+ * before an entry's 30 s lifetime (src/data/tenants.c), while another key
+ * of the tenant still gets the replay. The bound is generous: only a
+ * missed notification would reach it. */
+static void test_revoked_key_on_other_instance(void **state) {
+  h_server_t *a = h_server_start(NULL);
+  h_server_t *b = h_server_start_on(a->db, NULL);
+  const char *tok = h_tenant(a, "acme");
+  char *tok2;
+  h_resp_t first, r;
+  double until;
+  long status = 0;
+  (void)state;
+
+  h_post(b, "/payments", tok, "rev-1", PAYMENT, &first);
+  h_assert_first(&first, 201);
+  for (int i = 0; i < 3; i++) { /* remembered on b now */
+    h_post(b, "/payments", tok, "rev-1", PAYMENT, &r);
+    h_assert_replay_of(&r, &first);
+    h_resp_free(&r);
+  }
+  tok2 =
+      cli_line(a, (const char *const[]){"tenant", "key", "add", "acme", "second", NULL});
+  free(cli_line(
+      a, (const char *const[]){"tenant", "key", "revoke", "acme", "default", NULL}));
+  for (until = h_now() + 10; h_now() < until;) {
+    h_post(b, "/payments", tok, "rev-1", PAYMENT, &r);
+    status = r.status;
+    h_resp_free(&r);
+    if (status == 401)
+      break;
+    assert_int_equal(status, 201); /* still the replay, until then */
+    usleep(20 * 1000);
+  }
+  assert_int_equal(status, 401);
+  h_post(a, "/payments", tok, "rev-1", PAYMENT, &r);
+  h_assert_status(&r, 401);
+  h_resp_free(&r);
+  h_post(b, "/payments", tok2, "rev-1", PAYMENT, &r);
+  h_assert_replay_of(&r, &first);
+  h_resp_free(&r);
+  h_post(b, "/payments", tok2, "rev-2", PAYMENT, &r);
+  h_assert_first(&r, 201);
+  h_resp_free(&r);
+  h_resp_free(&first);
+  free(tok2);
+  h_server_stop(b);
+  h_server_stop(a);
+}
+
 /* A request sent from a thread. */
 struct bg {
   h_server_t *s;
@@ -315,6 +379,7 @@ int main(int argc, char **argv) {
       cmocka_unit_test_teardown(test_together_payment_two_instances, h_teardown),
       cmocka_unit_test_teardown(test_together_order_two_instances, h_teardown),
       cmocka_unit_test_teardown(test_key_shared_across_instances, h_teardown),
+      cmocka_unit_test_teardown(test_revoked_key_on_other_instance, h_teardown),
       cmocka_unit_test_teardown(test_wakeup_across_instances, h_teardown),
       cmocka_unit_test_teardown(test_wait_bound_across_instances, h_teardown),
   };
