@@ -1873,7 +1873,8 @@ static int listen_to_watch(pg_store_t *s, struct conn *lc, char *watching, size_
       tell_watch(s, 1);
     return 0;
   }
-  snprintf(sql, sizeof sql, "LISTEN %s", channel);
+  /* Quoted: a name of digits and letters may still be a keyword. */
+  snprintf(sql, sizeof sql, "LISTEN \"%s\"", channel);
   if (listen_to(s, lc, sql) != 0)
     return -1;
   snprintf(watching, cap, "%s", channel);
@@ -1889,6 +1890,7 @@ static void *listen_loop(void *arg) {
     PGconn *pg = pg_connect(s);
     struct conn lc = {.pg = pg};
     char watching[sizeof s->watch_channel] = "";
+    int watch_failed = 0;
     if (PQstatus(pg) != CONNECTION_OK) {
       listen_retry_later(s, pg, &backoff_ms);
       continue;
@@ -1901,13 +1903,15 @@ static void *listen_loop(void *arg) {
       listen_retry_later(s, pg, &backoff_ms);
       continue;
     }
-    backoff_ms = 100;
     idem__waitset_wake_all(s->base.waits);
     while (!atomic_load(&s->stopping)) {
       struct pollfd pfd = {.fd = PQsocket(pg), .events = POLLIN};
       PGnotify *n;
-      if (listen_to_watch(s, &lc, watching, sizeof watching) != 0)
+      if (listen_to_watch(s, &lc, watching, sizeof watching) != 0) {
+        watch_failed = 1; /* waits as a failed connect does, below */
         break;
+      }
+      backoff_ms = 100; /* every LISTEN asked for holds */
       if (pfd.fd < 0)
         break;
       if (poll(&pfd, 1, 200) < 0 && errno != EINTR)
@@ -1922,10 +1926,13 @@ static void *listen_loop(void *arg) {
         PQfreemem(n);
       }
     }
-    PQfinish(pg);
     if (watching[0] != '\0')
       tell_watch(s, 0); /* notifications may be missed until the next LISTEN */
     idem__waitset_wake_all(s->base.waits);
+    if (watch_failed)
+      listen_retry_later(s, pg, &backoff_ms); /* not at once, nor forever fast */
+    else
+      PQfinish(pg);
   }
   return NULL;
 }

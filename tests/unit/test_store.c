@@ -1205,6 +1205,62 @@ static void test_reads_do_not_starve_writes(void **state) {
  * database, as another instance's would be. The second store's listener
  * is known to listen before the tickets are taken, so a wake-up can come
  * only from the completions' NOTIFYs. */
+/* What idem_store_listen()'s function was told, for the test below. */
+struct heard {
+  pthread_mutex_t lock;
+  int listening, notes;
+};
+
+static void heard_fn(void *arg, int listening) {
+  struct heard *h = arg;
+
+  pthread_mutex_lock(&h->lock);
+  if (listening && h->listening)
+    h->notes++; /* a notification after the LISTEN */
+  h->listening = listening;
+  pthread_mutex_unlock(&h->lock);
+}
+
+static int heard_get(struct heard *h, int notes) {
+  int v;
+
+  pthread_mutex_lock(&h->lock);
+  v = notes ? h->notes : h->listening;
+  pthread_mutex_unlock(&h->lock);
+  return v;
+}
+
+/* A channel named like a keyword ("user") is listened to (its LISTEN
+ * quoted) and its notifications arrive; before, its LISTEN failed and
+ * the listener reconnected at once, forever. */
+static void test_listen_keyword_channel(void **state) {
+  fixture_t *fx = *state;
+  const char *url = getenv("IDEM_TEST_STORE_URL");
+  struct heard h = {PTHREAD_MUTEX_INITIALIZER, 0, 0};
+  idem_store_t *other = NULL;
+  PGconn *pg;
+  PGresult *res;
+
+  if (fx->dir[0])
+    skip(); /* SQLite has no listener */
+  assert_int_equal(idem_store_open(url, NULL, &other), IDEM_OK);
+  assert_int_equal(idem_store_listen(other, "user", heard_fn, &h), IDEM_OK);
+  for (int tries = 0; tries < 1000 && !heard_get(&h, 0); tries++)
+    usleep(10 * 1000);
+  assert_true(heard_get(&h, 0));
+  pg = PQconnectdb(url);
+  assert_int_equal(PQstatus(pg), CONNECTION_OK);
+  res = PQexec(pg, "SELECT pg_notify('user', '')");
+  assert_int_equal(PQresultStatus(res), PGRES_TUPLES_OK);
+  PQclear(res);
+  PQfinish(pg);
+  for (int tries = 0; tries < 1000 && heard_get(&h, 1) == 0; tries++)
+    usleep(10 * 1000);
+  assert_true(heard_get(&h, 1) >= 1);
+  assert_int_equal(idem_store_listen(other, NULL, heard_fn, &h), IDEM_OK);
+  idem_store_close(other);
+}
+
 static void test_batched_commit_notifies_other_store(void **state) {
   enum { N = 6 };
   fixture_t *fx = *state;
@@ -2924,6 +2980,7 @@ int main(int argc, char **argv) {
       STORE_TEST(test_failed_write_among_others),
       STORE_TEST(test_group_commit_batches),
       STORE_TEST(test_batched_commit_notifies_other_store),
+      STORE_TEST(test_listen_keyword_channel),
       STORE_TEST(test_batch_connection_lost_runs_again),
       STORE_TEST(test_write_error_reaches_caller),
       STORE_TEST(test_reads_do_not_starve_writes),
